@@ -1,0 +1,26 @@
+"""spmd_train: train large transformers on any device mesh with JAX.
+
+Public API: `load_config` (YAML + overrides -> Config), `Engine` (mesh, shardings, train
+step), `train` (the loop), `build_mesh`, `Layout` and `constrain` (logical sharding).
+"""
+
+from spmd_train.config import Config, load_config
+from spmd_train.errors import ConfigError
+from spmd_train.mesh import build_mesh
+from spmd_train.sharding import Layout, constrain, use_layout
+from spmd_train.train.engine import Engine, TrainState
+from spmd_train.train.loop import TrainResult, train
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "Engine",
+    "Layout",
+    "TrainResult",
+    "TrainState",
+    "build_mesh",
+    "constrain",
+    "load_config",
+    "train",
+    "use_layout",
+]

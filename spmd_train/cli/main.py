@@ -1,0 +1,55 @@
+"""`spmd-train`: the command line over the library's public API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from spmd_train.config import load_config
+from spmd_train.errors import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `spmd-train` console script; returns the process exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        _simulate_devices(cfg.run.simulate_devices)
+        if args.command == "train":
+            from spmd_train.train.loop import train
+
+            result = train(cfg)
+            last = result.history[-1]
+            print(f"done: {len(result.history)} steps, final loss {last['loss']:.4f}, metrics in {cfg.run.dir}/metrics.jsonl")
+    except ConfigError as err:
+        print(f"spmd-train: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+def _simulate_devices(count: int | None) -> None:
+    # Must run before anything touches a jax backend; jax is imported lazily for that reason.
+    if count is None:
+        return
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spmd-train", description="Train transformers on any mesh with JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model from a run config", description="Train a model from a run config.")
+    train.add_argument("config", help="run config YAML (e.g. configs/tiny.yaml)")
+    train.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. mesh.tensor=2")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

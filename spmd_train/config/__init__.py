@@ -1,0 +1,33 @@
+"""Run configuration: the schema (frozen dataclasses) and the YAML loader with presets and overrides."""
+
+from spmd_train.config.load import config_from_dict, load_config, parse_overrides
+from spmd_train.config.schema import (
+    MESH_AXES,
+    AxisFactors,
+    Config,
+    DataConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RulesConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "MESH_AXES",
+    "AxisFactors",
+    "Config",
+    "DataConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RulesConfig",
+    "RunConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "load_config",
+    "parse_overrides",
+]

@@ -1,0 +1,118 @@
+"""Checks that span several keys: each failure names the key, the value and what would be valid."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from spmd_train.config.schema import MESH_AXES, Config
+from spmd_train.errors import ConfigError
+
+BATCH_AXES = ("data", "fsdp", "expert")
+"""Mesh axes the global batch is split over (every axis that is not model-parallel)."""
+
+
+def check_config(cfg: Config) -> None:
+    """Checks that need no devices: ranges, divisibility inside the model, mesh-size syntax, rules."""
+    m, t = cfg.model, cfg.train
+    for key, value in (
+        ("model.num_layers", m.num_layers),
+        ("model.d_model", m.d_model),
+        ("model.num_heads", m.num_heads),
+        ("model.num_kv_heads", m.num_kv_heads),
+        ("model.d_ff", m.d_ff),
+        ("model.vocab_size", m.vocab_size),
+        ("train.steps", t.steps),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.seq_len", t.seq_len),
+        ("train.grad_accum", t.grad_accum),
+        ("run.log_every", cfg.run.log_every),
+        ("data.successors", cfg.data.successors),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key}={value} is invalid: it must be a positive integer")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_kv_heads={m.num_kv_heads} is invalid: it must divide model.num_heads={m.num_heads} "
+            f"(valid: {_divisors(m.num_heads)})"
+        )
+    if m.resolved_head_dim < 2 or m.resolved_head_dim % 2:
+        raise ConfigError(
+            f"model.head_dim={m.resolved_head_dim} is invalid: rotary embeddings need an even head_dim >= 2 "
+            "(set model.head_dim, or model.d_model and model.num_heads so d_model // num_heads is even)"
+        )
+    if cfg.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} is invalid: it must be >= 0")
+    if cfg.run.simulate_devices is not None and cfg.run.simulate_devices < 1:
+        raise ConfigError(f"run.simulate_devices={cfg.run.simulate_devices} is invalid: it must be >= 1 or null")
+    sizes = cfg.mesh.sizes()
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size} is invalid: an axis size is a positive integer or -1 (fill)")
+    filled = [a for a, s in sizes.items() if s == -1]
+    if len(filled) > 1:
+        raise ConfigError(
+            f"mesh axes {', '.join(f'mesh.{a}=-1' for a in filled)} are invalid: at most one axis may be -1"
+        )
+    for axis in MESH_AXES:
+        factor, size = getattr(cfg.mesh.dcn, axis), sizes[axis]
+        if factor < 1 or (size != -1 and size % factor):
+            raise ConfigError(
+                f"mesh.dcn.{axis}={factor} is invalid: a slow-link factor must be >= 1 and divide "
+                f"mesh.{axis}={size} (valid: {_divisors(size) if size > 0 else 'a divisor of the filled size'})"
+            )
+    for table in ("params", "activations"):
+        for name, axes in getattr(cfg.mesh.rules, table).items():
+            for axis in axes:
+                if axis not in MESH_AXES:
+                    raise ConfigError(
+                        f"mesh.rules.{table}.{name}={list(axes)} names {axis!r}, which is not a mesh axis "
+                        f"(valid: {', '.join(MESH_AXES)})"
+                    )
+
+
+def check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """Checks that need the resolved mesh axis sizes (after -1 is filled)."""
+    m, t = cfg.model, cfg.train
+    tensor = sizes["tensor"]
+    for key, value in (
+        ("model.num_heads", m.num_heads),
+        ("model.num_kv_heads", m.num_kv_heads),
+        ("model.d_ff", m.d_ff),
+        ("model.vocab_size", m.vocab_size),
+    ):
+        if value % tensor:
+            raise ConfigError(
+                f"{key}={value} is not divisible by mesh.tensor={tensor}: tensor parallelism splits it "
+                f"across {tensor} devices (valid mesh.tensor: {_divisors(value)})"
+            )
+    batch_ways = 1
+    for axis in BATCH_AXES:
+        batch_ways *= sizes[axis]
+    need = batch_ways * t.grad_accum
+    if t.global_batch_size % need:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"{' x '.join(f'mesh.{a}={sizes[a]}' for a in BATCH_AXES)} x train.grad_accum={t.grad_accum} = {need}: "
+            f"each device needs a whole share of every microbatch (valid: a multiple of {need})"
+        )
+    length_ways = sizes["sequence"] * (tensor if cfg.parallel.sequence_parallel else 1)
+    if t.seq_len % length_ways:
+        why = "mesh.sequence=%d" % sizes["sequence"]
+        if cfg.parallel.sequence_parallel:
+            why += f" x mesh.tensor={tensor} (parallel.sequence_parallel=true)"
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is not divisible by {why} = {length_ways}: "
+            f"tokens are split over these axes (valid: a multiple of {length_ways})"
+        )
+    # Until pipeline stages and context-parallel attention land, these axes must stay 1;
+    # `expert` is already valid because outside MoE layers it is one more batch axis.
+    for axis in ("pipeline", "sequence"):
+        if sizes[axis] != 1:
+            raise ConfigError(
+                f"mesh.{axis}={sizes[axis]} is not supported yet: {axis} parallelism is not implemented "
+                "in this version (valid: 1)"
+            )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

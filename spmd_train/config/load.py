@@ -1,0 +1,196 @@
+"""Load a run config: YAML file + `section.key=value` overrides + named presets, validated.
+
+Precedence, lowest first: schema defaults, the model/mesh preset, the run config file,
+command-line overrides. Presets are named by `model.preset` (a file `models/NAME.yaml`
+holding a `model:` section) and `mesh.preset` (a file `meshes/NAME.yaml` holding a
+`mesh:` section and optionally a `parallel:` section); a preset may also be a path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+
+from spmd_train.config.checks import check_config
+from spmd_train.config.schema import Config
+from spmd_train.errors import ConfigError
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_PRESET_SECTIONS = {"model": ("models", ("model",)), "mesh": ("meshes", ("mesh", "parallel"))}
+_ADAPTER = pydantic.TypeAdapter(Config)
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML loading that also reads `1e-3` as a float (YAML 1.2), as users expect."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML run config (or only defaults when path is None), apply overrides and presets."""
+    raw: dict[str, Any] = {}
+    base_dir = Path.cwd()
+    if path is not None:
+        path = Path(path)
+        raw = _read_yaml(path, what="config file")
+        base_dir = path.resolve().parent
+    _deep_update(raw, parse_overrides(overrides))
+    return config_from_dict(raw, base_dir=base_dir)
+
+
+def config_from_dict(raw: Mapping[str, Any], base_dir: str | Path | None = None) -> Config:
+    """Validate a nested dict (as read from YAML) into a Config, resolving presets first."""
+    raw = _resolve_presets(dict(raw), Path(base_dir) if base_dir else Path.cwd())
+    try:
+        # JSON mode: strict about scalar types (no "64" for 64), yet dicts become dataclasses
+        # and lists become tuples, which is exactly what YAML input needs.
+        cfg = _ADAPTER.validate_json(json.dumps(raw, default=str))
+    except pydantic.ValidationError as err:
+        raise ConfigError(_describe_validation_error(err)) from None
+    check_config(cfg)
+    return cfg
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """Turn ["model.d_model=128", ...] into a nested dict; values are parsed as YAML scalars/lists."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(
+                f"override {item!r} is not of the form section.key=value "
+                "(for example model.d_model=128 or mesh.tensor=2)"
+            )
+        try:
+            value = _yaml(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} sets a key below {part!r}, which is a value")
+        node[parts[-1]] = value
+    return nested
+
+
+def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
+    try:
+        data = _yaml(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _resolve_presets(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for section, (folder, allowed) in _PRESET_SECTIONS.items():
+        body = raw.get(section)
+        name = body.get("preset") if isinstance(body, dict) else None
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise ConfigError(f"{section}.preset={name!r} must be a preset name or a path to a YAML file")
+        fragment = _read_yaml(_find_preset(folder, name, base_dir, section), what=f"{section} preset")
+        extra = sorted(set(fragment) - set(allowed))
+        if extra:
+            raise ConfigError(
+                f"{section} preset {name!r} holds sections {extra}; a {section} preset may hold only {list(allowed)}"
+            )
+        _deep_update(merged, fragment)
+    _deep_update(merged, raw)
+    return merged
+
+
+def _find_preset(folder: str, name: str, base_dir: Path, section: str) -> Path:
+    as_path = Path(name)
+    if as_path.suffix in (".yaml", ".yml"):
+        for candidate in (as_path, base_dir / as_path):
+            if candidate.is_file():
+                return candidate
+    dirs = []
+    for root in (base_dir.parent, base_dir, Path.cwd(), _REPO_ROOT):
+        d = (root / folder).resolve()
+        if d not in dirs:
+            dirs.append(d)
+    for d in dirs:
+        if (d / f"{name}.yaml").is_file():
+            return d / f"{name}.yaml"
+    known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+    raise ConfigError(f"{section}.preset={name!r} is not a known preset; valid presets: {', '.join(known) or 'none found'}")
+
+
+def _deep_update(target: dict[str, Any], update: Mapping[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(target.get(key), dict):
+            _deep_update(target[key], value)
+        else:
+            target[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _describe_validation_error(err: pydantic.ValidationError) -> str:
+    problems = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        key = ".".join(loc)
+        if e["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            valid = _valid_keys(loc[:-1])
+            hint = difflib.get_close_matches(loc[-1], valid, n=1)
+            problems.append(
+                f"unknown key {key!r}"
+                + (f" (did you mean {'.'.join(loc[:-1] + hint)!r}?)" if hint else "")
+                + (f"; valid keys here: {', '.join(valid)}" if valid else "")
+            )
+        else:
+            problems.append(f"{key}={e['input']!r} is invalid: {e['msg']}")
+    return "invalid config: " + "; ".join(problems)
+
+
+def _valid_keys(loc: list[str]) -> list[str]:
+    cls: Any = Config
+    for part in loc:
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return []
+        cls = _dataclass_of(fields[part])
+        if cls is None:
+            return []
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+
+def _dataclass_of(f: dataclasses.Field) -> type | None:
+    factory = f.default_factory
+    if factory is not dataclasses.MISSING and isinstance(factory, type) and dataclasses.is_dataclass(factory):
+        return factory
+    return None

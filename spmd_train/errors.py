@@ -1,0 +1,5 @@
+"""Errors the user can fix by changing their input."""
+
+
+class ConfigError(ValueError):
+    """A config, override or preset is invalid; the message names the key, the value and what is valid."""

@@ -1,0 +1,122 @@
+"""Decoder-only Llama-style transformer in Flax NNX.
+
+RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention, tied or untied embeddings.
+The layers' parameters are stacked on a leading `layers` axis and run with `lax.scan`, so
+compile time does not grow with depth. The model speaks logical axis names only
+(`constrain`); which mesh axes they land on is decided outside.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmd_train.config.schema import ModelConfig
+from spmd_train.models.layers import apply_rope, dot_product_attention, param, rope_tables
+from spmd_train.models.remat import apply_remat
+from spmd_train.sharding.constrain import constrain
+
+RESIDUAL = ("batch", "norm_length", "embed")
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square layer norm with a learned scale; statistics in fp32."""
+
+    def __init__(self, cfg: ModelConfig, *, stack: int | None = None):
+        self.eps = cfg.norm_eps
+        self.scale = param(None, (cfg.d_model,), ("embed",), std=None, dtype=cfg.param_dtype, stack=stack)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention; Q/K/V column-parallel and the output row-parallel over heads."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+        d, hd = cfg.d_model, cfg.resolved_head_dim
+        out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        kw = dict(dtype=cfg.param_dtype, stack=stack)
+        self.wq = param(rngs.params(), (d, cfg.num_heads, hd), ("embed", "heads", "head_dim"), std=cfg.init_std, **kw)
+        self.wk = param(rngs.params(), (d, cfg.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, **kw)
+        self.wv = param(rngs.params(), (d, cfg.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, **kw)
+        self.wo = param(rngs.params(), (cfg.num_heads, hd, d), ("heads", "head_dim", "embed"), std=out_std, **kw)
+        self.compute_dtype = cfg.compute_dtype
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        dt = self.compute_dtype
+        q = constrain(jnp.einsum("bld,dhk->blhk", x, self.wq[...].astype(dt)), ("batch", "length", "heads", "head_dim"))
+        k = constrain(jnp.einsum("bld,dhk->blhk", x, self.wk[...].astype(dt)), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(jnp.einsum("bld,dhk->blhk", x, self.wv[...].astype(dt)), ("batch", "length", "kv_heads", "head_dim"))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = constrain(dot_product_attention(q, k, v, causal=True), ("batch", "length", "heads", "head_dim"))
+        return constrain(jnp.einsum("blhk,hkd->bld", out, self.wo[...].astype(dt)), RESIDUAL)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward; gate/up column-parallel, down row-parallel over `mlp`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+        d, f = cfg.d_model, cfg.d_ff
+        out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        kw = dict(dtype=cfg.param_dtype, stack=stack)
+        self.w_gate = param(rngs.params(), (d, f), ("embed", "mlp"), std=cfg.init_std, **kw)
+        self.w_up = param(rngs.params(), (d, f), ("embed", "mlp"), std=cfg.init_std, **kw)
+        self.w_down = param(rngs.params(), (f, d), ("mlp", "embed"), std=out_std, **kw)
+        self.compute_dtype = cfg.compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.compute_dtype
+        gate = constrain(jnp.einsum("bld,df->blf", x, self.w_gate[...].astype(dt)), ("batch", "length", "mlp"))
+        up = constrain(jnp.einsum("bld,df->blf", x, self.w_up[...].astype(dt)), ("batch", "length", "mlp"))
+        hidden = jax.nn.silu(gate) * up
+        return constrain(jnp.einsum("blf,fd->bld", hidden, self.w_down[...].astype(dt)), RESIDUAL)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+        self.attn_norm = RMSNorm(cfg, stack=stack)
+        self.attn = Attention(cfg, rngs, stack=stack)
+        self.mlp_norm = RMSNorm(cfg, stack=stack)
+        self.mlp = MLP(cfg, rngs, stack=stack)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        x = x + self.attn(constrain(self.attn_norm(x), RESIDUAL), cos, sin)
+        x = x + self.mlp(constrain(self.mlp_norm(x), RESIDUAL))
+        return constrain(x, RESIDUAL)
+
+
+class Transformer(nnx.Module):
+    """The decoder: tokens [batch, length] -> logits [batch, length, vocab] in the compute dtype."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.init_std,
+                               dtype=cfg.param_dtype)
+        self.blocks = Block(cfg, rngs, stack=cfg.num_layers)
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std,
+                                 dtype=cfg.param_dtype)
+
+    def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        # The table in its compute layout (FSDP shards gathered, vocabulary still split): XLA's
+        # partitioner cannot gather rows from a table split along `embed` inside shard_map.
+        table = constrain(self.embedding[...].astype(dt), ("vocab", "embed"))
+        x = constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+        cos, sin = rope_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(carry, layer_params):
+            return nnx.merge(graphdef, layer_params)(carry, cos, sin), None
+
+        x, _ = jax.lax.scan(apply_remat(layer, remat), x, stacked)
+        x = self.final_norm(x)
+        head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
+        return constrain(jnp.einsum("bld,dv->blv", x, head.astype(dt)), ("batch", "length", "vocab"))

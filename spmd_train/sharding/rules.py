@@ -1,0 +1,104 @@
+"""Logical axis names -> mesh PartitionSpecs, and the ZeRO stage's choice of layout per tree."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd_train.config.schema import Config
+from spmd_train.errors import ConfigError
+
+LogicalSpec = P
+"""A PartitionSpec whose entries are logical axis names (or None), e.g. P('embed', 'mlp')."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The resolved sharding rules for one run: which mesh axes each logical name maps to.
+
+    `params` is the table for fully sharded parameters (as written in the rules). The ZeRO
+    stage chooses per tree whether `fsdp` is kept: parameters keep it at stage 3, gradients
+    at stage >= 2, optimizer state at stage >= 1; otherwise that tree is replicated over
+    `fsdp`. Activation rules gain `tensor` on `norm_length` under sequence parallelism.
+    """
+
+    mesh: Mesh
+    params: Mapping[str, tuple[str, ...]]
+    activations: Mapping[str, tuple[str, ...]]
+    zero_stage: int
+
+    @classmethod
+    def from_config(cls, cfg: Config, mesh: Mesh) -> Layout:
+        """The layout a config asks for, on a given mesh."""
+        acts = {k: tuple(v) for k, v in cfg.mesh.rules.activations.items()}
+        if cfg.parallel.sequence_parallel:
+            norm = acts.get("norm_length", ())
+            acts["norm_length"] = norm if "tensor" in norm else (*norm, "tensor")
+        params = {k: tuple(v) for k, v in cfg.mesh.rules.params.items()}
+        return cls(mesh=mesh, params=params, activations=acts, zero_stage=cfg.parallel.zero_stage)
+
+    def activation_spec(self, logical: LogicalSpec, shape: tuple[int, ...] | None = None) -> P:
+        """Mesh PartitionSpec for an activation with these logical axes."""
+        return self._spec(logical, self.activations, shape, what="activation")
+
+    def param_spec(self, logical: LogicalSpec, shape: tuple[int, ...], *, fsdp: bool, what: str = "parameter") -> P:
+        """Mesh PartitionSpec for a parameter-shaped array; `fsdp=False` replicates it over `fsdp`."""
+        table = self.params if fsdp else {k: tuple(a for a in v if a != "fsdp") for k, v in self.params.items()}
+        return self._spec(logical, table, shape, what=what)
+
+    def tree_shardings(self, logical_tree: Any, shape_tree: Any, *, fsdp: bool) -> Any:
+        """NamedShardings for a parameter-shaped tree (logical PartitionSpecs beside shapes)."""
+
+        def one(path, logical, shaped):
+            spec = self.param_spec(logical, tuple(shaped.shape), fsdp=fsdp, what=jax.tree_util.keystr(path))
+            return NamedSharding(self.mesh, spec)
+
+        return jax.tree_util.tree_map_with_path(one, logical_tree, shape_tree, is_leaf=_is_spec)
+
+    def param_shardings(self, logical_tree: Any, shape_tree: Any) -> Any:
+        """Shardings of the parameters (split over `fsdp` only at ZeRO stage 3)."""
+        return self.tree_shardings(logical_tree, shape_tree, fsdp=self.zero_stage >= 3)
+
+    def grad_shardings(self, logical_tree: Any, shape_tree: Any) -> Any:
+        """Shardings of the gradients (split over `fsdp` from ZeRO stage 2)."""
+        return self.tree_shardings(logical_tree, shape_tree, fsdp=self.zero_stage >= 2)
+
+    def opt_shardings(self, logical_tree: Any, shape_tree: Any) -> Any:
+        """Shardings of parameter-shaped optimizer state (split over `fsdp` from ZeRO stage 1)."""
+        return self.tree_shardings(logical_tree, shape_tree, fsdp=self.zero_stage >= 1)
+
+    def batch_sharding(self) -> NamedSharding:
+        """Sharding of a [batch, length] token array."""
+        return NamedSharding(self.mesh, self.activation_spec(P("batch", None)))
+
+    def _spec(self, logical: LogicalSpec, table: Mapping[str, tuple[str, ...]], shape, what: str) -> P:
+        used: set[str] = set()
+        out = []
+        for dim, name in enumerate(logical):
+            axes = tuple(
+                a for a in (table.get(name, ()) if name is not None else ()) if self.mesh.shape[a] > 1 and a not in used
+            )
+            if shape is not None and axes:
+                ways = 1
+                for a in axes:
+                    ways *= self.mesh.shape[a]
+                if shape[dim] % ways:
+                    raise ConfigError(
+                        f"{what} dimension {dim} ({name!r}, size {shape[dim]}) cannot be split over mesh axes "
+                        f"{' x '.join(f'{a}={self.mesh.shape[a]}' for a in axes)} = {ways}: the size must be a "
+                        f"multiple of {ways} (change the model dims, the mesh, or mesh.rules for {name!r})"
+                    )
+            used.update(axes)
+            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)

@@ -1,0 +1,147 @@
+"""The training engine: sharded initialisation and one jitted, exactly-specified train step.
+
+Everything static about a run (mesh, layout, model graph, optimizer, shardings) is built
+once in `Engine.build`; the step itself is a pure function of (state, batch).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd_train.config.checks import BATCH_AXES, check_layout
+from spmd_train.config.schema import Config
+from spmd_train.mesh import build_mesh
+from spmd_train.models.transformer import Transformer
+from spmd_train.sharding.constrain import use_layout
+from spmd_train.sharding.rules import Layout
+from spmd_train.train.gradients import accumulated_grads
+from spmd_train.train.loss import cross_entropy
+from spmd_train.train.optimizer import lr_schedule, make_optimizer
+
+
+class TrainState(NamedTuple):
+    """What changes from step to step: the step count, parameters and optimizer state."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A model, a mesh and an optimizer bound together with their shardings."""
+
+    cfg: Config
+    mesh: Mesh
+    layout: Layout
+    graphdef: nnx.GraphDef
+    logical: Any
+    """Pure dict of logical PartitionSpecs, one per parameter."""
+    param_shapes: Any
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+
+    @classmethod
+    def build(cls, cfg: Config, devices: list[jax.Device] | None = None) -> Engine:
+        """Resolve the mesh and layout for `cfg` on `devices` (default: all) and prepare the step."""
+        mesh = build_mesh(cfg.mesh, devices)
+        check_layout(cfg, dict(mesh.shape))
+        layout = Layout.from_config(cfg, mesh)
+        abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
+        graphdef, abstract_state = nnx.split(abstract)
+        logical = nnx.to_pure_dict(
+            jax.tree.map(
+                lambda v: v.get_metadata()["logical_axes"], abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+            )
+        )
+        shapes = nnx.to_pure_dict(abstract_state)
+        tx = make_optimizer(cfg.optim, cfg.train.steps, logical)
+        param_sh = layout.param_shardings(logical, shapes)
+        opt_sh = optax.tree_map_params(
+            tx,
+            lambda _, sharding: sharding,
+            jax.eval_shape(tx.init, shapes),
+            layout.opt_shardings(logical, shapes),
+            transform_non_params=lambda _: NamedSharding(mesh, P()),
+        )
+        state_sh = TrainState(step=NamedSharding(mesh, P()), params=param_sh, opt_state=opt_sh)
+        return cls(cfg, mesh, layout, graphdef, logical, shapes, tx, lr_schedule(cfg.optim, cfg.train.steps),
+                   state_sh, layout.batch_sharding())
+
+    def init_state(self) -> TrainState:
+        """Fresh parameters and optimizer state, created directly in their shardings.
+
+        The values depend only on `train.seed`, never on the mesh.
+        """
+        model_cfg, seed = self.cfg.model, self.cfg.train.seed
+
+        def init():
+            params = nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed))))
+            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    @property
+    def num_params(self) -> int:
+        """Total parameter count."""
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.param_shapes))
+
+    def loss(self, params: Any, tokens: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy of a [batch, seq_len + 1] token array."""
+        model = nnx.merge(self.graphdef, params)
+        logits = model(tokens[:, :-1], remat=self.cfg.parallel.remat)
+        return cross_entropy(logits, tokens[:, 1:])
+
+    def step_fn(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step (un-jitted; see `train_step`)."""
+        with use_layout(self.layout):
+            loss, grads = accumulated_grads(
+                self.loss,
+                state.params,
+                tokens,
+                grad_accum=self.cfg.train.grad_accum,
+                mesh=self.mesh,
+                deferred_axes=self.deferred_axes,
+                grad_shardings=self.layout.grad_shardings(self.logical, self.param_shapes),
+            )
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    @property
+    def deferred_axes(self) -> tuple[str, ...]:
+        """Batch axes whose gradient reduction waits until all microbatches are summed.
+
+        These are the axes gradients are replicated over: `data` and `expert` always, `fsdp`
+        below ZeRO stage 2. From stage 2 gradients are sharded over `fsdp`, so each
+        microbatch's gradient is reduce-scattered as it is produced (ZeRO's memory contract).
+        """
+        axes = [a for a in BATCH_AXES if self.mesh.shape[a] > 1]
+        if self.cfg.parallel.zero_stage >= 2:
+            axes = [a for a in axes if a != "fsdp"]
+        return tuple(axes)
+
+    @functools.cached_property
+    def train_step(self):
+        """The jitted step: (state, tokens) -> (state, metrics); the input state is donated."""
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(
+            self.step_fn,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, {"loss": replicated, "grad_norm": replicated, "lr": replicated}),
+            donate_argnums=0,
+        )

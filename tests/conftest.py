@@ -1,0 +1,19 @@
+"""Test setup: 8 simulated CPU devices, configured before jax initialises its backend."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+
+@pytest.fixture(scope="session")
+def devices():
+    """The 8 simulated CPU devices."""
+    found = jax.devices()
+    assert len(found) == 8, f"expected 8 simulated devices, got {len(found)}"
+    return found

@@ -1,0 +1,39 @@
+"""Shared helper: run a few optimizer steps of a config through the public API."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from spmd_train import Engine, load_config
+from spmd_train.train.data import SyntheticTokens
+
+TINY = [
+    "model.preset=tiny",
+    "train.global_batch_size=32",
+    "train.seq_len=16",
+    "train.steps=3",
+    "optim.warmup_steps=1",
+    "optim.lr=1e-2",
+]
+
+
+def run_steps(overrides: list[str], devices, steps: int = 3):
+    """Train `steps` steps on `devices`; returns (per-step losses, final params as numpy, engine, state)."""
+    cfg = load_config(None, [*TINY, *overrides])
+    engine = Engine.build(cfg, list(devices))
+    state = engine.init_state()
+    data = SyntheticTokens(cfg.model.vocab_size, cfg.train.seq_len, cfg.train.global_batch_size, seed=cfg.train.seed)
+    losses = []
+    for step in range(steps):
+        state, metrics = engine.train_step(state, data.batch(step, engine.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.tree.map(np.asarray, state.params), engine, state
+
+
+def relative_error(a, b) -> float:
+    """Largest ||a - b|| / ||b|| over the leaves of two matching trees."""
+    return max(
+        float(np.linalg.norm(np.asarray(x, np.float64) - np.asarray(y, np.float64)) / np.linalg.norm(np.asarray(y, np.float64)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )

@@ -114,7 +114,8 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
 
 
 def _resolve_presets(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
+    # Start from the schema defaults so a partial mapping (one rules entry) updates, not replaces.
+    merged: dict[str, Any] = dataclasses.asdict(Config())
     for section, (folder, allowed) in _PRESET_SECTIONS.items():
         body = raw.get(section)
         name = body.get("preset") if isinstance(body, dict) else None

@@ -85,13 +85,18 @@ class Engine:
 
         The values depend only on `train.seed`, never on the mesh.
         """
+        return self.init_fn()
+
+    @functools.cached_property
+    def init_fn(self):
+        """The jitted initialiser: each device computes only its own shards."""
         model_cfg, seed = self.cfg.model, self.cfg.train.seed
 
         def init():
             params = nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed))))
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
 
-        return jax.jit(init, out_shardings=self.state_shardings)()
+        return jax.jit(init, out_shardings=self.state_shardings)
 
     @property
     def num_params(self) -> int:

@@ -1,0 +1,64 @@
+"""The command line as a user meets it: a real run, and bad input that exits 2 without a traceback."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, cwd=ROOT):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run(
+        [sys.executable, "-m", "spmd_train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_train_writes_metrics_and_learns(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _cli("train", "configs/tiny.yaml", "train.steps=40", f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    for r in records:
+        assert {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_sec"} <= set(r)
+        assert r["step_time_s"] > 0 and r["tokens_per_sec"] > 0
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    assert records[0]["lr"] == 0.0 and records[10]["lr"] == pytest.approx(3e-3, rel=1e-3)  # warmup, then peak
+    assert "8 cpu devices" in proc.stderr and "fsdp': 4" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (["mesh.fsdp=3"], ["fsdp=3", "tensor=2", "multiply to 6", "8 devices"]),
+        (["model.num_heads=12", "model.num_kv_heads=4", "model.head_dim=8", "mesh.tensor=8", "mesh.fsdp=1"],
+         ["model.num_heads=12", "mesh.tensor=8", "1, 2, 3, 4, 6, 12"]),
+        (["train.global_batch_size=8", "train.grad_accum=4"],
+         ["train.global_batch_size=8", "train.grad_accum=4", "multiple of 16"]),
+        (["parallel.sequence_parallel=true", "train.seq_len=63"],
+         ["train.seq_len=63", "mesh.tensor=2", "sequence_parallel", "multiple of 2"]),
+        (["model.d_modle=64"], ["unknown key 'model.d_modle'", "d_model"]),
+        (["train.steps=many"], ["train.steps='many'", "integer"]),
+        (["parallel.zero_stage=5"], ["parallel.zero_stage=5", "0, 1, 2 or 3"]),
+    ],
+    ids=["mesh-product", "heads-vs-tensor", "batch-vs-accum", "seq-vs-sp", "unknown-key", "wrong-type", "zero-stage"],
+)
+def test_bad_input_exits_2_with_a_message(tmp_path, overrides, needles):
+    run_dir = tmp_path / "run"
+    proc = _cli("train", "configs/tiny.yaml", f"run.dir={run_dir}", *overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("spmd-train: error:") or "spmd-train: error:" in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_missing_config_file_exits_2():
+    proc = _cli("train", "configs/no_such.yaml")
+    assert proc.returncode == 2 and "configs/no_such.yaml" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,101 @@
+"""Config loading: presets, precedence, overrides, and the errors a user sees."""
+
+from pathlib import Path
+
+import pytest
+
+from spmd_train.config import Config, load_config, parse_overrides
+from spmd_train.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert cfg.run.simulate_devices == 8
+
+
+def test_presets_fill_in_and_explicit_values_win(tmp_path):
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    assert (cfg.model.d_model, cfg.model.num_layers) == (64, 2)  # from models/tiny.yaml
+    assert (cfg.mesh.fsdp, cfg.mesh.tensor) == (4, 2)  # run config beats meshes/fsdp_tp.yaml (fsdp -1)
+    assert cfg.parallel.zero_stage == 3
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["mesh.tensor=4", "mesh.fsdp=2", "model.d_model=128"])
+    assert (cfg.mesh.tensor, cfg.mesh.fsdp, cfg.model.d_model) == (4, 2, 128)
+    sp = load_config(ROOT / "configs" / "tp_sp.yaml")
+    assert sp.parallel.sequence_parallel and sp.mesh.tensor == 4
+
+
+def test_defaults_without_a_file():
+    cfg = load_config(None)
+    assert cfg == Config()
+
+
+def test_overrides_parse_yaml_scalars_and_lists():
+    assert parse_overrides(["optim.lr=1e-3", "a.b=true", "mesh.rules.params.embed=[]", "x.y=[data, fsdp]"]) == {
+        "optim": {"lr": 1e-3},
+        "a": {"b": True},
+        "mesh": {"rules": {"params": {"embed": []}}},
+        "x": {"y": ["data", "fsdp"]},
+    }
+    cfg = load_config(None, ["mesh.rules.params.embed=[]", "optim.lr=2e-4"])
+    assert cfg.mesh.rules.params["embed"] == () and cfg.optim.lr == 2e-4
+    assert cfg.mesh.rules.params["mlp"] == ("tensor",)  # untouched entries keep their defaults
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (["model.d_modle=64"], ["model.d_modle", "did you mean 'model.d_model'", "num_layers"]),
+        (["model.d_model=abc"], ["model.d_model='abc'", "valid integer"]),
+        (["model.d_model='64'"], ["model.d_model='64'", "valid integer"]),
+        (["parallel.zero_stage=5"], ["parallel.zero_stage=5", "0, 1, 2 or 3"]),
+        (["parallel.remat=sometimes"], ["parallel.remat='sometimes'", "save_matmuls"]),
+        (["model.compute_dtype=float16"], ["model.compute_dtype='float16'", "bfloat16"]),
+        (["mesh.data=-1", "mesh.fsdp=-1"], ["mesh.data=-1", "mesh.fsdp=-1", "at most one"]),
+        (["mesh.tensor=0"], ["mesh.tensor=0", "positive integer or -1"]),
+        (["model.num_heads=8", "model.num_kv_heads=3"], ["model.num_kv_heads=3", "1, 2, 4, 8"]),
+        (["mesh.rules.params.embed=[fsdpp]"], ["mesh.rules.params.embed", "'fsdpp'", "tensor"]),
+        (["mesh.data=4", "mesh.dcn.data=3"], ["mesh.dcn.data=3", "1, 2, 4"]),
+        (["model.preset=nonexistent"], ["model.preset='nonexistent'", "tiny", "llama3-8b"]),
+        (["train.steps=0"], ["train.steps=0", "positive"]),
+        (["nonsense"], ["'nonsense'", "section.key=value"]),
+        (["bogus.key=1"], ["unknown key 'bogus'", "model"]),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_valid(overrides, needles):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(listy)
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("model: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(evil)
+
+
+def test_preset_given_as_path_and_preset_sections_are_limited(tmp_path):
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("model:\n  d_model: 96\n  num_heads: 6\n  num_kv_heads: 2\n")
+    assert load_config(None, [f"model.preset={preset}"]).model.d_model == 96
+    preset.write_text("train:\n  steps: 5\n")
+    with pytest.raises(ConfigError, match="may hold only"):
+        load_config(None, [f"model.preset={preset}"])

@@ -5,6 +5,7 @@ step), `train` (the loop), `build_mesh`, `Layout` and `constrain` (logical shard
 """
 
 from spmd_train.config import Config, load_config
+from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
 from spmd_train.mesh import build_mesh
 from spmd_train.sharding import Layout, constrain, use_layout
@@ -21,6 +22,7 @@ __all__ = [
     "build_mesh",
     "constrain",
     "load_config",
+    "simulate_devices",
     "train",
     "use_layout",
 ]

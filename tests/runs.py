@@ -5,9 +5,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from pathlib import Path
+
 from spmd_train import Engine, load_config
 from spmd_train.train.data import SyntheticTokens
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model.preset=tiny",
     "train.global_batch_size=32",
@@ -18,9 +21,13 @@ TINY = [
 ]
 
 
-def run_steps(overrides: list[str], devices, steps: int = 3):
-    """Train `steps` steps on `devices`; returns (per-step losses, final params as numpy, engine, state)."""
-    cfg = load_config(None, [*TINY, *overrides])
+def run_steps(overrides: list[str], devices, steps: int = 3, config: str | None = None):
+    """Train `steps` steps on `devices`; returns (per-step losses, final params as numpy, engine, state).
+
+    Without `config` the tiny test setup (TINY) is the base; with it, that run config file is.
+    """
+    base = [] if config is not None else TINY
+    cfg = load_config(ROOT / config if config else None, [*base, *overrides])
     engine = Engine.build(cfg, list(devices))
     state = engine.init_state()
     data = SyntheticTokens(cfg.model.vocab_size, cfg.train.seq_len, cfg.train.global_batch_size, seed=cfg.train.seed)

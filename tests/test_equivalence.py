@@ -40,3 +40,19 @@ def test_single_device_grad_accum_equals_full_batch(reference, devices):
     losses, params, _, _ = run_steps(["mesh.fsdp=1", "train.grad_accum=4"], devices[:1])
     assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5
     assert relative_error(params, ref_params) <= 1e-5
+
+
+SINGLE_DEVICE = [f"mesh.{axis}=1" for axis in ("data", "fsdp", "tensor", "sequence", "expert", "pipeline")] + [
+    "mesh.dcn.data=1"
+]
+
+
+@pytest.mark.parametrize("name", ["tiny", "ddp", "fsdp", "fsdp_tp", "tp_sp", "hsdp"])
+def test_shipped_configs_match_one_device(devices, name):
+    path = f"configs/{name}.yaml"
+    common = ["train.steps=2", "train.seq_len=16"]
+    losses, params, engine, _ = run_steps(common, devices, steps=2, config=path)
+    assert engine.mesh.size == 8
+    ref_losses, ref_params, _, _ = run_steps([*common, *SINGLE_DEVICE], devices[:1], steps=2, config=path)
+    assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5
+    assert relative_error(params, ref_params) <= 1e-5

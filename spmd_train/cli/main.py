@@ -7,7 +7,9 @@ import logging
 import sys
 
 from spmd_train.config import load_config
+from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
+from spmd_train.train.loop import train
 
 EXIT_BAD_INPUT = 2
 
@@ -19,27 +21,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = load_config(args.config, args.overrides)
-        _simulate_devices(cfg.run.simulate_devices)
+        simulate_devices(cfg.run.simulate_devices)
         if args.command == "train":
-            from spmd_train.train.loop import train
-
             result = train(cfg)
             last = result.history[-1]
-            print(f"done: {len(result.history)} steps, final loss {last['loss']:.4f}, metrics in {cfg.run.dir}/metrics.jsonl")
+            print(
+                f"done: {len(result.history)} steps, final loss {last['loss']:.4f} "
+                f"(best achievable {result.loss_floor:.4f}), metrics in {cfg.run.dir}/metrics.jsonl"
+            )
     except ConfigError as err:
         print(f"spmd-train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
-
-
-def _simulate_devices(count: int | None) -> None:
-    # Must run before anything touches a jax backend; jax is imported lazily for that reason.
-    if count is None:
-        return
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", count)
 
 
 def _parser() -> argparse.ArgumentParser:

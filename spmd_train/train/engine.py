@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.checks import BATCH_AXES, check_layout
 from spmd_train.config.schema import Config
+from spmd_train.devices import simulate_devices
 from spmd_train.mesh import build_mesh
 from spmd_train.models.transformer import Transformer
 from spmd_train.sharding.constrain import use_layout
@@ -56,6 +57,8 @@ class Engine:
     @classmethod
     def build(cls, cfg: Config, devices: list[jax.Device] | None = None) -> Engine:
         """Resolve the mesh and layout for `cfg` on `devices` (default: all) and prepare the step."""
+        if devices is None:
+            simulate_devices(cfg.run.simulate_devices)
         mesh = build_mesh(cfg.mesh, devices)
         check_layout(cfg, dict(mesh.shape))
         layout = Layout.from_config(cfg, mesh)

@@ -25,6 +25,8 @@ class TrainResult:
     state: TrainState
     history: list[dict[str, Any]]
     compile_time_s: float
+    loss_floor: float
+    """Best achievable loss on the training data (nats per token)."""
 
 
 def train(cfg: Config, devices: list[jax.Device] | None = None) -> TrainResult:
@@ -61,7 +63,7 @@ def train(cfg: Config, devices: list[jax.Device] | None = None) -> TrainResult:
             pending = (step + 1, metrics)
         if pending is not None:
             _finish(pending, last_done, tokens_per_step, engine.mesh.size, history, sink, cfg)
-    return TrainResult(state=state, history=history, compile_time_s=compile_time)
+    return TrainResult(state=state, history=history, compile_time_s=compile_time, loss_floor=data.loss_floor)
 
 
 def _finish(pending, last_done, tokens_per_step, num_devices, history, sink, cfg: Config) -> float:

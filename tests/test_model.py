@@ -1,0 +1,95 @@
+"""The model on its own: attention semantics, causality, remat, presets' sizes, mixed precision."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from spmd_train import load_config
+from spmd_train.models.layers import dot_product_attention
+from spmd_train.models.transformer import Transformer
+from spmd_train.train.loss import cross_entropy
+from tests.runs import relative_error, run_steps
+
+
+def _model(*overrides):
+    cfg = load_config(None, ["model.preset=tiny", *overrides]).model
+    return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def _naive_attention(q, k, v):
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    s = np.einsum("blhd,bmhd->bhlm", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(np.tril(np.ones((q.shape[1], k.shape[1]), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhlm,bmhd->blhd", p, v)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_grouped_query_attention_matches_repeated_kv(groups):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (2, 17, 4 * groups, 16))
+    k = jax.random.normal(kk, (2, 17, 4, 16))
+    v = jax.random.normal(kv, (2, 17, 4, 16))
+    out = dot_product_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(out, _naive_attention(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_logits_are_causal():
+    model = _model()
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
+    changed = tokens.at[:, 7:].set((tokens[:, 7:] + 1) % 256)
+    a, b = model(tokens), model(changed)
+    np.testing.assert_array_equal(a[:, :7], b[:, :7])
+    assert not np.allclose(a[:, 7:], b[:, 7:])
+
+
+@pytest.mark.parametrize("policy", ["full", "save_matmuls", "save_matmuls_no_batch"])
+def test_remat_policies_keep_loss_and_gradients(policy):
+    model = _model()
+    graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+    tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, 256)
+
+    def loss(p, remat):
+        return cross_entropy(nnx.merge(graphdef, p)(tokens[:, :-1], remat=remat), tokens[:, 1:])
+
+    ref_loss, ref_grads = jax.value_and_grad(loss)(params, "none")
+    got_loss, got_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, policy)
+    assert abs(float(got_loss) - float(ref_loss)) < 1e-6
+    assert relative_error(got_grads, ref_grads) < 1e-5
+
+
+def test_tied_embeddings_drop_the_head():
+    untied = nnx.to_pure_dict(nnx.state(_model()))
+    tied = nnx.to_pure_dict(nnx.state(_model("model.tie_embeddings=true")))
+    assert "lm_head" in untied and "lm_head" not in tied
+
+
+def test_cross_entropy_matches_log_softmax():
+    logits = jax.random.normal(jax.random.key(3), (2, 5, 11))
+    targets = jax.random.randint(jax.random.key(4), (2, 5), 0, 11)
+    expected = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+    assert abs(float(cross_entropy(logits, targets)) - float(expected)) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [("gpt2-small", 123.5e6), ("llama-1b", 1.236e9), ("llama3-8b", 8.03e9)],
+)
+def test_preset_parameter_counts(preset, expected):
+    cfg = load_config(None, [f"model.preset={preset}"]).model
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
+    assert count == pytest.approx(expected, rel=0.01)
+
+
+def test_bfloat16_compute_tracks_float32(devices):
+    f32, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4"], devices)
+    bf16, params, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.compute_dtype=bfloat16"], devices)
+    assert np.allclose(bf16, f32, rtol=2e-2)
+    assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))  # fp32 master weights

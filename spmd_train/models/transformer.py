@@ -108,8 +108,11 @@ class Transformer(nnx.Module):
         cfg, dt = self.cfg, self.cfg.compute_dtype
         # The table in its compute layout (FSDP shards gathered, vocabulary still split): XLA's
         # partitioner cannot gather rows from a table split along `embed` inside shard_map.
+        # Each vocabulary shard looks up its own rows into a full-length partial sum, which is
+        # then reduced (and under sequence parallelism scattered on length) into the residual.
         table = constrain(self.embedding[...].astype(dt), ("vocab", "embed"))
-        x = constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+        x = constrain(jnp.take(table, tokens, axis=0), ("batch", "length", "embed"))
+        x = constrain(x, RESIDUAL)
         cos, sin = rope_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
         graphdef, stacked = nnx.split(self.blocks)
 

@@ -23,7 +23,7 @@ from spmd_train.config.schema import Config
 from spmd_train.devices import simulate_devices
 from spmd_train.mesh import build_mesh
 from spmd_train.models.transformer import Transformer
-from spmd_train.sharding.constrain import use_layout
+from spmd_train.sharding.constrain import constrain, use_layout
 from spmd_train.sharding.rules import Layout
 from spmd_train.train.gradients import accumulated_grads
 from spmd_train.train.loss import cross_entropy
@@ -109,8 +109,11 @@ class Engine:
     def loss(self, params: Any, tokens: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy of a [batch, seq_len + 1] token array."""
         model = nnx.merge(self.graphdef, params)
-        logits = model(tokens[:, :-1], remat=self.cfg.parallel.remat)
-        return cross_entropy(logits, tokens[:, 1:])
+        # Shift first, then lay out: left to itself the partitioner may split the odd-length
+        # token array on length and exchange halos to form the shifted views.
+        inputs = constrain(tokens[:, :-1], ("batch", "length"))
+        targets = constrain(tokens[:, 1:], ("batch", "length"))
+        return cross_entropy(model(inputs, remat=self.cfg.parallel.remat), targets)
 
     def step_fn(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step (un-jitted; see `train_step`)."""

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.sharding.constrain import constrain, stored_param
+
 
 def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std: float | None, dtype,
           stack: int | None = None) -> nnx.Param:
@@ -18,6 +20,40 @@ def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std:
         shape, axes = (stack, *shape), ("layers", *axes)
     value = jnp.ones(shape, jnp.float32) if std is None else std * jax.random.normal(key, shape, jnp.float32)
     return nnx.Param(value.astype(dtype), logical_axes=P(*axes))
+
+
+def weight(p: nnx.Param, dtype) -> jax.Array:
+    """A parameter cast to the compute dtype, then laid out for compute.
+
+    The compute layout maps the parameter's logical axes through the activation rules, so
+    FSDP shards are gathered (after the cast: bf16 compute gathers bf16) while tensor-parallel
+    splits stay.
+    """
+    return _compute_layout(p[...], _names(p), dtype)
+
+
+def dense(equation: str, x: jax.Array, p: nnx.Param, dtype) -> jax.Array:
+    """`einsum(equation, x, weight(p))`, keeping only the stored (sharded) weight for backward.
+
+    Autodiff would otherwise keep each gathered weight alive from the forward to the backward
+    pass, i.e. one whole unsharded copy of the model per device under ZeRO-3. Checkpointing
+    the gather with the matmul makes the backward pass gather again instead, as FSDP does;
+    the matmul itself is not recomputed (its output is not needed by its own gradient).
+    """
+    names = _names(p)
+
+    def apply(x, w):
+        return jnp.einsum(equation, x, _compute_layout(w, names, dtype))
+
+    return jax.checkpoint(apply, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, p[...])
+
+
+def _names(p: nnx.Param) -> tuple[str, ...]:
+    return tuple(p.get_metadata()["logical_axes"])[-p[...].ndim :]  # inside the layer scan `layers` is sliced off
+
+
+def _compute_layout(value: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
+    return constrain(stored_param(value, names).astype(dtype), names)
 
 
 def rope_tables(length: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd_train.config.schema import ModelConfig
-from spmd_train.models.layers import apply_rope, dot_product_attention, param, rope_tables
+from spmd_train.models.layers import apply_rope, dense, dot_product_attention, param, rope_tables, weight
 from spmd_train.models.remat import apply_remat
 from spmd_train.sharding.constrain import constrain
 
@@ -30,7 +30,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (normed * weight(self.scale, jnp.float32)).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -48,12 +48,12 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         dt = self.compute_dtype
-        q = constrain(jnp.einsum("bld,dhk->blhk", x, self.wq[...].astype(dt)), ("batch", "length", "heads", "head_dim"))
-        k = constrain(jnp.einsum("bld,dhk->blhk", x, self.wk[...].astype(dt)), ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(jnp.einsum("bld,dhk->blhk", x, self.wv[...].astype(dt)), ("batch", "length", "kv_heads", "head_dim"))
+        q = constrain(dense("bld,dhk->blhk", x, self.wq, dt), ("batch", "length", "heads", "head_dim"))
+        k = constrain(dense("bld,dhk->blhk", x, self.wk, dt), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(dense("bld,dhk->blhk", x, self.wv, dt), ("batch", "length", "kv_heads", "head_dim"))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = constrain(dot_product_attention(q, k, v, causal=True), ("batch", "length", "heads", "head_dim"))
-        return constrain(jnp.einsum("blhk,hkd->bld", out, self.wo[...].astype(dt)), RESIDUAL)
+        return constrain(dense("blhk,hkd->bld", out, self.wo, dt), RESIDUAL)
 
 
 class MLP(nnx.Module):
@@ -70,10 +70,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.compute_dtype
-        gate = constrain(jnp.einsum("bld,df->blf", x, self.w_gate[...].astype(dt)), ("batch", "length", "mlp"))
-        up = constrain(jnp.einsum("bld,df->blf", x, self.w_up[...].astype(dt)), ("batch", "length", "mlp"))
+        gate = constrain(dense("bld,df->blf", x, self.w_gate, dt), ("batch", "length", "mlp"))
+        up = constrain(dense("bld,df->blf", x, self.w_up, dt), ("batch", "length", "mlp"))
         hidden = jax.nn.silu(gate) * up
-        return constrain(jnp.einsum("blf,fd->bld", hidden, self.w_down[...].astype(dt)), RESIDUAL)
+        return constrain(dense("blf,fd->bld", hidden, self.w_down, dt), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -110,7 +110,7 @@ class Transformer(nnx.Module):
         # partitioner cannot gather rows from a table split along `embed` inside shard_map.
         # Each vocabulary shard looks up its own rows into a full-length partial sum, which is
         # then reduced (and under sequence parallelism scattered on length) into the residual.
-        table = constrain(self.embedding[...].astype(dt), ("vocab", "embed"))
+        table = weight(self.embedding, dt)
         x = constrain(jnp.take(table, tokens, axis=0), ("batch", "length", "embed"))
         x = constrain(x, RESIDUAL)
         cos, sin = rope_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
@@ -120,6 +120,11 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, layer_params)(carry, cos, sin), None
 
         x, _ = jax.lax.scan(apply_remat(layer, remat), x, stacked)
+        return apply_remat(self._head, "none")(x)
+
+    def _head(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)
-        head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
-        return constrain(jnp.einsum("bld,dv->blv", x, head.astype(dt)), ("batch", "length", "vocab"))
+        dt = self.cfg.compute_dtype
+        if self.cfg.tie_embeddings:
+            return constrain(dense("bld,vd->blv", x, self.embedding, dt), ("batch", "length", "vocab"))
+        return constrain(dense("bld,dv->blv", x, self.lm_head, dt), ("batch", "length", "vocab"))

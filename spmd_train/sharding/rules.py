@@ -46,7 +46,8 @@ class Layout:
         """Mesh PartitionSpec for an activation with these logical axes."""
         return self._spec(logical, self.activations, shape, what="activation")
 
-    def param_spec(self, logical: LogicalSpec, shape: tuple[int, ...], *, fsdp: bool, what: str = "parameter") -> P:
+    def param_spec(self, logical: LogicalSpec, shape: tuple[int, ...] | None, *, fsdp: bool,
+                   what: str = "parameter") -> P:
         """Mesh PartitionSpec for a parameter-shaped array; `fsdp=False` replicates it over `fsdp`."""
         table = self.params if fsdp else {k: tuple(a for a in v if a != "fsdp") for k, v in self.params.items()}
         return self._spec(logical, table, shape, what=what)

@@ -53,6 +53,14 @@ def stored_param(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     layout = _ACTIVE.get()
     if layout is None:
         return x
+    if "fsdp" in _manual_axes():
+        # Inside the batch-manual region the shard is gathered by hand; autodiff turns this
+        # all-gather into the reduce-scatter of the weight's gradient.
+        spec = layout.param_spec(P(*names), None, fsdp=layout.zero_stage >= 3)
+        for dim, entry in enumerate(spec):
+            if entry == "fsdp" or (isinstance(entry, tuple) and "fsdp" in entry):
+                x = jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
+        return x
     return _stored(x, tuple(names), layout)
 
 
@@ -72,9 +80,13 @@ def _stored_bwd(names, layout, _, ct):
 _stored.defvjp(_stored_fwd, _stored_bwd)
 
 
-def _apply(x: jax.Array, layout: Layout, spec: P) -> jax.Array:
+def _manual_axes() -> set[str]:
     abstract = jax.sharding.get_abstract_mesh()
-    manual = set(abstract.manual_axes) if not abstract.empty else set()
+    return set(abstract.manual_axes) if not abstract.empty else set()
+
+
+def _apply(x: jax.Array, layout: Layout, spec: P) -> jax.Array:
+    manual = _manual_axes()
     if not manual:
         return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
     # Inside a shard_map region the manual axes are already split by hand; constrain the rest.

@@ -18,14 +18,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.config.checks import BATCH_AXES, check_layout
+from spmd_train.config.checks import check_layout
 from spmd_train.config.schema import Config
 from spmd_train.devices import simulate_devices
 from spmd_train.mesh import build_mesh
 from spmd_train.models.transformer import Transformer
 from spmd_train.sharding.constrain import constrain, use_layout
 from spmd_train.sharding.rules import Layout
-from spmd_train.train.gradients import accumulated_grads
+from spmd_train.train.gradients import loss_and_grads
 from spmd_train.train.loss import cross_entropy
 from spmd_train.train.optimizer import lr_schedule, make_optimizer
 
@@ -118,33 +118,15 @@ class Engine:
     def step_fn(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step (un-jitted; see `train_step`)."""
         with use_layout(self.layout):
-            loss, grads = accumulated_grads(
-                self.loss,
-                state.params,
-                tokens,
-                grad_accum=self.cfg.train.grad_accum,
-                mesh=self.mesh,
-                deferred_axes=self.deferred_axes,
-                grad_shardings=self.layout.grad_shardings(self.logical, self.param_shapes),
+            loss, grads = loss_and_grads(
+                self.loss, state.params, tokens,
+                layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
             )
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state), metrics
-
-    @property
-    def deferred_axes(self) -> tuple[str, ...]:
-        """Batch axes whose gradient reduction waits until all microbatches are summed.
-
-        These are the axes gradients are replicated over: `data` and `expert` always, `fsdp`
-        below ZeRO stage 2. From stage 2 gradients are sharded over `fsdp`, so each
-        microbatch's gradient is reduce-scattered as it is produced (ZeRO's memory contract).
-        """
-        axes = [a for a in BATCH_AXES if self.mesh.shape[a] > 1]
-        if self.cfg.parallel.zero_stage >= 2:
-            axes = [a for a in axes if a != "fsdp"]
-        return tuple(axes)
 
     @functools.cached_property
     def train_step(self):

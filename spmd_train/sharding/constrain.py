@@ -49,17 +49,10 @@ def stored_param(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     Placed where a weight enters the computation, this makes each layer's weight gradient
     leave the backward pass already reduced into its shard (a reduce-scatter inside the
     layer loop at ZeRO >= 2) instead of as a full all-reduced tensor sliced afterwards.
+    Inside a shard_map the manual axes are left out of both layouts.
     """
     layout = _ACTIVE.get()
     if layout is None:
-        return x
-    if "fsdp" in _manual_axes():
-        # Inside the batch-manual region the shard is gathered by hand; autodiff turns this
-        # all-gather into the reduce-scatter of the weight's gradient.
-        spec = layout.param_spec(P(*names), None, fsdp=layout.zero_stage >= 3)
-        for dim, entry in enumerate(spec):
-            if entry == "fsdp" or (isinstance(entry, tuple) and "fsdp" in entry):
-                x = jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
         return x
     return _stored(x, tuple(names), layout)
 

@@ -1,16 +1,16 @@
-"""Loss and gradients of one global batch: data parallelism and ZeRO written out by hand.
+"""Loss and gradients of one global batch, with one gradient reduction per step per replica axis.
 
-The forward and backward passes run inside one `shard_map` that is manual over the batch
-axes (`data`, `fsdp`, `expert`, those of size > 1); `tensor` stays compiler-partitioned
-inside. That makes every gradient reduction an explicit, countable collective:
+The forward and backward passes run inside a `shard_map` that is manual over the axes the
+gradients are replicated on (`data` and `expert`, and `fsdp` below ZeRO stage 2, those of
+size > 1). Each device sums its own gradient over all microbatches and the reduction over
+those axes is a single explicit psum per step. Everything else stays compiler-partitioned:
+`tensor`, and `fsdp` from stage 2, where each weight's gradient is pinned to its shard
+(`sharding.stored_param`) so it is reduce-scattered per layer as the backward pass makes it.
 
-- ZeRO-3: each weight is all-gathered over `fsdp` where it is used (`stored_param`); the
-  transpose of that gather is a reduce-scatter, so each layer's gradient leaves the
-  backward pass already summed into its shard. Weights are gathered again in the backward
-  pass rather than kept (see `models.layers.dense`).
-- ZeRO-2: each microbatch's gradient is reduce-scattered over `fsdp` as it is produced.
-- Gradients replicated over an axis (`data` and `expert` always, `fsdp` below stage 2) are
-  summed locally over all microbatches and reduced once per step.
+Keeping `fsdp` automatic at stages 2-3 is deliberate: gathering by hand inside a region
+that is manual over `fsdp` but automatic over `tensor` makes XLA replicate the tensor-split
+weights first (an extra all-gather over `tensor` per weight; measured with
+`spmd-train describe`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def loss_and_grads(
     Gradients come back in the ZeRO stage's gradient layout.
     """
     mesh, stage = layout.mesh, layout.zero_stage
-    manual = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+    manual = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1 and (a != "fsdp" or stage <= 1))
     grad_layout = _shardings(layout, logical, params, fsdp=stage >= 2)
     if not manual:
         loss, grads = _accumulate(loss_fn, params, tokens, grad_accum, scatter=None)
@@ -46,31 +46,28 @@ def loss_and_grads(
     ways = 1
     for axis in manual:
         ways *= mesh.shape[axis]
-    fsdp_manual = "fsdp" in manual
-    param_specs = _manual_specs(_shardings(layout, logical, params, fsdp=stage >= 3), manual)
-    grad_specs = _manual_specs(grad_layout, manual)
-    # Axes whose reduction waits for the end of the step: everything the gradients are
-    # replicated over. At stage >= 2 `fsdp` is reduced as it goes (reduce-scatter).
-    deferred = tuple(a for a in manual if a != "fsdp" or stage <= 1)
+    # Parameters and gradients are replicated over every manual axis (that is what puts an
+    # axis in `manual`), so both enter and leave the region whole along them.
 
     def local(params, tokens):
-        # The stored (possibly fsdp-sharded) weights become "varying" over every manual axis,
-        # so autodiff returns this device's own gradient contribution with no implicit psum.
-        params = jax.tree.map(lambda p, s: _vary(p, manual, s), params, param_specs, is_leaf=_is_leaf)
+        # Marking the weights "varying" makes autodiff return this device's own gradient
+        # contribution, with no implicit psum in every microbatch's backward pass.
+        params = jax.tree.map(lambda p: jax.lax.pcast(p, manual, to="varying"), params)
         scatter = None
-        if stage == 2 and fsdp_manual:
-            scatter = lambda g: jax.tree.map(_scatter_fsdp, g, grad_specs, is_leaf=_is_leaf)  # noqa: E731
+        if stage == 2 and mesh.shape["fsdp"] > 1:
+            # ZeRO-2: each microbatch's gradient is reduce-scattered into its shard as it is made.
+            auto_specs = _specs(grad_layout, keep=lambda a: a not in manual)
+            scatter = lambda g: jax.lax.with_sharding_constraint(g, auto_specs)  # noqa: E731
         loss, grads = _accumulate(loss_fn, params, tokens, grad_accum, scatter=scatter)
-        if deferred:
-            grads = jax.lax.psum(grads, deferred)  # the step's single reduction over these axes
+        grads = jax.lax.psum(grads, manual)  # the step's single reduction over these axes
         grads = jax.tree.map(lambda g: g / ways, grads)
         return jax.lax.psum(loss, manual) / ways, grads
 
     loss, grads = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(param_specs, P(manual)),
-        out_specs=(P(), grad_specs),
+        in_specs=(P(), P(manual)),
+        out_specs=(P(), P()),
         axis_names=set(manual),
     )(params, tokens)
     return loss, jax.lax.with_sharding_constraint(grads, grad_layout)
@@ -105,28 +102,11 @@ def _shardings(layout: Layout, logical: Any, params: Any, *, fsdp: bool) -> Any:
     return layout.tree_shardings(logical, params, fsdp=fsdp)
 
 
-def _manual_specs(shardings: Any, manual: tuple[str, ...]) -> Any:
-    """Each sharding's PartitionSpec restricted to the manual axes (what shard_map sees)."""
+def _specs(shardings: Any, keep: Callable[[str], bool]) -> Any:
+    """Each sharding's PartitionSpec with only the mesh axes `keep` accepts."""
 
-    def keep(entry):
-        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in manual)
+    def entry(e):
+        axes = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if keep(a))
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
-    return jax.tree.map(lambda s: P(*(keep(e) for e in s.spec)), shardings)
-
-
-def _vary(x: jax.Array, manual: tuple[str, ...], spec: P) -> jax.Array:
-    sharded = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-    invariant = tuple(a for a in manual if a not in sharded)
-    return jax.lax.pcast(x, invariant, to="varying") if invariant else x
-
-
-def _scatter_fsdp(g: jax.Array, spec: P) -> jax.Array:
-    for dim, entry in enumerate(spec):
-        if entry == "fsdp" or (isinstance(entry, tuple) and "fsdp" in entry):
-            return jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
-    return jax.lax.psum(g, "fsdp")  # a gradient with no fsdp-split dimension stays whole
-
-
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, P)
+    return jax.tree.map(lambda s: P(*(entry(e) for e in s.spec)), shardings)

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
+import jax
+
+from spmd_train.analysis import describe
+from spmd_train.cli.render import render
 from spmd_train.config import load_config
 from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
@@ -21,8 +26,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = load_config(args.config, args.overrides)
-        simulate_devices(cfg.run.simulate_devices)
-        if args.command == "train":
+        if args.command == "describe" and args.topology:
+            _host_compiles_for_tpu()
+        else:
+            simulate_devices(cfg.run.simulate_devices)
+        if args.command == "describe":
+            report = describe(cfg, topology=args.topology)
+            if args.json:
+                print(json.dumps(report.to_json(), indent=2))
+            else:
+                render(report)
+        elif args.command == "train":
             result = train(cfg)
             last = result.history[-1]
             print(
@@ -35,12 +49,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _host_compiles_for_tpu() -> None:
+    # The TPU programs are compiled by libtpu on this host; jax itself runs on the CPU.
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        pass
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spmd-train", description="Train transformers on any mesh with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model from a run config", description="Train a model from a run config.")
     train.add_argument("config", help="run config YAML (e.g. configs/tiny.yaml)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. mesh.tensor=2")
+    describe_cmd = sub.add_parser(
+        "describe",
+        help="compile one train step and report per-device memory, FLOPs and collectives",
+        description="Compile one train step on abstract inputs (nothing is allocated or run) and report "
+        "per-device memory, FLOPs and the collectives of one step per mesh axis.",
+    )
+    describe_cmd.add_argument("config", help="run config YAML")
+    describe_cmd.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    describe_cmd.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    describe_cmd.add_argument("--topology", metavar="NAME",
+                              help="compile for a TPU slice from this host, e.g. v5e:2x4, v5p:4x4x4 (needs the tpu-aot extra)")
     return parser
 
 

@@ -1,0 +1,41 @@
+"""Devices of a TPU slice we do not have, for compiling against it from a CPU host (libtpu)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from spmd_train.errors import ConfigError
+
+EXAMPLES = "v5e:2x2, v5e:2x4, v5e:4x4, v5p:2x2x2, v5p:4x4x4, v5p:8x8x8, v6e:4x4, v6e:16x16, v4:2x2x2"
+
+
+def has_libtpu() -> bool:
+    """Whether libtpu (the `tpu-aot` extra) can be imported here."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tpu_topology_devices(name: str) -> list[jax.Device]:
+    """The devices of TPU slice `name` (e.g. 'v5e:2x4'): enough to build a Mesh and compile."""
+    # No TPU is used, only its compiler: several processes (parallel tests, two describes) may load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not has_libtpu():
+        raise ConfigError(
+            f"--topology {name} needs libtpu to compile for TPU on this host, and it is not installed: "
+            "install the extra with `pip install -e '.[tpu-aot]'` (or `pip install 'jax[tpu]'`)"
+        )
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as err:  # libtpu reports bad names as a runtime error with its own text
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(
+            f"--topology {name!r} is not a TPU slice libtpu knows ({reason}); valid names look like "
+            f"GENERATION:SHAPE, e.g. {EXAMPLES}"
+        ) from None

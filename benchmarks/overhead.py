@@ -27,7 +27,7 @@ import optax  # noqa: E402
 from benchmarks.report import provenance, update_section  # noqa: E402
 from spmd_train import Engine, load_config  # noqa: E402
 from spmd_train.models.layers import dot_product_attention  # noqa: E402
-from spmd_train.train.data import SyntheticTokens  # noqa: E402
+from spmd_train.data import make_source  # noqa: E402
 from spmd_train.train.loss import cross_entropy  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def main() -> None:
     cfg = load_config(None, ["model.preset=tiny", "mesh.fsdp=1", f"train.global_batch_size={args.batch}",
                              f"train.seq_len={args.seq}", "train.steps=1000"])
     engine = Engine.build(cfg, jax.devices()[:1])
-    tokens = SyntheticTokens(cfg.model.vocab_size, args.seq, args.batch).batch(0, engine.batch_sharding)
+    tokens = make_source(cfg).batch(0, engine.batch_sharding)
 
     ours = engine.init_state()
     base_params = jax.tree.map(jnp.copy, ours.params)

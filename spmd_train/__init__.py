@@ -1,7 +1,8 @@
 """spmd_train: train large transformers on any device mesh with JAX.
 
-Public API: `load_config` (YAML + overrides -> Config), `Engine` (mesh, shardings, train
-step), `train` (the loop), `build_mesh`, `Layout` and `constrain` (logical sharding).
+Public API: `load_config` (YAML + overrides -> Config), `Trainer` (init/resume, step, run,
+save, restore, describe), `train` (a whole run in one call), `Engine` (mesh, shardings,
+train step), `build_mesh`, `Layout` and `constrain` (logical sharding), `simulate_devices`.
 """
 
 from spmd_train.config import Config, load_config
@@ -11,6 +12,7 @@ from spmd_train.mesh import build_mesh
 from spmd_train.sharding import Layout, constrain, use_layout
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.loop import TrainResult, train
+from spmd_train.train.trainer import Trainer
 
 __all__ = [
     "Config",
@@ -19,6 +21,7 @@ __all__ = [
     "Layout",
     "TrainResult",
     "TrainState",
+    "Trainer",
     "build_mesh",
     "constrain",
     "load_config",

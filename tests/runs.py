@@ -8,7 +8,7 @@ import numpy as np
 from pathlib import Path
 
 from spmd_train import Engine, load_config
-from spmd_train.train.data import SyntheticTokens
+from spmd_train.data import make_source
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -30,7 +30,7 @@ def run_steps(overrides: list[str], devices, steps: int = 3, config: str | None 
     cfg = load_config(ROOT / config if config else None, [*base, *overrides])
     engine = Engine.build(cfg, list(devices))
     state = engine.init_state()
-    data = SyntheticTokens(cfg.model.vocab_size, cfg.train.seq_len, cfg.train.global_batch_size, seed=cfg.train.seed)
+    data = make_source(cfg)
     losses = []
     for step in range(steps):
         state, metrics = engine.train_step(state, data.batch(step, engine.batch_sharding))

@@ -25,11 +25,17 @@ def test_train_writes_metrics_and_learns(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
     for r in records:
-        assert {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_sec"} <= set(r)
-        assert r["step_time_s"] > 0 and r["tokens_per_sec"] > 0
-    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+        assert {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_sec", "tokens_per_sec_per_device",
+                "mfu", "memory_bytes", "loss_floor"} <= set(r)
+        assert r["step_time_s"] > 0 and r["tokens_per_sec"] == pytest.approx(8 * r["tokens_per_sec_per_device"])
+        assert r["mfu"] is None  # no peak FLOP/s is known for a CPU without run.peak_tflops
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3
+    assert records[0]["loss_floor"] == pytest.approx(3.6847, abs=1e-3)
+    assert records[0]["loss_floor"] < records[-1]["loss"]
     assert records[0]["lr"] == 0.0 and records[10]["lr"] == pytest.approx(3e-3, rel=1e-3)  # warmup, then peak
-    assert "8 cpu devices" in proc.stderr and "fsdp': 4" in proc.stderr
+    assert "compiled the train step" in proc.stderr and "best achievable loss" in proc.stderr
+    assert "done: step 40" in proc.stdout and str(run_dir / "checkpoints") in proc.stdout
+    assert (run_dir / "checkpoints" / "40").is_dir() and list((run_dir / "tensorboard").glob("events.*"))
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
-from spmd_train.analysis.flops import flops_per_token
+from spmd_train.models.flops import flops_per_token
 from spmd_train.analysis.hlo import matmul_flops
 from spmd_train.analysis.topology import tpu_topology_devices
 from spmd_train.config.schema import Config

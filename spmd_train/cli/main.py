@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `spmd-train` console script; returns the process exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    _log_to_stderr()
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "describe" and args.topology:
@@ -38,15 +38,33 @@ def main(argv: list[str] | None = None) -> int:
                 render(report)
         elif args.command == "train":
             result = train(cfg)
-            last = result.history[-1]
-            print(
-                f"done: {len(result.history)} steps, final loss {last['loss']:.4f} "
-                f"(best achievable {result.loss_floor:.4f}), metrics in {cfg.run.dir}/metrics.jsonl"
-            )
+            if jax.process_index() == 0:
+                print(_summary(cfg, result))
     except ConfigError as err:
         print(f"spmd-train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
+
+
+def _log_to_stderr() -> None:
+    # Our own handler: libraries (absl via orbax) may have claimed the root logger already.
+    logger = logging.getLogger("spmd_train")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _summary(cfg, result) -> str:
+    if not result.history:
+        return f"nothing to do: the run in {cfg.run.dir} is already at train.steps={cfg.train.steps}"
+    last = result.history[-1]
+    floor = f" (best achievable {result.loss_floor:.4f})" if result.loss_floor is not None else ""
+    how = f"stopped by {result.stopped_by} at" if result.stopped_by else "done:"
+    return (f"{how} step {last['step']}, loss {last['loss']:.4f}{floor}; metrics in {cfg.run.dir}/metrics.jsonl, "
+            f"checkpoints in {cfg.run.dir}/checkpoints, TensorBoard logs in {cfg.run.dir}/tensorboard")
 
 
 def _host_compiles_for_tpu() -> None:

@@ -4,6 +4,7 @@ from spmd_train.config.load import config_from_dict, load_config, parse_override
 from spmd_train.config.schema import (
     MESH_AXES,
     AxisFactors,
+    CheckpointConfig,
     Config,
     DataConfig,
     MeshConfig,
@@ -18,6 +19,7 @@ from spmd_train.config.schema import (
 __all__ = [
     "MESH_AXES",
     "AxisFactors",
+    "CheckpointConfig",
     "Config",
     "DataConfig",
     "MeshConfig",

@@ -26,7 +26,7 @@ def check_config(cfg: Config) -> None:
         ("train.seq_len", t.seq_len),
         ("train.grad_accum", t.grad_accum),
         ("run.log_every", cfg.run.log_every),
-        ("data.successors", cfg.data.successors),
+        ("data.order", cfg.data.order),
     ):
         if value < 1:
             raise ConfigError(f"{key}={value} is invalid: it must be a positive integer")
@@ -40,6 +40,29 @@ def check_config(cfg: Config) -> None:
             f"model.head_dim={m.resolved_head_dim} is invalid: rotary embeddings need an even head_dim >= 2 "
             "(set model.head_dim, or model.d_model and model.num_heads so d_model // num_heads is even)"
         )
+    d = cfg.data
+    if d.source == "markov" and (d.vocab_size or m.vocab_size) > m.vocab_size:
+        raise ConfigError(f"data.vocab_size={d.vocab_size} is larger than model.vocab_size={m.vocab_size} "
+                          f"(valid: at most {m.vocab_size})")
+    if d.source == "text" and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for data.source=text, whose tokens are "
+                          "bytes (valid: at least 256)")
+    if d.concentration <= 0:
+        raise ConfigError(f"data.concentration={d.concentration} is invalid: it must be > 0")
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} is invalid: it must be in [0, 1)")
+    if d.source != "markov" and not d.paths:
+        raise ConfigError(f"data.source={d.source} needs data.paths (one or more files or globs)")
+    ck = cfg.checkpoint
+    if ck.every < 0 or ck.keep < 1:
+        raise ConfigError(f"checkpoint.every={ck.every}, checkpoint.keep={ck.keep} are invalid "
+                          "(valid: every >= 0, keep >= 1)")
+    prof = cfg.run.profile_steps
+    if prof and (len(prof) != 2 or not 1 <= prof[0] <= prof[1] <= t.steps):
+        raise ConfigError(f"run.profile_steps={list(prof)} is invalid: give [first, last] with "
+                          f"1 <= first <= last <= train.steps={t.steps}")
+    if cfg.run.peak_tflops is not None and cfg.run.peak_tflops <= 0:
+        raise ConfigError(f"run.peak_tflops={cfg.run.peak_tflops} is invalid: it must be > 0")
     if cfg.optim.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} is invalid: it must be >= 0")
     if cfg.run.simulate_devices is not None and cfg.run.simulate_devices < 1:

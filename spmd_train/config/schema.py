@@ -138,6 +138,8 @@ class TrainConfig:
     seq_len: int = 64
     grad_accum: int = 1
     seed: int = 0
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the latest complete checkpoint in run.dir; never: refuse a run.dir that has checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -158,12 +160,20 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where training tokens come from."""
+    """Where training tokens come from: a Markov chain, token files (.bin) or text read as bytes."""
 
     __pydantic_config__ = _STRICT
 
-    source: Literal["synthetic"] = "synthetic"
-    successors: int = 4
+    source: Literal["markov", "tokens", "text"] = "markov"
+    vocab_size: int | None = None
+    """Markov chain vocabulary; defaults to model.vocab_size."""
+    order: int = 1
+    concentration: float = 0.1
+    """Dirichlet concentration of each Markov transition row: small = peaky, large = near uniform."""
+    paths: tuple[str, ...] = ()
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    val_fraction: float = 0.01
+    packing: bool = True
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,24 @@ class RunConfig:
     dir: str = "runs/default"
     simulate_devices: int | None = None
     log_every: int = 10
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s per device for MFU; default: looked up by device kind (none on CPU)."""
+    profile_steps: tuple[int, ...] = ()
+    """[first, last] 1-based steps to capture a jax profiler trace of, into run.dir/profile."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in run.dir/checkpoints."""
+
+    __pydantic_config__ = _STRICT
+
+    every: int = 100
+    """Save every this many steps (0: only the final save)."""
+    keep: int = 3
+    async_save: bool = True
+    load_from: str | None = None
+    """Start from the parameters of another run's checkpoint (a run.dir or a checkpoints/STEP directory)."""
 
 
 @dataclass(frozen=True)
@@ -189,4 +217,5 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -1,0 +1,126 @@
+"""Token streams read from disk: memory-mapped `.bin` token files, or UTF-8 text read as bytes.
+
+`.bin` files are flat arrays of uint16 or uint32 token ids, the layout nanoGPT's and
+Megatron-style preprocessors write. `spmd-train prepare-data` also writes a JSON sidecar
+(`NAME.json`: dtype, vocab size, tokenizer) and document starts (`NAME.docs.npy`); without a
+sidecar the dtype comes from `data.token_dtype`. Training windows of seq_len + 1 tokens are
+drawn at random offsets from the first (1 - val_fraction) of each file, the held-out split
+from the rest. With packing (the default) a window may span documents, so documents shorter
+than seq_len are packed together; without it every window lies inside one document.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import numpy as np
+
+from spmd_train.data.source import TokenSource
+from spmd_train.errors import ConfigError
+
+
+class TokenFiles(TokenSource):
+    """Windows sampled from one or more token files; a pure function of (seed, step, split)."""
+
+    def __init__(self, paths: list[str], seq_len: int, global_batch: int, *, seed: int = 0, token_dtype: str = "auto",
+                 val_fraction: float = 0.01, packing: bool = True, text: bool = False, vocab_size: int | None = None):
+        files = _expand(paths)
+        self.streams = [_open(f, "uint8" if text else token_dtype) for f in files]
+        vocabs = [v for _, _, v, _ in self.streams if v is not None]
+        vocab = 256 if text else (max(vocabs) if vocabs else vocab_size)
+        super().__init__(vocab or 0, seq_len, global_batch, seed)
+        if vocab_size is not None and vocab and vocab > vocab_size:
+            name = next(str(f) for f, _, v, _ in self.streams if (256 if text else v) == vocab)
+            raise ConfigError(f"data file {name} holds token ids up to {vocab - 1}, but model.vocab_size={vocab_size} "
+                              f"(valid: model.vocab_size >= {vocab})")
+        self.val_fraction, self.packing = val_fraction, packing
+        window = seq_len + 1
+        self.ranges = []  # per file: (train_end, [(start, stop) of usable spans])
+        for path, tokens, _, docs in self.streams:
+            train_end = int(len(tokens) * (1 - val_fraction))
+            if train_end < window:
+                raise ConfigError(f"data file {path} has {len(tokens)} tokens, too few for windows of seq_len + 1 = "
+                                  f"{window} after holding out val_fraction={val_fraction} (valid: a longer file, or "
+                                  "a smaller train.seq_len)")
+            spans = [(0, len(tokens))] if packing else _doc_spans(docs, len(tokens))
+            self.ranges.append((train_end, spans))
+        if not packing and not any(b - a >= window for _, spans in self.ranges for a, b in spans):
+            raise ConfigError(f"train.seq_len={seq_len} is longer than every document in {', '.join(paths)} and "
+                              "data.packing=false (valid: data.packing=true, or seq_len below the longest document)")
+
+    def rows(self, step: int, rows: np.ndarray, split: str = "train") -> np.ndarray:
+        """Read only the requested rows of the step's global batch."""
+        files, offsets = self._plan(step, split)
+        window = self.seq_len + 1
+        out = np.empty((len(rows), window), np.int32)
+        for i, r in enumerate(rows):
+            out[i] = self.streams[files[r]][1][offsets[r]: offsets[r] + window]
+        return out
+
+    def global_batch_array(self, step: int, split: str = "train") -> np.ndarray:
+        """The whole global batch of a step (0-based)."""
+        return self.rows(step, np.arange(self.global_batch), split)
+
+    def _plan(self, step: int, split: str) -> tuple[np.ndarray, np.ndarray]:
+        # Every host draws the same plan for the whole batch (cheap) and reads its rows only.
+        rng = np.random.default_rng([self.seed, step, 0 if split == "train" else 1])
+        window = self.seq_len + 1
+        candidates = []  # (file, start, stop) spans usable for this split
+        for f, ((_, tokens, _, _), (train_end, spans)) in enumerate(zip(self.streams, self.ranges)):
+            lo, hi = (0, train_end) if split == "train" else (train_end, len(tokens))
+            for a, b in spans:
+                a, b = max(a, lo), min(b, hi)
+                if b - a >= window:
+                    candidates.append((f, a, b))
+        if not candidates:
+            raise ConfigError(f"no {split} window of seq_len + 1 = {window} tokens fits in the data "
+                              "(valid: more data, a larger data.val_fraction, or a smaller train.seq_len)")
+        weights = np.array([b - a - window + 1 for _, a, b in candidates], np.float64)
+        pick = rng.choice(len(candidates), size=self.global_batch, p=weights / weights.sum())
+        starts = np.array([candidates[p][1] for p in pick])
+        room = np.array([candidates[p][2] - candidates[p][1] - window + 1 for p in pick])
+        offsets = starts + (rng.random(self.global_batch) * room).astype(np.int64)
+        return np.array([candidates[p][0] for p in pick]), offsets
+
+
+def _expand(paths: list[str]) -> list[Path]:
+    if not paths:
+        raise ConfigError("data.paths is empty: give one or more files or globs (e.g. data.paths=[data/*.bin])")
+    files: list[Path] = []
+    for pattern in paths:
+        matched = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not matched:
+            raise ConfigError(f"data.paths entry {pattern!r} matches no file")
+        files.extend(Path(m) for m in matched)
+    return files
+
+
+def _open(path: Path, token_dtype: str):
+    if not path.is_file():
+        raise ConfigError(f"data file {path} does not exist")
+    meta_path = path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() and path.suffix == ".bin" else {}
+    dtype = meta.get("dtype") or ("uint16" if token_dtype == "auto" else token_dtype)
+    if dtype not in ("uint8", "uint16", "uint32"):
+        raise ConfigError(f"data file {path}: token dtype {dtype!r} is not supported (valid: uint16, uint32)")
+    size = path.stat().st_size
+    itemsize = np.dtype(dtype).itemsize
+    if size == 0:
+        raise ConfigError(f"data file {path} is empty")
+    if size % itemsize:
+        raise ConfigError(f"data file {path} has {size} bytes, not a whole number of {dtype} tokens "
+                          "(valid: a .bin of uint16 or uint32 ids; set data.token_dtype)")
+    try:
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    except OSError as err:
+        raise ConfigError(f"data file {path} cannot be read: {err.strerror}") from None
+    docs_path = path.with_suffix(".docs.npy")
+    docs = np.load(docs_path, allow_pickle=False) if docs_path.is_file() else np.zeros(1, np.int64)
+    return path, tokens, meta.get("vocab_size"), docs
+
+
+def _doc_spans(starts: np.ndarray, total: int) -> list[tuple[int, int]]:
+    bounds = [int(s) for s in starts] + [total]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]

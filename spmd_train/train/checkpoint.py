@@ -1,0 +1,106 @@
+"""Orbax checkpoints: async saves of the train state plus a JSON record of the run's layout.
+
+Each checkpoint holds the state (`StandardSave`: no pickle) and `meta` (`JsonSave`): the
+resolved config, the mesh, the sharding rules and the parameter shapes. Restoring reads the
+meta first, so a different architecture is explained rather than crashing, while a
+different mesh or ZeRO stage simply reshards (the abstract target carries the new shardings).
+Orbax writes each step into a temporary directory and renames it when complete, so a save
+cut short by a crash is never listed; a listed checkpoint that still fails to load is
+skipped with a warning in favour of the one before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from spmd_train.config.schema import Config
+from spmd_train.errors import ConfigError
+
+log = logging.getLogger("spmd_train")
+
+ARCHITECTURE_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "vocab_size",
+                     "tie_embeddings", "param_dtype")
+
+
+class Checkpointer:
+    """Save and restore train states under one directory (`run.dir/checkpoints`)."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                 create=True),
+        )
+
+    def steps(self) -> list[int]:
+        """Steps with a complete checkpoint, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Start saving (returns once the state is copied off the devices, if async)."""
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+
+    def wait(self) -> None:
+        """Block until every save in flight is on disk."""
+        self.manager.wait_until_finished()
+
+    def read_meta(self, step: int) -> dict:
+        """The JSON record saved with a step."""
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def restore_latest(self, target: Any, check: callable) -> tuple[int, Any, dict] | None:
+        """The newest loadable checkpoint as (step, state, meta), or None when there is none.
+
+        `check(meta)` raises for a checkpoint this run cannot use (another architecture).
+        `target` is the abstract state with the shardings to restore into.
+        """
+        for step in reversed(self.steps()):
+            try:
+                meta = self.read_meta(step)
+            except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is skipped the same way
+                log.warning("checkpoint %s/%d is unreadable (%s); trying the one before it", self.directory, step,
+                            type(err).__name__)
+                continue
+            check(meta)
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+            except Exception as err:  # noqa: BLE001
+                log.warning("checkpoint %s/%d is corrupt (%s: %s); trying the one before it", self.directory, step,
+                            type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+                continue
+            return step, restored["state"], meta
+        if self.steps():
+            raise ConfigError(f"no checkpoint in {self.directory} can be restored (all of steps {self.steps()} "
+                              "are corrupt); move the directory aside or set a new run.dir")
+        return None
+
+    def close(self) -> None:
+        """Finish pending saves and release the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def layout_meta(cfg: Config, mesh: jax.sharding.Mesh, rules: dict, param_shapes: Any) -> dict:
+    """What a checkpoint records about the run that wrote it (JSON-serialisable)."""
+    shapes = {jax.tree_util.keystr(path): list(leaf.shape)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes)[0]}
+    return {"format": 1, "config": asdict(cfg), "mesh": dict(mesh.shape), "rules": rules, "param_shapes": shapes}
+
+
+def check_architecture(meta: dict, cfg: Config, where: str) -> None:
+    """Raise a ConfigError naming every architecture key that differs from the checkpoint's."""
+    saved = meta.get("config", {}).get("model", {})
+    current = asdict(cfg.model)
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {current[k]!r}"
+             for k in ARCHITECTURE_KEYS if saved.get(k) != current[k]]
+    if diffs:
+        raise ConfigError(f"the checkpoint in {where} was saved by a different model ({'; '.join(diffs)}); "
+                          "use the same model settings, or a new run.dir")

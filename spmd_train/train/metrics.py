@@ -1,0 +1,82 @@
+"""Where step metrics go: metrics.jsonl, TensorBoard event files, and the console.
+
+Only process 0 writes. Interactive runs get a progress bar (rich); non-TTY runs a plain
+line every `run.log_every` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+
+log = logging.getLogger("spmd_train")
+
+
+class MetricsSink:
+    """Appends one JSON object per step to metrics.jsonl and the same scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, *, total_steps: int, log_every: int, start_step: int = 0):
+        self.active = jax.process_index() == 0
+        self.total, self.log_every = total_steps, log_every
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self._tb = self._progress = None
+        if not self.active:
+            return
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10)
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False)
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self._progress.start()
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Record one finished step."""
+        if not self.active:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self._tb.add_scalar(f"train/{key}", value, record["step"])
+        mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
+        status = (f"loss {record['loss']:.4f}  {record['tokens_per_sec']:,.0f} tok/s  MFU {mfu}")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=record["step"], status=status)
+        elif record["step"] % self.log_every == 0 or record["step"] in (1, self.total):
+            log.info("step %d/%d  %s  grad_norm %.3f  lr %.2e", record["step"], self.total, status,
+                     record["grad_norm"], record["lr"])
+
+    def note(self, message: str, *args) -> None:
+        """A line for the console (process 0 only)."""
+        if self.active:
+            (self._progress.console.log if self._progress else log.info)(message % args if args else message)
+
+    def close(self) -> None:
+        """Flush and close everything."""
+        if self._progress is not None:
+            self._progress.stop()
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_history(path: Path, upto_step: int) -> list[dict[str, Any]]:
+    """Records of metrics.jsonl up to a step, rewriting the file to match (used on resume)."""
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [r for r in records if r["step"] <= upto_step]
+    if jax.process_index() == 0 and len(kept) != len(records):
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept

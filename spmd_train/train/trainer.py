@@ -1,0 +1,287 @@
+"""`Trainer`: the one object notebooks and the CLI drive a run through.
+
+    trainer = Trainer(load_config("configs/tiny.yaml"))
+    trainer.init()           # resume from run.dir, or start from checkpoint.load_from, or fresh
+    trainer.run(100)         # steps, metrics, periodic async checkpoints, a final save
+    trainer.history          # one dict per step
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmd_train.config.schema import Config
+from spmd_train.data import make_source
+from spmd_train.errors import ConfigError
+from spmd_train.hardware import device_spec
+from spmd_train.models.flops import flops_per_token
+from spmd_train.train.checkpoint import Checkpointer, check_architecture, layout_meta
+from spmd_train.train.engine import Engine, TrainState
+from spmd_train.train.metrics import MetricsSink, read_history
+
+
+class Trainer:
+    """A model, its data, its state and its run directory."""
+
+    def __init__(self, cfg: Config, devices: list[jax.Device] | None = None):
+        self.cfg = cfg
+        self.engine = Engine.build(cfg, devices)
+        self.data = make_source(cfg)
+        self.run_dir = Path(cfg.run.dir)
+        self.history: list[dict[str, Any]] = []
+        self.state: TrainState | None = None
+        self.compile_time_s: float | None = None
+        self._compiled = None
+        self._checkpointer: Checkpointer | None = None
+        self._stop_signal: str | None = None
+        kind = self.engine.mesh.devices.flat[0].device_kind
+        spec = device_spec(kind)
+        peak = cfg.run.peak_tflops * 1e12 if cfg.run.peak_tflops else (spec.peak_bf16_flops if spec else None)
+        self.peak_flops_per_device: float | None = peak
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The device mesh the run uses."""
+        return self.engine.mesh
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken so far."""
+        return int(self.state.step) if self.state is not None else 0
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The run directory's checkpoint manager (created on first use)."""
+        if self._checkpointer is None:
+            ck = self.cfg.checkpoint
+            self._checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=ck.keep, async_save=ck.async_save)
+        return self._checkpointer
+
+    def init(self) -> TrainState:
+        """Resume from run.dir's latest checkpoint, else start from checkpoint.load_from, else fresh."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        existing = self.checkpointer.steps()
+        if existing and self.cfg.train.resume == "never":
+            raise ConfigError(f"run.dir={self.run_dir} already has checkpoints (steps {existing}) and "
+                              "train.resume=never (valid: train.resume=auto to continue it, or a new run.dir)")
+        restored = self.checkpointer.restore_latest(self._abstract_state(), self._checker(self.run_dir)) \
+            if existing else None
+        if restored is not None:
+            step, self.state, _ = restored
+            self.history = read_history(self.run_dir / "metrics.jsonl", step)
+            self._say(f"resumed from {self.run_dir / 'checkpoints'} at step {step}")
+        else:
+            self.state = self.engine.init_state()
+            self.history = read_history(self.run_dir / "metrics.jsonl", 0)
+            if self.cfg.checkpoint.load_from:
+                self._load_weights(Path(self.cfg.checkpoint.load_from))
+        if jax.process_index() == 0:
+            (self.run_dir / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+        return self.state
+
+    def compile(self) -> None:
+        """Compile the train step once (timed apart from training)."""
+        if self._compiled is None:
+            start = time.perf_counter()
+            self._compiled = self.engine.train_step.lower(self.state, self._batch(self.step_count)).compile()
+            self.compile_time_s = time.perf_counter() - start
+
+    def step(self) -> dict[str, Any]:
+        """One optimizer step, synchronously; returns (and records) its metrics."""
+        self._ensure_ready()
+        start, index = time.perf_counter(), self.step_count
+        self.state, metrics = self._compiled(self.state, self._batch(index))
+        record = self._record(index, jax.device_get(metrics), time.perf_counter() - start)
+        self.history.append(record)
+        return record
+
+    def run(self, steps: int | None = None) -> list[dict[str, Any]]:
+        """Train up to `train.steps` (or `steps` more), checkpointing as configured; returns the new records."""
+        self._ensure_ready()
+        first = self.step_count
+        last = min(self.cfg.train.steps, first + steps) if steps is not None else self.cfg.train.steps
+        sink = MetricsSink(self.run_dir, total_steps=self.cfg.train.steps, log_every=self.cfg.run.log_every,
+                           start_step=first)
+        sink.note("compiled the train step in %.2f s", self.compile_time_s)
+        if self.data.loss_floor is not None:
+            sink.note("best achievable loss on this data: %.4f nats/token", self.data.loss_floor)
+        new: list[dict[str, Any]] = []
+        every = self.cfg.checkpoint.every
+        profile = self.cfg.run.profile_steps
+        with self._signals(), sink_closed(sink):
+            pending, done_at = None, time.perf_counter()
+            for index in range(first, last):
+                if profile and index + 1 == profile[0]:
+                    jax.profiler.start_trace(str(self.run_dir / "profile"))
+                self.state, metrics = self._compiled(self.state, self._batch(index))
+                if pending is not None:  # at most one step in flight: finish the previous one now
+                    done_at = self._finish(pending, done_at, sink, new)
+                pending = (index + 1, metrics)
+                if profile and index + 1 == profile[1]:
+                    jax.block_until_ready(metrics)
+                    jax.profiler.stop_trace()
+                if (every and (index + 1) % every == 0) or self._stop_signal:
+                    self.save()
+                if self._stop_signal:
+                    break
+            if pending is not None:
+                self._finish(pending, done_at, sink, new)
+            if self._stop_signal:
+                sink.note("stopped by %s after step %d; checkpoint saved in %s", self._stop_signal,
+                          self.step_count, self.run_dir / "checkpoints")
+            elif self.step_count not in self.checkpointer.steps() and new:
+                self.save()
+            self.checkpointer.wait()
+        return new
+
+    @property
+    def stopped_by_signal(self) -> str | None:
+        """'SIGTERM' or 'SIGINT' when the last `run` ended early on a signal."""
+        return self._stop_signal
+
+    def save(self, wait: bool = False) -> None:
+        """Checkpoint the current state (async unless `wait` or checkpoint.async_save=false)."""
+        meta = layout_meta(self.cfg, self.mesh, {"params": dict(self.engine.layout.params),
+                                                 "activations": dict(self.engine.layout.activations),
+                                                 "zero_stage": self.engine.layout.zero_stage},
+                           self.engine.param_shapes)
+        meta["data"] = {"source": self.cfg.data.source, "next_step": self.step_count}
+        self.checkpointer.save(self.step_count, self.state, meta)
+        if wait:
+            self.checkpointer.wait()
+
+    def restore(self, path: str | Path | None = None) -> TrainState:
+        """Restore the latest checkpoint of this run (or of another run directory) onto this mesh."""
+        source = Checkpointer(Path(path) / "checkpoints") if path else self.checkpointer
+        restored = source.restore_latest(self._abstract_state(), self._checker(Path(path or self.run_dir)))
+        if restored is None:
+            raise ConfigError(f"no checkpoint found in {source.directory}")
+        self.state = restored[1]
+        return self.state
+
+    def describe(self):
+        """The compiled-step report of `spmd-train describe` for this run's config and mesh."""
+        from spmd_train.analysis import describe
+
+        return describe(self.cfg, devices=list(self.mesh.devices.flat))
+
+    def show_sharding(self, name: str) -> None:
+        """Draw which device holds which part of a parameter, by path ('embedding', 'blocks.mlp.w_up').
+
+        jax draws 1-D and 2-D arrays: stacked layer weights show layer 0, and trailing axes are
+        folded into the last so the split axes stay visible.
+        """
+        self._ensure_ready()
+        leaf = self.state.params
+        for part in name.split("."):
+            leaf = leaf[part]
+        if name.startswith("blocks."):
+            leaf = leaf[0]
+        if leaf.ndim > 2:
+            leaf = leaf.reshape(leaf.shape[0], -1)
+        jax.debug.visualize_array_sharding(leaf)
+
+    def close(self) -> None:
+        """Wait for pending checkpoint writes and release resources."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _ensure_ready(self) -> None:
+        if self.state is None:
+            self.init()
+        self.compile()
+
+    def _batch(self, step: int) -> jax.Array:
+        return self.data.batch(step, self.engine.batch_sharding)
+
+    def _abstract_state(self) -> TrainState:
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            jax.eval_shape(self.engine.init_fn), self.engine.state_shardings)
+
+    def _checker(self, where: Path):
+        return lambda meta: check_architecture(meta, self.cfg, str(where))
+
+    def _load_weights(self, path: Path) -> None:
+        run_dir = path.parent if path.name == "checkpoints" else path
+        source = Checkpointer(run_dir / "checkpoints")
+        if not source.steps():
+            raise ConfigError(f"checkpoint.load_from={path} holds no checkpoint (valid: a run.dir with checkpoints)")
+        _, restored, _ = source.restore_latest(self._abstract_state(), self._checker(run_dir))
+        self.state = self.state._replace(params=restored.params)
+        self._say(f"started from the parameters in {run_dir / 'checkpoints'}")
+
+    def _finish(self, pending, done_at: float, sink: MetricsSink, new: list) -> float:
+        step, metrics = pending
+        values = jax.device_get(metrics)  # blocks until that step is done
+        now = time.perf_counter()
+        record = self._record(step - 1, values, now - done_at)
+        self.history.append(record)
+        new.append(record)
+        sink.write(record)
+        return now
+
+    def _record(self, index: int, metrics, seconds: float) -> dict[str, Any]:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        tokens = self.cfg.train.global_batch_size * self.cfg.train.seq_len
+        per_device = tokens / seconds / self.mesh.size
+        return {
+            "step": index + 1,
+            **values,
+            "step_time_s": seconds,
+            "tokens_per_sec": tokens / seconds,
+            "tokens_per_sec_per_device": per_device,
+            "mfu": per_device * self.flops_per_token / self.peak_flops_per_device if self.peak_flops_per_device else None,
+            "memory_bytes": _memory_in_use(self.mesh),
+            "loss_floor": self.data.loss_floor,
+        }
+
+    @contextlib.contextmanager
+    def _signals(self):
+        self._stop_signal = None
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def stop(signum, _frame):
+            self._stop_signal = signal.Signals(signum).name
+
+        previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _say(self, message: str) -> None:
+        if jax.process_index() == 0:
+            logging.getLogger("spmd_train").info(message)
+
+
+@contextlib.contextmanager
+def sink_closed(sink: MetricsSink):
+    """Close the metrics sink however the block ends."""
+    try:
+        yield sink
+    finally:
+        sink.close()
+
+
+def _memory_in_use(mesh: jax.sharding.Mesh) -> int | None:
+    stats = [d.memory_stats() for d in mesh.local_devices]
+    used = [s.get("bytes_in_use") for s in stats if s]
+    return int(np.max(used)) if used and None not in used else None

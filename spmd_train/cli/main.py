@@ -12,6 +12,7 @@ import jax
 from spmd_train.analysis import describe
 from spmd_train.cli.render import render
 from spmd_train.config import load_config
+from spmd_train.data import prepare_data
 from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
 from spmd_train.train.loop import train
@@ -25,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _log_to_stderr()
     try:
+        if args.command == "prepare-data":
+            path = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, name=args.name)
+            meta = json.loads(path.with_suffix(".json").read_text())
+            print(f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']} documents, {meta['dtype']}, vocab "
+                  f"{meta['vocab_size']}) to {path}; train on it with data.source=tokens data.paths=[{path}]")
+            return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "describe" and args.topology:
             _host_compiles_for_tpu()
@@ -92,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     describe_cmd.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     describe_cmd.add_argument("--topology", metavar="NAME",
                               help="compile for a TPU slice from this host, e.g. v5e:2x4, v5p:4x4x4 (needs the tpu-aot extra)")
+    prep = sub.add_parser("prepare-data", help="tokenize text files into a .bin token file",
+                          description="Tokenize UTF-8 text files (one document each) into OUT/NAME.bin with sidecars.")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="UTF-8 text files")
+    prep.add_argument("--out", required=True, help="output directory")
+    prep.add_argument("--tokenizer", default="byte", help="byte (default), tiktoken:NAME or sentencepiece:PATH")
+    prep.add_argument("--name", default="data", help="file name stem (default: data)")
     return parser
 
 

@@ -86,8 +86,10 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs, stack=stack)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        x = x + self.attn(constrain(self.attn_norm(x), RESIDUAL), cos, sin)
-        x = x + self.mlp(constrain(self.mlp_norm(x), RESIDUAL))
+        with jax.named_scope("attention"):
+            x = x + self.attn(constrain(self.attn_norm(x), RESIDUAL), cos, sin)
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(constrain(self.mlp_norm(x), RESIDUAL))
         return constrain(x, RESIDUAL)
 
 
@@ -110,9 +112,10 @@ class Transformer(nnx.Module):
         # partitioner cannot gather rows from a table split along `embed` inside shard_map.
         # Each vocabulary shard looks up its own rows into a full-length partial sum, which is
         # then reduced (and under sequence parallelism scattered on length) into the residual.
-        table = weight(self.embedding, dt)
-        x = constrain(jnp.take(table, tokens, axis=0), ("batch", "length", "embed"))
-        x = constrain(x, RESIDUAL)
+        with jax.named_scope("embedding"):
+            table = weight(self.embedding, dt)
+            x = constrain(jnp.take(table, tokens, axis=0), ("batch", "length", "embed"))
+            x = constrain(x, RESIDUAL)
         cos, sin = rope_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
         graphdef, stacked = nnx.split(self.blocks)
 

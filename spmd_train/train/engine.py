@@ -113,7 +113,9 @@ class Engine:
         # token array on length and exchange halos to form the shifted views.
         inputs = constrain(tokens[:, :-1], ("batch", "length"))
         targets = constrain(tokens[:, 1:], ("batch", "length"))
-        return cross_entropy(model(inputs, remat=self.cfg.parallel.remat), targets)
+        logits = model(inputs, remat=self.cfg.parallel.remat)
+        with jax.named_scope("loss"):
+            return cross_entropy(logits, targets)
 
     def step_fn(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step (un-jitted; see `train_step`)."""
@@ -122,9 +124,10 @@ class Engine:
                 self.loss, state.params, tokens,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
             )
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer"):
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -1,0 +1,114 @@
+"""Checkpoints: resharding on restore, corrupt and half-written checkpoints, weights from another run."""
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from spmd_train import Trainer, load_config
+from spmd_train.errors import ConfigError
+from spmd_train.train.checkpoint import Checkpointer
+from tests.runs import relative_error
+
+BASE = ["model.preset=tiny", "train.global_batch_size=16", "train.seq_len=16", "train.steps=6",
+        "checkpoint.every=3", "run.log_every=100"]
+
+
+def _trainer(run_dir, devices, *overrides):
+    return Trainer(load_config(None, [*BASE, f"run.dir={run_dir}", *overrides]), list(devices))
+
+
+def _np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def test_restore_onto_another_mesh_and_zero_stage_gives_the_saved_values(tmp_path, devices):
+    saver = _trainer(tmp_path, devices, "mesh.fsdp=8", "parallel.zero_stage=3")
+    saver.init()
+    saver.run(3)
+    saver.close()
+    saved = _np((saver.state.params, saver.state.opt_state))
+    for overrides, devs in (
+        (["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "parallel.zero_stage=0"], devices),
+        (["mesh.fsdp=4", "parallel.zero_stage=1"], devices[:4]),
+    ):
+        restorer = _trainer(tmp_path, devs, *overrides)
+        restorer.init()
+        assert restorer.step_count == 3
+        got = _np((restorer.state.params, restorer.state.opt_state))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
+            np.testing.assert_array_equal(a, b)
+        spec = restorer.state.params["blocks"]["mlp"]["w_up"].sharding.spec
+        assert "fsdp" not in str(spec) or overrides[-1].endswith("1")  # laid out for the new mesh
+        record = restorer.step()  # and training continues from there
+        assert record["step"] == 4 and np.isfinite(record["loss"])
+        restorer.close()
+        shutil.rmtree(tmp_path / "checkpoints" / "4", ignore_errors=True)
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, devices, caplog):
+    trainer = _trainer(tmp_path, devices, "mesh.fsdp=8")
+    trainer.init()
+    trainer.run()
+    trainer.close()
+    assert Checkpointer(tmp_path / "checkpoints").steps() == [3, 6]
+    for path in (tmp_path / "checkpoints" / "6" / "state").rglob("*"):
+        if path.is_file() and path.stat().st_size > 0 and "meta" not in path.name.lower():
+            path.write_bytes(b"\0" * 7)  # scribble over the array data
+    again = _trainer(tmp_path, devices, "mesh.fsdp=8")
+    with caplog.at_level(logging.WARNING, logger="spmd_train"):
+        again.init()
+    assert again.step_count == 3
+    assert "corrupt" in caplog.text
+    again.close()
+    for step in (3,):
+        for path in (tmp_path / "checkpoints" / str(step) / "state").rglob("*"):
+            if path.is_file() and path.stat().st_size > 0:
+                path.write_bytes(b"\0" * 7)
+    with pytest.raises(ConfigError, match="all of steps"):
+        _trainer(tmp_path, devices, "mesh.fsdp=8").init()
+
+
+def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
+    donor = _trainer(tmp_path / "donor", devices, "mesh.fsdp=8")
+    donor.init()
+    donor.run()
+    donor.close()
+    child = _trainer(tmp_path / "child", devices, "mesh.data=8", "mesh.fsdp=1",
+                     f"checkpoint.load_from={tmp_path / 'donor'}")
+    child.init()
+    assert child.step_count == 0  # fresh optimizer and schedule, donor's weights
+    assert relative_error(_np(child.state.params), _np(donor.state.params)) == 0.0
+    child.close()
+
+
+def test_a_crash_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, numpy as np, jax, jax.numpy as jnp
+        from spmd_train.train.checkpoint import Checkpointer
+        ck = Checkpointer({str(tmp_path)!r}, keep=5, async_save=True)
+        ck.save(1, {{"w": jnp.ones((4,))}}, {{"step": 1}})
+        ck.wait()
+        big = {{"w": jnp.asarray(np.random.default_rng(0).random((96, 1024, 1024), dtype=np.float32))}}
+        ck.save(2, big, {{"step": 2}})
+        os.kill(os.getpid(), signal.SIGKILL)  # die while step 2 is being written
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ck = Checkpointer(tmp_path)
+    assert ck.steps() == [1]  # the half-written step 2 is not listed
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name not in ("1",)]
+    assert leftovers, "step 2 should have left a temporary directory behind"
+    step, state, meta = ck.restore_latest({"w": jax.ShapeDtypeStruct((4,), np.float32)}, check=lambda m: None)
+    assert step == 1 and meta == {"step": 1}
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.ones(4))

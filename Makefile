@@ -21,4 +21,4 @@ train: $(VENV)/.installed
 	$(PY) -m spmd_train train configs/tiny.yaml
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto

@@ -22,3 +22,20 @@ def simulate_devices(count: int | None) -> None:
                 f"{have[0].platform} devices. Call spmd_train.simulate_devices({count}) before any jax "
                 "computation (first cell of a notebook), or set run.simulate_devices=null to use the real devices"
             ) from None
+
+
+def start_distributed(run) -> None:
+    """Join JAX's multi-controller runtime when the config asks for it; must precede any jax computation.
+
+    On CPU (simulated devices) the processes exchange data over gloo, so the same multi-process
+    code runs on one machine.
+    """
+    if run.coordinator is None and not run.distributed:
+        return
+    if run.simulate_devices is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if run.coordinator is not None:
+        jax.distributed.initialize(coordinator_address=run.coordinator, num_processes=run.num_processes,
+                                   process_id=run.process_id)
+    else:
+        jax.distributed.initialize()

@@ -13,7 +13,7 @@ from spmd_train.analysis import describe
 from spmd_train.cli.render import render
 from spmd_train.config import load_config
 from spmd_train.data import prepare_data
-from spmd_train.devices import simulate_devices
+from spmd_train.devices import simulate_devices, start_distributed
 from spmd_train.errors import ConfigError
 from spmd_train.train.loop import train
 
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             _host_compiles_for_tpu()
         else:
             simulate_devices(cfg.run.simulate_devices)
+            start_distributed(cfg.run)
         if args.command == "describe":
             report = describe(cfg, topology=args.topology)
             if args.json:

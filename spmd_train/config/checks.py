@@ -61,6 +61,15 @@ def check_config(cfg: Config) -> None:
     if prof and (len(prof) != 2 or not 1 <= prof[0] <= prof[1] <= t.steps):
         raise ConfigError(f"run.profile_steps={list(prof)} is invalid: give [first, last] with "
                           f"1 <= first <= last <= train.steps={t.steps}")
+    r = cfg.run
+    explicit = (r.coordinator, r.num_processes, r.process_id)
+    if any(v is not None for v in explicit) and None in explicit:
+        raise ConfigError(f"run.coordinator={r.coordinator!r}, run.num_processes={r.num_processes}, "
+                          f"run.process_id={r.process_id}: set all three to start several processes by hand "
+                          "(or none, with run.distributed=true, to detect the cluster)")
+    if r.num_processes is not None and not 0 <= (r.process_id or 0) < r.num_processes:
+        raise ConfigError(f"run.process_id={r.process_id} is invalid for run.num_processes={r.num_processes} "
+                          f"(valid: 0 to {r.num_processes - 1})")
     if cfg.run.peak_tflops is not None and cfg.run.peak_tflops <= 0:
         raise ConfigError(f"run.peak_tflops={cfg.run.peak_tflops} is invalid: it must be > 0")
     if cfg.optim.warmup_steps < 0:

@@ -189,6 +189,12 @@ class RunConfig:
     """Peak dense TFLOP/s per device for MFU; default: looked up by device kind (none on CPU)."""
     profile_steps: tuple[int, ...] = ()
     """[first, last] 1-based steps to capture a jax profiler trace of, into run.dir/profile."""
+    distributed: bool = False
+    """Start JAX's multi-controller runtime, detecting the cluster (SLURM, TPU pod, ...) from the environment."""
+    coordinator: str | None = None
+    """host:port of process 0; with num_processes and process_id, starts the runtime explicitly."""
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 @dataclass(frozen=True)

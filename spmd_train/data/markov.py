@@ -11,6 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from spmd_train.data.source import TokenSource
+from spmd_train.errors import ConfigError
+
+MAX_TABLE = 2**25
+"""Most transition probabilities a chain may have (vocab ** (order + 1)): 256 MiB in float64."""
 
 
 class MarkovChain(TokenSource):
@@ -19,9 +23,12 @@ class MarkovChain(TokenSource):
     def __init__(self, vocab_size: int, seq_len: int, global_batch: int, *, order: int = 1,
                  concentration: float = 0.1, seed: int = 0):
         super().__init__(vocab_size, seq_len, global_batch, seed)
-        if vocab_size**order > 2**22:
-            raise ValueError(f"data.order={order} with vocab_size={vocab_size} gives {vocab_size**order} contexts; "
-                             "keep vocab_size ** order <= 4194304")
+        if vocab_size ** (order + 1) > MAX_TABLE:
+            largest = int(MAX_TABLE ** (1 / (order + 1)))
+            raise ConfigError(
+                f"data.vocab_size={vocab_size} with data.order={order} needs a transition table of "
+                f"{vocab_size ** (order + 1):,} probabilities (over {MAX_TABLE:,}: too much memory); set "
+                f"data.vocab_size to at most {largest} (the model's vocabulary may stay larger) or lower data.order")
         self.order = order
         rng = np.random.default_rng([seed, 0x4D41524B])
         contexts = vocab_size**order

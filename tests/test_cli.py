@@ -68,3 +68,52 @@ def test_bad_input_exits_2_with_a_message(tmp_path, overrides, needles):
 def test_missing_config_file_exits_2():
     proc = _cli("train", "configs/no_such.yaml")
     assert proc.returncode == 2 and "configs/no_such.yaml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_prepare_data_then_train_on_it(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    prep = _cli("prepare-data", str(corpus), "--out", str(tmp_path / "data"))
+    assert prep.returncode == 0, prep.stderr
+    assert "wrote 18,000 tokens" in prep.stdout
+    run_dir = tmp_path / "run"
+    proc = _cli("train", "configs/tiny.yaml", "data.source=tokens", f"data.paths=[{tmp_path / 'data' / 'data.bin'}]",
+                "train.steps=30", f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0] - 1.0
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "needle"),
+    [
+        (lambda d: (d / "empty.bin").write_bytes(b""), ["data.source=tokens", "data.paths=[{d}/empty.bin]"],
+         "empty.bin is empty"),
+        (lambda d: (d / "doc.txt").write_text("short"), ["data.source=text", "data.paths=[{d}/doc.txt]",
+                                                           "data.packing=false", "data.val_fraction=0.0"],
+         "doc.txt has 5 tokens"),
+    ],
+    ids=["empty-file", "seq-longer-than-document"],
+)
+def test_bad_data_through_the_cli(tmp_path, setup, args, needle):
+    setup(tmp_path)
+    proc = _cli("train", "configs/tiny.yaml", f"run.dir={tmp_path / 'run'}", *(a.format(d=tmp_path) for a in args))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert needle in proc.stderr
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+    proc = _cli("train", "configs/tiny.yaml", "train.steps=6", "run.profile_steps=[3,4]", f"run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+
+
+@pytest.mark.heavy
+def test_main_job_ends_within_ten_percent_of_the_floor(tmp_path):
+    proc = _cli("train", "configs/tiny.yaml", f"run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    final = sum(r["loss"] for r in records[-20:]) / 20
+    assert len(records) == 600 and final <= 1.10 * records[-1]["loss_floor"]
+    assert (tmp_path / "checkpoints" / "600").is_dir() and "checkpoints in" in proc.stdout

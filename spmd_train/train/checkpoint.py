@@ -31,12 +31,14 @@ ARCHITECTURE_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head
 class Checkpointer:
     """Save and restore train states under one directory (`run.dir/checkpoints`)."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.directory = Path(directory).absolute()
+        if read_only and not self.directory.is_dir():
+            raise ConfigError(f"no checkpoint directory at {self.directory}")
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=True),
+                                                 create=not read_only, read_only=read_only),
         )
 
     def steps(self) -> list[int]:

@@ -120,7 +120,7 @@ class Trainer:
         new: list[dict[str, Any]] = []
         every = self.cfg.checkpoint.every
         profile = self.cfg.run.profile_steps
-        with self._signals(), sink_closed(sink):
+        with self._signals(), sink_closed(sink), _trace_closed():
             pending, done_at = None, time.perf_counter()
             for index in range(first, last):
                 if profile and index + 1 == profile[0]:
@@ -164,7 +164,7 @@ class Trainer:
 
     def restore(self, path: str | Path | None = None) -> TrainState:
         """Restore the latest checkpoint of this run (or of another run directory) onto this mesh."""
-        source = Checkpointer(Path(path) / "checkpoints") if path else self.checkpointer
+        source = Checkpointer(Path(path) / "checkpoints", read_only=True) if path else self.checkpointer
         restored = source.restore_latest(self._abstract_state(), self._checker(Path(path or self.run_dir)))
         if restored is None:
             raise ConfigError(f"no checkpoint found in {source.directory}")
@@ -218,7 +218,7 @@ class Trainer:
 
     def _load_weights(self, path: Path) -> None:
         run_dir = path.parent if path.name == "checkpoints" else path
-        source = Checkpointer(run_dir / "checkpoints")
+        source = Checkpointer(run_dir / "checkpoints", read_only=True)
         if not source.steps():
             raise ConfigError(f"checkpoint.load_from={path} holds no checkpoint (valid: a run.dir with checkpoints)")
         _, restored, _ = source.restore_latest(self._abstract_state(), self._checker(run_dir))
@@ -270,6 +270,16 @@ class Trainer:
     def _say(self, message: str) -> None:
         if jax.process_index() == 0:
             logging.getLogger("spmd_train").info(message)
+
+
+@contextlib.contextmanager
+def _trace_closed():
+    """Stop a profiler trace the loop started if the run ends before its last profiled step."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(RuntimeError):  # raised when no trace is active
+            jax.profiler.stop_trace()
 
 
 @contextlib.contextmanager

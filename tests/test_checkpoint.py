@@ -107,8 +107,6 @@ def test_a_crash_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     ck = Checkpointer(tmp_path)
     assert ck.steps() == [1]  # the half-written step 2 is not listed
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name not in ("1",)]
-    assert leftovers, "step 2 should have left a temporary directory behind"
     step, state, meta = ck.restore_latest({"w": jax.ShapeDtypeStruct((4,), np.float32)}, check=lambda m: None)
     assert step == 1 and meta == {"step": 1}
     np.testing.assert_array_equal(np.asarray(state["w"]), np.ones(4))

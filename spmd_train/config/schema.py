@@ -42,6 +42,8 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
+    attention: Literal["auto", "pallas", "cudnn", "xla"] = "auto"
+    """auto: Pallas kernel on TPU, cuDNN on GPU, plain XLA on CPU (where Pallas runs only in interpret mode)."""
 
     @property
     def resolved_head_dim(self) -> int:

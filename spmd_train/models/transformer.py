@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd_train.config.schema import ModelConfig
-from spmd_train.models.layers import apply_rope, dense, dot_product_attention, param, rope_tables, weight
+from spmd_train.models.layers import apply_rope, dense, param, rope_tables, weight
+from spmd_train.parallel.attention import attention
 from spmd_train.models.remat import apply_remat
 from spmd_train.sharding.constrain import constrain
 
@@ -45,6 +46,7 @@ class Attention(nnx.Module):
         self.wv = param(rngs.params(), (d, cfg.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, **kw)
         self.wo = param(rngs.params(), (cfg.num_heads, hd, d), ("heads", "head_dim", "embed"), std=out_std, **kw)
         self.compute_dtype = cfg.compute_dtype
+        self.attention_impl = cfg.attention
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         dt = self.compute_dtype
@@ -52,7 +54,7 @@ class Attention(nnx.Module):
         k = constrain(dense("bld,dhk->blhk", x, self.wk, dt), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(dense("bld,dhk->blhk", x, self.wv, dt), ("batch", "length", "kv_heads", "head_dim"))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = constrain(dot_product_attention(q, k, v, causal=True), ("batch", "length", "heads", "head_dim"))
+        out = constrain(attention(q, k, v, impl=self.attention_impl), ("batch", "length", "heads", "head_dim"))
         return constrain(dense("blhk,hkd->bld", out, self.wo, dt), RESIDUAL)
 
 

@@ -1,0 +1,1 @@
+"""Pallas kernels. They know nothing of meshes: callers wrap them in shard_map."""

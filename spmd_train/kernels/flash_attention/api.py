@@ -1,0 +1,150 @@
+"""`flash_attention`: validation, padding, layout and the custom VJP around the Pallas kernels."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmd_train.kernels.flash_attention import kernel
+from spmd_train.kernels.flash_attention.kernel import Plan
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Rows per program (block_q) and the K/V tile each program steps through (block_k)."""
+
+    block_q: int = 128
+    block_k: int = 128
+
+
+DEFAULT_BLOCKS = {"tpu": BlockSizes(512, 512), "cpu": BlockSizes(128, 128)}
+TPU_VMEM_BUDGET = 32 * 2**20
+"""Scoped VMEM these kernels may use on TPU (v5p reports 64 MiB; half leaves room for the compiler)."""
+
+
+def tpu_vmem_bytes(q_shape, kv_shape, dtype, block_sizes: BlockSizes | None = None) -> int:
+    """VMEM the kernels need on TPU for these per-device shapes (the largest of the three kernels).
+
+    Each program keeps the whole (padded) K/V of its head resident, and the dk/dv kernel the
+    queries, output gradients and softmax statistics of its head group, double-buffered; row
+    statistics occupy a full 128-lane row each. This bounds the sequence length the kernels
+    take today; longer sequences need K/V tiled over the grid.
+    """
+    blocks = block_sizes or DEFAULT_BLOCKS["tpu"]
+    _, lq, h, d = q_shape
+    lk, kvh = kv_shape[1], kv_shape[2]
+    isz = jnp.dtype(dtype).itemsize
+    lq_pad = _round_up(lq, min(blocks.block_q, _round_up(lq, 8)))
+    lk_pad = _round_up(lk, min(blocks.block_k, _round_up(lk, 8)))
+    kv_resident = 2 * (2 * lk_pad * d * isz + lk_pad * 4)
+    group = h // kvh
+    q_resident = 2 * group * lq_pad * (2 * d * isz + 2 * 128 * 4)
+    return max(kv_resident, q_resident)
+
+
+def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale: float | None = None,
+                    block_sizes: BlockSizes | None = None, return_lse: bool = False, interpret: bool | None = None):
+    """Attention of q [batch, lq, heads, head_dim] over k, v [batch, lk, kv_heads, head_dim].
+
+    Grouped-query attention when kv_heads divides heads (K/V are never repeated). `segment_ids`:
+    None, one [batch, length] int array for both sides (packed sequences), or a
+    (q_segments [batch, lq], kv_segments [batch, lk]) pair. Causal attention needs lq == lk.
+    Returns the output in q's dtype, and with `return_lse` also the fp32 log-sum-exp
+    [batch, heads, lq] so blockwise results can be merged exactly. `interpret` defaults to True
+    on CPU (the kernels then run as ordinary XLA ops, slowly, for testing).
+    """
+    q_seg, kv_seg = _check(q, k, v, causal, segment_ids)
+    platform = jax.devices()[0].platform if interpret is None else ("cpu" if interpret else "tpu")
+    if platform == "gpu":
+        raise NotImplementedError("the Pallas flash-attention kernel has no GPU lowering yet; use "
+                                  "model.attention=cudnn or xla on GPUs")
+    blocks = block_sizes or DEFAULT_BLOCKS.get(platform, BlockSizes())
+    if platform == "tpu" and tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks) > TPU_VMEM_BUDGET:
+        need = tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks)
+        raise ValueError(f"q {q.shape} / k {k.shape} need {need / 2**20:.0f} MiB of TPU VMEM in these kernels "
+                         f"(budget {TPU_VMEM_BUDGET / 2**20:.0f} MiB): the sequence is too long for them; use "
+                         "model.attention=xla (or auto, which falls back) for this length")
+    b, lq, h, d = q.shape
+    lk, kvh = k.shape[1], k.shape[2]
+    block_q = min(blocks.block_q, _round_up(lq, 8))
+    block_k = min(blocks.block_k, _round_up(lk, 8))
+    if platform == "tpu" and block_k < _round_up(lk, 8) and block_k % 128:
+        # K/V tiles are sliced out of the segment-id row along TPU lanes: whole lane groups only.
+        block_k = _round_up(block_k, 128)
+    plan = Plan(scale=float(softmax_scale if softmax_scale is not None else d**-0.5), causal=causal,
+                block_q=block_q, block_k=block_k, q_len=lq, kv_len=lk, groups=h // kvh,
+                interpret=platform == "cpu", poison=kernel.poison_requested())
+    lq_pad, lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
+    # [b, l, h, d] -> [b, h, l_padded, d]; segment ids as [b, lq, 1] and [b, 1, lk] (TPU tiling).
+    qt = _pad(jnp.swapaxes(q, 1, 2), 2, lq_pad)
+    kt = _pad(jnp.swapaxes(k, 1, 2), 2, lk_pad)
+    vt = _pad(jnp.swapaxes(v, 1, 2), 2, lk_pad)
+    qs = _pad(q_seg.astype(jnp.int32), 1, lq_pad)[:, :, None]
+    ks = _pad(kv_seg.astype(jnp.int32), 1, lk_pad, value=-1)[:, None, :]
+    out, lse = _attention(qt, kt, vt, qs, ks, plan)
+    out = jnp.swapaxes(out[:, :, :lq], 1, 2)
+    return (out, lse[:, :, :lq, 0]) if return_lse else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, q_seg, kv_seg, plan):
+    return tuple(kernel.forward(q, k, v, q_seg, kv_seg, plan))
+
+
+def _attention_fwd(q, k, v, q_seg, kv_seg, plan):
+    out, lse = kernel.forward(q, k, v, q_seg, kv_seg, plan)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _attention_bwd(plan, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    d_out, _ = cotangents  # the log-sum-exp is returned for merging, not differentiated through
+    dq, dk, dv = kernel.backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan)
+    no_grad = [np.zeros(x.shape, jax.dtypes.float0) for x in (q_seg, kv_seg)]
+    return dq, dk, dv, *no_grad
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _check(q, k, v, causal, segment_ids):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [batch, length, heads, head_dim]; got shapes {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {k.shape} and v {v.shape}")
+    b, lq, h, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k/v {k.shape} do not match q {q.shape}: batch and head_dim must agree")
+    if h % k.shape[2]:
+        raise ValueError(f"k/v heads ({k.shape[2]}) must divide q heads ({h}) for grouped-query attention; "
+                         f"q {q.shape}, k {k.shape}")
+    if causal and k.shape[1] != lq:
+        raise ValueError(f"causal attention needs equal q and k/v lengths; got q {q.shape}, k {k.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16")
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if segment_ids is None:
+        return jnp.zeros((b, lq), jnp.int32), jnp.zeros((b, k.shape[1]), jnp.int32)
+    q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+    if q_seg.shape != (b, lq) or kv_seg.shape != (b, k.shape[1]):
+        raise ValueError(f"segment_ids must be [batch, length]: {(b, lq)} for q {q.shape} and {(b, k.shape[1])} "
+                         f"for k/v {k.shape}; got {q_seg.shape} and {kv_seg.shape}")
+    return q_seg, kv_seg
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pad(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)

@@ -1,0 +1,1 @@
+"""Parallel execution of pure layer functions: kernels inside shard_map, and later pipelines and experts."""

@@ -1,0 +1,177 @@
+"""Pallas flash attention (interpret mode on CPU) against a float64 reference, and its TPU compile."""
+
+import itertools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
+from spmd_train.kernels.flash_attention.kernel import poisoned_outputs
+
+
+def reference64(q, k, v, do, causal, segments):
+    """Forward and gradients in float64 numpy, written from the definitions."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    b, lq, h, d = q.shape
+    lk, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # head j uses K/V head j // g
+    s = np.einsum("blhd,bmhd->bhlm", q, kr) / np.sqrt(d)
+    mask = np.ones((b, 1, lq, lk), bool)
+    if causal:
+        mask &= np.tril(np.ones((lq, lk), bool))
+    if segments is not None:
+        seg = np.asarray(segments)
+        mask &= seg[:, None, :, None] == seg[:, None, None, :]
+    s = np.where(mask, s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    p = np.where(mask, np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
+    den = p.sum(-1, keepdims=True)
+    p = p / np.where(den == 0, 1, den)
+    out = np.einsum("bhlm,bmhd->blhd", p, vr)
+    dp = np.einsum("blhd,bmhd->bhlm", do, vr)
+    ds = p * (dp - np.einsum("blhd,blhd->bhl", do, out)[..., None])
+    dq = np.einsum("bhlm,bmhd->blhd", ds, kr) / np.sqrt(d)
+    dk = np.einsum("bhlm,blhd->bmhd", ds, q).reshape(b, lk, kvh, g, d).sum(3) / np.sqrt(d)
+    dv = np.einsum("bhlm,blhd->bmhd", p, do).reshape(b, lk, kvh, g, d).sum(3)
+    return out, dq, dk, dv
+
+
+GRID = list(itertools.product([1, 17, 129, 384], [64, 128], [True, False], [1, 2, 4], [False, True]))
+CASES = random.Random(2026).sample(GRID, 14)
+BLOCKS = [BlockSizes(32, 32), BlockSizes(64, 32), BlockSizes(128, 64), BlockSizes(16, 128)]
+
+
+@pytest.mark.parametrize(("length", "head_dim", "causal", "groups", "segmented"), CASES,
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_forward_and_gradients_match_float64(length, head_dim, causal, groups, segmented, dtype):
+    seed = hash((length, head_dim, causal, groups, segmented)) % 2**31
+    keys = jax.random.split(jax.random.key(seed), 5)
+    b, kvh = 2, 2
+    q = jax.random.normal(keys[0], (b, length, kvh * groups, head_dim), dtype)
+    k = jax.random.normal(keys[1], (b, length, kvh, head_dim), dtype)
+    v = jax.random.normal(keys[2], (b, length, kvh, head_dim), dtype)
+    do = jax.random.normal(keys[3], q.shape, dtype)
+    segments = None
+    if segmented:  # packed documents; row 0 of batch 1 forms a segment of its own
+        segments = jnp.sort(jax.random.randint(keys[4], (b, length), 0, 4), axis=1)
+    blocks = BLOCKS[seed % len(BLOCKS)]
+    with poisoned_outputs():
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segments,
+                                                           block_sizes=blocks), q, k, v)
+        grads = vjp(do)
+    expected = reference64(q, k, v, do, causal, segments)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for got, want in zip((out, *grads), expected, strict=True):
+        got = np.asarray(got, np.float64)
+        assert not np.isnan(got).any()
+        # Relative error; a gradient that is exactly zero (length 1: softmax of one key) is judged absolutely.
+        assert np.linalg.norm(got - want) <= tol * max(np.linalg.norm(want), 1.0)
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+
+
+def test_non_causal_with_different_lengths_and_lse():
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (1, 33, 4, 64))
+    k = jax.random.normal(keys[1], (1, 70, 2, 64))
+    v = jax.random.normal(keys[2], (1, 70, 2, 64))
+    out, lse = flash_attention(q, k, v, causal=False, return_lse=True, block_sizes=BlockSizes(16, 32))
+    expected, _, _, _ = reference64(q, k, v, np.zeros(q.shape), False, None)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    s = np.einsum("blhd,bmhd->bhlm", np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 2, 2)) / 8.0
+    np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), rtol=1e-5)
+
+
+def test_rows_with_nothing_to_attend_give_zeros_not_nan():
+    q = jnp.ones((1, 8, 2, 64))
+    kv = jnp.ones((1, 8, 2, 64))
+    # Segments differ on every position of q and k: every row is fully masked.
+    segments = (jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32))
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=False, segment_ids=segments), q, kv, kv)
+    grads = vjp(jnp.ones_like(out))
+    assert np.all(np.asarray(out) == 0) and all(np.all(np.asarray(g) == 0) for g in grads)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "kwargs", "needle"),
+    [
+        (((1, 8, 4, 64), (1, 8, 2, 32), (1, 8, 2, 32)), {}, "head_dim must agree"),
+        (((1, 8, 4, 64), (1, 8, 3, 64), (1, 8, 3, 64)), {}, "must divide q heads"),
+        (((1, 8, 4, 64), (1, 8, 2, 64), (1, 8, 2, 64)), {"segment_ids": jnp.zeros((1, 7), jnp.int32)},
+         "segment_ids must be [batch, length]"),
+        (((1, 8, 4, 64), (1, 9, 2, 64), (1, 9, 2, 64)), {}, "causal attention needs equal"),
+    ],
+    ids=["head-dim", "gqa", "segments", "causal-lengths"],
+)
+def test_bad_input_names_the_shapes(shapes, kwargs, needle):
+    q, k, v = (jnp.zeros(s) for s in shapes)
+    with pytest.raises(ValueError) as err:
+        flash_attention(q, k, v, **kwargs)
+    assert needle in str(err.value) and str(shapes[0]) in str(err.value)
+
+
+def test_unsupported_dtype():
+    x = jnp.zeros((1, 8, 2, 64), jnp.float16)
+    with pytest.raises(ValueError, match="float16; supported: float32, bfloat16"):
+        flash_attention(x, x, x)
+
+
+def test_inside_the_model_pallas_matches_xla(devices):
+    from tests.runs import relative_error, run_steps
+
+    xla, xla_params, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.attention=xla"], devices)
+    pallas, pallas_params, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.attention=pallas"], devices)
+    assert np.max(np.abs(pallas - xla) / np.abs(xla)) <= 1e-5
+    assert relative_error(pallas_params, xla_params) <= 1e-5
+
+
+def test_inside_the_model_under_grad_accumulation_shard_map(devices):
+    from tests.runs import run_steps
+
+    xla, _, _, _ = run_steps(["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "train.grad_accum=2",
+                              "model.attention=xla"], devices, steps=2)
+    pallas, _, _, _ = run_steps(["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "train.grad_accum=2",
+                                 "model.attention=pallas"], devices, steps=2)
+    assert np.max(np.abs(pallas - xla) / np.abs(xla)) <= 1e-5
+
+
+@pytest.mark.skipif(not __import__("spmd_train.analysis.topology", fromlist=["x"]).has_libtpu(),
+                    reason="needs the tpu-aot extra")
+def test_kernels_compile_for_tpu_inside_shard_map():
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from spmd_train.analysis import tpu_topology_devices
+
+    mesh = Mesh(np.array(tpu_topology_devices("v5e:2x2")).reshape(2, 2), ("data", "tensor"),
+                axis_types=(AxisType.Explicit,) * 2)
+    spec = P("data", None, "tensor", None)
+
+    def loss(q, k, v):
+        out = jax.shard_map(lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=False), mesh=mesh,
+                            in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((4, 2048, 8, 128), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    kv = jax.ShapeDtypeStruct((4, 2048, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+    assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv: Mosaic kernels, not XLA fallbacks
+
+
+def test_long_sequences_fall_back_to_xla_on_tpu_and_pallas_refuses_them_clearly():
+    from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, tpu_vmem_bytes
+    from spmd_train.parallel.attention import resolve
+
+    short = tpu_vmem_bytes((1, 2048, 4, 128), (1, 2048, 1, 128), jnp.bfloat16)
+    long = tpu_vmem_bytes((1, 8192, 4, 128), (1, 8192, 1, 128), jnp.bfloat16)
+    assert short <= TPU_VMEM_BUDGET < long
+    assert resolve("auto", "tpu", True) == "pallas" and resolve("auto", "tpu", False) == "xla"
+    assert resolve("auto", "cpu") == "xla" and resolve("auto", "gpu") == "cudnn" and resolve("pallas", "cpu") == "pallas"
+    x = jnp.zeros((1, 8192, 4, 128), jnp.bfloat16)
+    kv = jnp.zeros((1, 8192, 1, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="MiB of TPU VMEM"):
+        flash_attention(x, kv, kv, interpret=False)

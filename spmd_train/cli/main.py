@@ -11,6 +11,7 @@ import jax
 
 from spmd_train.analysis import describe
 from spmd_train.cli.render import render
+from spmd_train.cli.schedule import schedule_report
 from spmd_train.config import load_config
 from spmd_train.data import prepare_data
 from spmd_train.devices import simulate_devices, start_distributed
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
             meta = json.loads(path.with_suffix(".json").read_text())
             print(f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']} documents, {meta['dtype']}, vocab "
                   f"{meta['vocab_size']}) to {path}; train on it with data.source=tokens data.paths=[{path}]")
+            return 0
+        if args.command == "schedule":
+            print(schedule_report(args.schedule, args.stages, args.microbatches, args.virtual))
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "describe" and args.topology:
@@ -106,6 +110,14 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument("--tokenizer", default="byte", help="byte (default), tiktoken:NAME or sentencepiece:PATH")
     prep.add_argument("--name", default="data", help="file name stem (default: data)")
+    sched = sub.add_parser("schedule", help="print a pipeline schedule's timeline, bubble and in-flight activations",
+                           description="Print which stage runs which forward/backward at each tick of a pipeline "
+                           "schedule, and its bubble fraction, peak in-flight activations and transfers.")
+    sched.add_argument("--stages", type=int, required=True, metavar="P", help="pipeline stages (mesh.pipeline)")
+    sched.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches per step")
+    sched.add_argument("--schedule", required=True, metavar="NAME", help="gpipe, 1f1b or interleaved_1f1b")
+    sched.add_argument("--virtual", type=int, metavar="V",
+                       help="model chunks per stage (default: 2 for interleaved_1f1b, else 1)")
     return parser
 
 

@@ -136,15 +136,100 @@ def check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
             f"train.seq_len={t.seq_len} is not divisible by {why} = {length_ways}: "
             f"tokens are split over these axes (valid: a multiple of {length_ways})"
         )
-    # Until pipeline stages and context-parallel attention land, these axes must stay 1;
-    # `expert` is already valid because outside MoE layers it is one more batch axis.
-    for axis in ("pipeline", "sequence"):
-        if sizes[axis] != 1:
-            raise ConfigError(
-                f"mesh.{axis}={sizes[axis]} is not supported yet: {axis} parallelism is not implemented "
-                "in this version (valid: 1)"
-            )
+    if sizes["pipeline"] > 1:
+        check_pipeline(cfg, sizes)
+    # Until context-parallel attention lands, `sequence` must stay 1; `expert` is already valid
+    # because outside MoE layers it is one more batch axis.
+    if sizes["sequence"] != 1:
+        raise ConfigError(
+            f"mesh.sequence={sizes['sequence']} is not supported yet: sequence (context) parallelism is not "
+            "implemented in this version (valid: 1)"
+        )
+
+
+def check_pipeline(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """Pipeline keys against the model depth and the batch (the schedule checks its own numbers)."""
+    from spmd_train.parallel.schedules import build_schedule  # pure Python; imported late to keep config light
+
+    p, par, m, t = sizes["pipeline"], cfg.parallel, cfg.model, cfg.train
+    v = par.virtual_stages
+    if par.pipeline_schedule != "interleaved_1f1b" and v != 1:
+        raise ConfigError(f"parallel.virtual_stages={v} is invalid for parallel.pipeline_schedule="
+                          f"{par.pipeline_schedule} (valid: 1; use interleaved_1f1b for virtual stages)")
+    if par.pipeline_schedule == "interleaved_1f1b" and v < 2:
+        raise ConfigError(f"parallel.virtual_stages={v} is invalid for interleaved_1f1b (valid: >= 2)")
+    if m.num_layers % (p * v):
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} x parallel.virtual_stages={v} "
+            f"= {p * v}: every stage{' chunk' if v > 1 else ''} gets the same number of layers "
+            f"(valid: a model with a multiple of {p * v} layers{'' if m.preset is None else ', not preset ' + repr(m.preset) + ' as is'}, "
+            f"or mesh.pipeline x virtual_stages in {_divisors(m.num_layers)})"
+        )
+    rows = t.global_batch_size // (t.grad_accum * sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    micro = resolved_microbatches(cfg, p, rows)
+    if micro < 1 or rows % micro:
+        raise ConfigError(
+            f"parallel.microbatches={micro} does not divide the {rows} rows each device gets per step "
+            f"(train.global_batch_size={t.global_batch_size} / train.grad_accum={t.grad_accum} / batch axes): "
+            f"microbatches must be equal (valid: a divisor of {rows}: {_divisors(rows)})"
+        )
+    build_schedule(par.pipeline_schedule, p, micro, v)
+    if m.moe_every:
+        raise ConfigError(f"model.moe_every={m.moe_every} with mesh.pipeline={p}: MoE layers inside pipeline "
+                          "stages are not supported yet (valid: mesh.pipeline=1 for MoE models)")
+
+
+def resolved_microbatches(cfg: Config, stages: int, rows: int) -> int:
+    """parallel.microbatches, or by default the largest of 4p, 2p, p that divides a device's rows per step."""
+    if cfg.parallel.microbatches is not None:
+        return cfg.parallel.microbatches
+    for m in (4 * stages, 2 * stages):
+        if rows % m == 0:
+            return m
+    return stages
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
+    """Mixture-of-experts keys against the model, the resolved mesh axis sizes and the platform compiled for."""
+    m = cfg.model
+    if m.moe_every == 0:  # MoE off: the other MoE keys are unused
+        return
+    if m.moe_every < 0 or m.num_layers % m.moe_every:
+        raise ConfigError(
+            f"model.moe_every={m.moe_every} is invalid for model.num_layers={m.num_layers}: it must be 0 (no MoE) "
+            f"or divide num_layers (valid: 0, {_divisors(m.num_layers)})"
+        )
+    if m.num_experts < 1:
+        raise ConfigError(f"model.num_experts={m.num_experts} is invalid: it must be a positive integer")
+    if not 1 <= m.experts_per_token <= m.num_experts:
+        raise ConfigError(
+            f"model.experts_per_token={m.experts_per_token} is invalid with model.num_experts={m.num_experts} "
+            f"(valid: 1 to {m.num_experts})"
+        )
+    if m.capacity_factor <= 0:
+        raise ConfigError(f"model.capacity_factor={m.capacity_factor} is invalid: it must be > 0")
+    if m.moe_d_ff is not None and m.moe_d_ff < 1:
+        raise ConfigError(f"model.moe_d_ff={m.moe_d_ff} is invalid: it must be a positive integer (or null: d_ff)")
+    if m.num_shared_experts < 0:
+        raise ConfigError(f"model.num_shared_experts={m.num_shared_experts} is invalid: it must be >= 0")
+    expert = sizes["expert"]
+    if m.num_experts % expert:
+        raise ConfigError(
+            f"model.num_experts={m.num_experts} is not divisible by mesh.expert={expert}: each device of the "
+            f"expert axis holds num_experts / mesh.expert experts (valid mesh.expert: {_divisors(m.num_experts)})"
+        )
+    tensor = sizes["tensor"]
+    if m.resolved_moe_d_ff % tensor:
+        raise ConfigError(
+            f"model.moe_d_ff={m.resolved_moe_d_ff} is not divisible by mesh.tensor={tensor}: tensor parallelism "
+            f"splits each expert's hidden width (valid mesh.tensor: {_divisors(m.resolved_moe_d_ff)})"
+        )
+    if m.moe_impl == "dropless" and platform == "cpu":
+        raise ConfigError(
+            "model.moe_impl=dropless needs ragged all-to-all, which XLA:CPU does not implement; use "
+            "moe_impl=capacity here, or compile it for a TPU with `spmd-train describe --topology`"
+        )

@@ -44,11 +44,36 @@ class ModelConfig:
     param_dtype: DType = "float32"
     attention: Literal["auto", "pallas", "cudnn", "xla"] = "auto"
     """auto: Pallas kernel on TPU, cuDNN on GPU, plain XLA on CPU (where Pallas runs only in interpret mode)."""
+    moe_every: int = 0
+    """Mixture of experts: 0 = none; k = every k-th layer's MLP is an MoE layer."""
+    num_experts: int = 8
+    """Routed experts per MoE layer (split over mesh.expert)."""
+    experts_per_token: int = 2
+    """Top-k: experts each token is sent to."""
+    moe_d_ff: int | None = None
+    """Hidden width of each expert's SwiGLU; defaults to d_ff."""
+    capacity_factor: float = 1.25
+    """moe_impl=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts)."""
+    num_shared_experts: int = 0
+    """Experts every token goes through (one SwiGLU of width num_shared_experts x moe_d_ff)."""
+    router_aux_weight: float = 0.01
+    """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
+    router_z_weight: float = 0.001
+    """Weight of the router z-loss (mean squared logsumexp of router logits)."""
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """How router logits become expert scores before top-k (gates are renormalised to sum to 1)."""
+    moe_impl: Literal["capacity", "dropless"] = "capacity"
+    """capacity: fixed slots per expert, overflow dropped (all-to-all); dropless: ragged all-to-all (GPU/TPU only)."""
 
     @property
     def resolved_head_dim(self) -> int:
         """Per-head width: `head_dim` when set, else d_model // num_heads."""
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def resolved_moe_d_ff(self) -> int:
+        """Per-expert hidden width: `moe_d_ff` when set, else d_ff."""
+        return self.moe_d_ff if self.moe_d_ff is not None else self.d_ff
 
 
 @dataclass(frozen=True)
@@ -80,6 +105,8 @@ class RulesConfig:
             "kv_heads": ("tensor",),
             "head_dim": (),
             "mlp": ("tensor",),
+            "experts": ("expert",),
+            "expert_mlp": ("tensor",),
         }
     )
     activations: dict[str, tuple[str, ...]] = field(
@@ -93,6 +120,8 @@ class RulesConfig:
             "head_dim": (),
             "mlp": ("tensor",),
             "vocab": ("tensor",),
+            "experts": ("expert",),
+            "expert_mlp": ("tensor",),
         }
     )
 
@@ -127,6 +156,12 @@ class ParallelConfig:
     zero_stage: Literal[0, 1, 2, 3] = 3
     sequence_parallel: bool = False
     remat: RematPolicy = "none"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    """Microbatch schedule of the pipeline stages (used when mesh.pipeline > 1)."""
+    microbatches: int | None = None
+    """Microbatches per pipeline flush; default 4 x mesh.pipeline (fewer if the batch does not divide)."""
+    virtual_stages: int = 1
+    """Chunks of layers per device for interleaved_1f1b (>= 2 there, 1 otherwise)."""
 
 
 @dataclass(frozen=True)

@@ -109,27 +109,40 @@ class Transformer(nnx.Module):
                                  dtype=cfg.param_dtype)
 
     def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
-        cfg, dt = self.cfg, self.cfg.compute_dtype
+        graphdef, stacked = nnx.split(self.blocks)
+        x = apply_blocks(graphdef, stacked, self.embed(tokens), self.cfg, remat)
+        return self.head(x)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token ids [batch, length] -> the residual stream [batch, length, d_model] in the compute dtype."""
         # The table in its compute layout (FSDP shards gathered, vocabulary still split): XLA's
         # partitioner cannot gather rows from a table split along `embed` inside shard_map.
         # Each vocabulary shard looks up its own rows into a full-length partial sum, which is
         # then reduced (and under sequence parallelism scattered on length) into the residual.
         with jax.named_scope("embedding"):
-            table = weight(self.embedding, dt)
+            table = weight(self.embedding, self.cfg.compute_dtype)
             x = constrain(jnp.take(table, tokens, axis=0), ("batch", "length", "embed"))
-            x = constrain(x, RESIDUAL)
-        cos, sin = rope_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
-        graphdef, stacked = nnx.split(self.blocks)
+            return constrain(x, RESIDUAL)
 
-        def layer(carry, layer_params):
-            return nnx.merge(graphdef, layer_params)(carry, cos, sin), None
-
-        x, _ = jax.lax.scan(apply_remat(layer, remat), x, stacked)
-        return apply_remat(self._head, "none")(x)
-
-    def _head(self, x: jax.Array) -> jax.Array:
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: the residual stream -> logits [batch, length, vocab]."""
         x = self.final_norm(x)
         dt = self.cfg.compute_dtype
         if self.cfg.tie_embeddings:
             return constrain(dense("bld,vd->blv", x, self.embedding, dt), ("batch", "length", "vocab"))
         return constrain(dense("bld,dv->blv", x, self.lm_head, dt), ("batch", "length", "vocab"))
+
+
+def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: ModelConfig,
+                 remat: str = "none") -> jax.Array:
+    """Run layers whose parameters are stacked on a leading axis (any number of them) with `lax.scan`.
+
+    The whole model calls this on all its layers; a pipeline stage on its own slice of them.
+    """
+    cos, sin = rope_tables(x.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
+
+    def layer(carry, layer_params):
+        return nnx.merge(graphdef, layer_params)(carry, cos, sin), None
+
+    x, _ = jax.lax.scan(apply_remat(layer, remat), x, stacked)
+    return x

@@ -24,7 +24,8 @@ class Layout:
     `params` is the table for fully sharded parameters (as written in the rules). The ZeRO
     stage chooses per tree whether `fsdp` is kept: parameters keep it at stage 3, gradients
     at stage >= 2, optimizer state at stage >= 1; otherwise that tree is replicated over
-    `fsdp`. Activation rules gain `tensor` on `norm_length` under sequence parallelism.
+    `fsdp`. Activation rules gain `tensor` on `norm_length` under sequence parallelism, and
+    parameter rules `pipeline` on `layers` when there is more than one pipeline stage.
     """
 
     mesh: Mesh
@@ -40,6 +41,9 @@ class Layout:
             norm = acts.get("norm_length", ())
             acts["norm_length"] = norm if "tensor" in norm else (*norm, "tensor")
         params = {k: tuple(v) for k, v in cfg.mesh.rules.params.items()}
+        if mesh.shape.get("pipeline", 1) > 1 and "pipeline" not in params.get("layers", ()):
+            # Pipeline stages own contiguous blocks of the layer stack, whatever the preset says.
+            params["layers"] = ("pipeline", *params.get("layers", ()))
         return cls(mesh=mesh, params=params, activations=acts, zero_stage=cfg.parallel.zero_stage)
 
     def activation_spec(self, logical: LogicalSpec, shape: tuple[int, ...] | None = None) -> P:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -27,6 +28,8 @@ from spmd_train.sharding.constrain import constrain, use_layout
 from spmd_train.sharding.rules import Layout
 from spmd_train.train.gradients import loss_and_grads
 from spmd_train.train.loss import cross_entropy
+from spmd_train.parallel.pipeline_plan import Plan
+from spmd_train.train.pipelined import layer_order, pipeline_plan, pipeline_value_and_grad
 from spmd_train.train.optimizer import lr_schedule, make_optimizer
 
 
@@ -53,6 +56,11 @@ class Engine:
     schedule: optax.Schedule
     state_shardings: TrainState
     batch_sharding: NamedSharding
+    block_graphdef: nnx.GraphDef
+    plan: Plan | None = None
+    """The pipeline program when mesh.pipeline > 1."""
+    layer_order: np.ndarray | None = None
+    """Model layer of each stored row of the layer stack, when it is not the identity (interleaved 1F1B)."""
 
     @classmethod
     def build(cls, cfg: Config, devices: list[jax.Device] | None = None) -> Engine:
@@ -64,6 +72,7 @@ class Engine:
         layout = Layout.from_config(cfg, mesh)
         abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
         graphdef, abstract_state = nnx.split(abstract)
+        block_graphdef = nnx.split(abstract.blocks)[0]
         logical = nnx.to_pure_dict(
             jax.tree.map(
                 lambda v: v.get_metadata()["logical_axes"], abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
@@ -80,13 +89,20 @@ class Engine:
             transform_non_params=lambda _: NamedSharding(mesh, P()),
         )
         state_sh = TrainState(step=NamedSharding(mesh, P()), params=param_sh, opt_state=opt_sh)
+        plan = order = None
+        if mesh.shape["pipeline"] > 1:
+            plan = pipeline_plan(cfg, dict(mesh.shape))
+            order = layer_order(cfg.model.num_layers, mesh.shape["pipeline"], cfg.parallel.virtual_stages)
+            if (order == np.arange(order.size)).all():
+                order = None
         return cls(cfg, mesh, layout, graphdef, logical, shapes, tx, lr_schedule(cfg.optim, cfg.train.steps),
-                   state_sh, layout.batch_sharding())
+                   state_sh, layout.batch_sharding(), block_graphdef, plan, order)
 
     def init_state(self) -> TrainState:
         """Fresh parameters and optimizer state, created directly in their shardings.
 
-        The values depend only on `train.seed`, never on the mesh.
+        The values depend only on `train.seed`, never on the mesh (up to the stored order of
+        the layer stack under interleaved 1F1B; see `model_params`).
         """
         return self.init_fn()
 
@@ -95,8 +111,12 @@ class Engine:
         """The jitted initialiser: each device computes only its own shards."""
         model_cfg, seed = self.cfg.model, self.cfg.train.seed
 
+        order = self.layer_order
+
         def init():
             params = nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed))))
+            if order is not None:
+                params = {**params, "blocks": jax.tree.map(lambda a: a[order], params["blocks"])}
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
 
         return jax.jit(init, out_shardings=self.state_shardings)
@@ -106,9 +126,16 @@ class Engine:
         """Total parameter count."""
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.param_shapes))
 
+    def model_params(self, params: Any) -> Any:
+        """Stored parameters with the layer stack in model order (they differ only under interleaved 1F1B)."""
+        if self.layer_order is None:
+            return params
+        inverse = np.argsort(self.layer_order)
+        return {**params, "blocks": jax.tree.map(lambda a: a[inverse], params["blocks"])}
+
     def loss(self, params: Any, tokens: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy of a [batch, seq_len + 1] token array."""
-        model = nnx.merge(self.graphdef, params)
+        """Mean next-token cross-entropy of a [batch, seq_len + 1] token array, without the pipeline."""
+        model = nnx.merge(self.graphdef, self.model_params(params))
         # Shift first, then lay out: left to itself the partitioner may split the odd-length
         # token array on length and exchange halos to form the shifted views.
         inputs = constrain(tokens[:, :-1], ("batch", "length"))
@@ -119,9 +146,14 @@ class Engine:
 
     def step_fn(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step (un-jitted; see `train_step`)."""
+        if self.plan is None:
+            value_and_grad = jax.value_and_grad(self.loss)
+        else:
+            value_and_grad = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan,
+                                                     self.mesh)
         with use_layout(self.layout):
             loss, grads = loss_and_grads(
-                self.loss, state.params, tokens,
+                value_and_grad, state.params, tokens,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
             )
         with jax.named_scope("optimizer"):

@@ -26,11 +26,13 @@ from spmd_train.config.checks import BATCH_AXES
 from spmd_train.sharding.constrain import constrain
 from spmd_train.sharding.rules import Layout
 
-LossFn = Callable[[Any, jax.Array], jax.Array]
+ValueAndGrad = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
+"""(params, tokens of one microbatch) -> (mean loss, its gradient): `jax.value_and_grad` of the
+model's loss, or a pipeline schedule that computes the same thing stage by stage."""
 
 
 def loss_and_grads(
-    loss_fn: LossFn, params: Any, tokens: jax.Array, *, layout: Layout, logical: Any, grad_accum: int
+    value_and_grad: ValueAndGrad, params: Any, tokens: jax.Array, *, layout: Layout, logical: Any, grad_accum: int
 ) -> tuple[jax.Array, Any]:
     """(mean loss, gradient of the mean loss) over the global batch `tokens` [batch, length + 1].
 
@@ -40,7 +42,7 @@ def loss_and_grads(
     manual = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1 and (a != "fsdp" or stage <= 1))
     grad_layout = _shardings(layout, logical, params, fsdp=stage >= 2)
     if not manual:
-        loss, grads = _accumulate(loss_fn, params, tokens, grad_accum, scatter=None)
+        loss, grads = _accumulate(value_and_grad, params, tokens, grad_accum, scatter=None)
         return loss, jax.lax.with_sharding_constraint(grads, grad_layout)
 
     ways = 1
@@ -59,7 +61,7 @@ def loss_and_grads(
             # ZeRO-2: each microbatch's gradient is reduce-scattered into its shard as it is made.
             auto_specs = _specs(grad_layout, keep=lambda a: a not in manual)
             scatter = lambda g: jax.lax.with_sharding_constraint(g, auto_specs)  # noqa: E731
-        loss, grads = _accumulate(loss_fn, params, tokens, grad_accum, scatter=scatter)
+        loss, grads = _accumulate(value_and_grad, params, tokens, grad_accum, scatter=scatter)
         grads = jax.lax.psum(grads, manual)  # the step's single reduction over these axes
         grads = jax.tree.map(lambda g: g / ways, grads)
         return jax.lax.psum(loss, manual) / ways, grads
@@ -75,10 +77,10 @@ def loss_and_grads(
     return loss, jax.lax.with_sharding_constraint(grads, grad_layout)
 
 
-def _accumulate(loss_fn: LossFn, params: Any, tokens: jax.Array, grad_accum: int, scatter):
+def _accumulate(value_and_grad: ValueAndGrad, params: Any, tokens: jax.Array, grad_accum: int, scatter):
     """Mean loss and summed-then-averaged gradients over `grad_accum` microbatches."""
     if grad_accum == 1:
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        loss, grads = value_and_grad(params, tokens)
         return loss, scatter(grads) if scatter else grads
     batch = tokens.shape[0]
     # Row r of microbatch i is row r * grad_accum + i: every device's rows split evenly among
@@ -87,12 +89,12 @@ def _accumulate(loss_fn: LossFn, params: Any, tokens: jax.Array, grad_accum: int
 
     def add(carry, mb):
         loss_sum, grad_sum = carry
-        loss, grads = jax.value_and_grad(loss_fn)(params, mb)
+        loss, grads = value_and_grad(params, mb)
         if scatter:
             grads = scatter(grads)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-    first_loss, first = jax.value_and_grad(loss_fn)(params, micro[0])
+    first_loss, first = value_and_grad(params, micro[0])
     if scatter:
         first = scatter(first)
     # Peeling the first microbatch gives the accumulator the exact type (shape, varying axes) of a gradient.

@@ -1,0 +1,183 @@
+"""The pipeline executor: a schedule table run as one SPMD program over the `pipeline` axis.
+
+`run_pipeline` is a `shard_map` that is manual over `pipeline` only; every other mesh axis
+stays compiler-partitioned inside a stage, so data, FSDP and tensor parallelism keep working
+through the sharding rules. Each tick every stage reads its row of the plan and does one of:
+nothing, the forward of one (microbatch, chunk), or its backward. Forward outputs move to the
+next stage and input-gradients to the previous one with `lax.ppermute`, every tick, into
+receive slots the plan chose.
+
+The backward is explicit and per microbatch: a forward keeps the residuals of its own
+`jax.vjp` (only those; the stage's weights are re-read at backward time, not copied) in a
+stash slot, and the matching backward rebuilds the VJP from them. So a stage holds exactly
+the residuals of the microbatches the schedule keeps in flight: at most p - s under 1F1B,
+m under GPipe, whatever `parallel.remat` leaves in them. Idle ticks run no stage code at all
+(`lax.switch`), so a bubble can never put garbage into anything that reaches a gradient.
+
+This module knows mesh axis names and pure functions; what a stage computes is the caller's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from spmd_train.parallel.pipeline_plan import BACKWARD, FIELDS, FORWARD, Plan
+
+AXIS = "pipeline"
+
+StageFn = Callable[[Any, jax.Array], jax.Array]
+"""(one chunk's stacked layer parameters [layers_per_chunk, ...], x) -> y, same shape as x."""
+HeadFn = Callable[[Any, jax.Array, Any], jax.Array]
+"""(head parameters, last chunk's output, the microbatch's targets) -> scalar loss of that microbatch."""
+
+
+def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: Plan, blocks: Any, head: Any, inputs: jax.Array,
+                 targets: Any, *, mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, Any, Any, jax.Array]:
+    """Loss and gradients of the mean over microbatches of head_fn(stages(inputs[i]), targets[i]).
+
+    `blocks` has the layers stacked on axis 0 in storage order (split over `pipeline`: device d
+    holds its `virtual` chunks one after another), `head` is replicated over `pipeline`,
+    `inputs` is [microbatches, ...] (the embedded microbatches), `targets` has a leading
+    microbatch axis. Returns (loss, d loss / d blocks, d loss / d head, d loss / d inputs).
+    `mesh` is the device mesh (default: the one set with `jax.set_mesh`); inside another
+    shard_map the enclosing abstract mesh is used.
+    """
+    sched = plan.schedule
+    p, v, m = sched.stages, sched.virtual, sched.microbatches
+    if inputs.shape[0] != m:
+        raise ValueError(f"inputs has {inputs.shape[0]} microbatches, the schedule {m}")
+    rows = jnp.asarray(plan.rows)
+    col = {name: i for i, name in enumerate(FIELDS)}
+
+    def local(blocks, head, inputs, targets):
+        stage = jax.lax.axis_index(AXIS)
+        # Device d holds rows [d*L/p, (d+1)*L/p) of the stack: its v chunks, in order.
+        chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks)
+        chunk_params = lambda k: jax.tree.map(lambda a: a[k], chunks)  # noqa: E731
+        x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
+        vjp_layout = _VjpLayout.of(stage_fn, chunk_params(0), x_like)
+
+        acts = jnp.zeros((plan.act_slots + 1, *x_like.shape), x_like.dtype)  # + 1: the spare slot
+        cts = jnp.zeros((plan.ct_slots + 1, *x_like.shape), x_like.dtype)
+        stash = [jnp.zeros((plan.stash_slots, *a.shape), a.dtype) for a in vjp_layout.stashed]
+        grads = jax.tree.map(jnp.zeros_like, chunks)
+        head_grads = jax.tree.map(jnp.zeros_like, head)
+        carry = (acts, cts, stash, grads, head_grads, jnp.zeros((), jnp.float32), jnp.zeros_like(inputs))
+
+        def forward(carry, row):
+            acts, cts, stash, grads, head_grads, loss, d_inputs = carry
+            mb, k, slot = row[col["microbatch"]], row[col["chunk"]], row[col["stash"]]
+            read = row[col["read"]]
+            x = jnp.where(read < 0, inputs[mb], acts[read])
+            params = chunk_params(k)
+            y, vjp = jax.vjp(stage_fn, params, x)
+            stash = [buf.at[slot].set(r) for buf, r in zip(stash, vjp_layout.residuals(vjp, params), strict=True)]
+            is_last = (stage == p - 1) & (k == v - 1)
+            target = jax.tree.map(lambda t: t[mb], targets)
+
+            def with_head(y):
+                loss_mb, (g_head, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, target)
+                return loss_mb / m, jax.tree.map(lambda g: g / m, g_head), dy / m
+
+            def without_head(y):
+                return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(y)
+
+            loss_mb, g_head, dy = jax.lax.cond(is_last, with_head, without_head, y)
+            cts = cts.at[row[col["write_ct"]]].set(dy.astype(cts.dtype))
+            head_grads = jax.tree.map(jnp.add, head_grads, g_head)
+            return (acts, cts, stash, grads, head_grads, loss + loss_mb.astype(jnp.float32), d_inputs), y, x_like
+
+        def backward(carry, row):
+            acts, cts, stash, grads, head_grads, loss, d_inputs = carry
+            mb, k, slot = row[col["microbatch"]], row[col["chunk"]], row[col["stash"]]
+            vjp = vjp_layout.rebuild(chunk_params(k), [buf[slot] for buf in stash])
+            g_chunk, dx = vjp(cts[row[col["read"]]])
+            grads = jax.tree.map(lambda acc, g: acc.at[k].add(g.astype(acc.dtype)), grads, g_chunk)
+            first = (stage == 0) & (k == 0)
+            d_inputs = d_inputs.at[mb].set(jnp.where(first, dx, d_inputs[mb]))
+            return (acts, cts, stash, grads, head_grads, loss, d_inputs), x_like, dx
+
+        def idle(carry, row):
+            return carry, x_like, x_like
+
+        def tick(carry, rows_t):
+            row = rows_t[stage]
+            carry, send_act, send_ct = jax.lax.switch(row[col["kind"]], [idle, forward, backward], carry, row)
+            got_act = jax.lax.ppermute(send_act, AXIS, [(i, (i + 1) % p) for i in range(p)])
+            got_ct = jax.lax.ppermute(send_ct, AXIS, [(i, (i - 1) % p) for i in range(p)])
+            acts, cts, *rest = carry
+            acts = acts.at[row[col["recv_act"]]].set(got_act)
+            cts = cts.at[row[col["recv_ct"]]].set(got_ct)
+            return (acts, cts, *rest), None
+
+        carry, _ = jax.lax.scan(tick, carry, rows)
+        _, _, _, grads, head_grads, loss, d_inputs = carry
+        grads = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), grads)
+        # The loss and head gradients live on the last stage, the input gradients on the first.
+        loss, head_grads, d_inputs = jax.lax.psum((loss, head_grads, d_inputs), AXIS)
+        return loss, grads, head_grads, d_inputs
+
+    block_spec = jax.tree.map(lambda _: P(AXIS), blocks)
+    rest_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    abstract = jax.sharding.get_abstract_mesh()
+    if not abstract.empty and (abstract.manual_axes or mesh is None):
+        mesh = abstract
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(block_spec, rest_spec(head), P(), rest_spec(targets)),
+        out_specs=(P(), block_spec, rest_spec(head), P()),
+        axis_names={AXIS},
+        check_vma=False,
+    )(blocks, head, inputs, targets)
+
+
+class _VjpLayout:
+    """Which leaves of a stage's VJP are its weights (re-read later) and which must be stashed.
+
+    `jax.vjp` returns a pytree whose leaves are the residuals. Weights that reach the backward
+    unchanged (the stacked matmul weights, forwarded through the layer scan) appear as the very
+    input arrays; only the other leaves (activations, small derived values) are stashed per
+    microbatch. The tree structure comes from one abstract trace and is reused to rebuild the
+    VJP from (weights, stash) at backward time.
+    """
+
+    def __init__(self, treedef, weight_index: list[int | None], stashed: list[jax.ShapeDtypeStruct]):
+        self.treedef, self.weight_index, self.stashed = treedef, weight_index, stashed
+
+    @classmethod
+    def of(cls, stage_fn: StageFn, params: Any, x: jax.Array) -> _VjpLayout:
+        found = {}
+
+        def trace(params, x):
+            _, vjp = jax.vjp(stage_fn, params, x)
+            leaves, found["treedef"] = jax.tree.flatten(vjp)
+            found["index"] = _weight_index(leaves, jax.tree.leaves(params))
+            return [leaf for leaf, w in zip(leaves, found["index"], strict=True) if w is None]
+
+        stashed = jax.eval_shape(trace, params, x)
+        return cls(found["treedef"], found["index"], stashed)
+
+    def residuals(self, vjp, params: Any) -> list[jax.Array]:
+        """The leaves of a VJP of the same stage function, on `params`, that must be stashed."""
+        leaves = jax.tree.leaves(vjp)
+        if _weight_index(leaves, jax.tree.leaves(params)) != self.weight_index:
+            raise RuntimeError("the stage's VJP residuals changed structure between traces")
+        return [leaf for leaf, w in zip(leaves, self.weight_index, strict=True) if w is None]
+
+    def rebuild(self, params: Any, stashed: list[jax.Array]):
+        """The VJP function from the stage's weights and one stash slot's residuals."""
+        weights, it = jax.tree.leaves(params), iter(stashed)
+        leaves = [next(it) if w is None else weights[w] for w in self.weight_index]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _weight_index(leaves: list, weights: list) -> list[int | None]:
+    """For each residual leaf, the index of the weight it *is* (identity), else None."""
+    ids = {id(w): i for i, w in enumerate(weights)}
+    return [ids.get(id(leaf)) for leaf in leaves]

@@ -1,0 +1,92 @@
+"""The model's loss and gradients computed by a pipeline schedule instead of one autodiff pass.
+
+Where each part runs, so the loss equals the non-pipelined one exactly (the mean over the
+global batch; microbatches have equal sizes, so the mean of their means):
+- the embedding, before the pipeline, on every stage (a lookup; its backward is a scatter-add
+  of the input gradients the first stage returns);
+- the layer stack, split over `pipeline` into stages (and chunks for interleaved 1F1B);
+- the final norm, LM head and cross-entropy, on the last stage right after each microbatch's
+  forward, whose cotangent then starts that microbatch's backward.
+
+With interleaved 1F1B device d holds chunks d, d+p, d+2p, ... while parameters are stored as
+one stack split in contiguous blocks over `pipeline`; `layer_order` says which model layer
+each stored row is, and the engine stores parameters in that order (and records it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from spmd_train.config.checks import resolved_microbatches
+from spmd_train.config.schema import Config
+from spmd_train.models.transformer import RESIDUAL, apply_blocks
+from spmd_train.parallel.pipeline import run_pipeline
+from spmd_train.parallel.pipeline_plan import Plan, build_plan
+from spmd_train.parallel.schedules import build_schedule
+from spmd_train.sharding.constrain import constrain
+from spmd_train.train.loss import cross_entropy
+
+
+def pipeline_plan(cfg: Config, sizes: dict[str, int]) -> Plan:
+    """The validated schedule of a run on a mesh with these axis sizes, compiled for the executor."""
+    par, t, p = cfg.parallel, cfg.train, sizes["pipeline"]
+    rows = t.global_batch_size // (t.grad_accum * sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    return build_plan(build_schedule(par.pipeline_schedule, p, resolved_microbatches(cfg, p, rows),
+                                     par.virtual_stages))
+
+
+def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
+    """Model layer index of each stored row of the layer stack (identity unless virtual > 1).
+
+    Stored chunk j (rows j*n .. j*n+n-1, n = layers per chunk) sits on device j // virtual as
+    its local chunk j % virtual, which the interleaved schedule runs as model chunk
+    (j % virtual) * stages + j // virtual.
+    """
+    per_chunk = num_layers // (stages * virtual)
+    chunk = np.arange(stages * virtual)
+    model_chunk = (chunk % virtual) * stages + chunk // virtual
+    return (model_chunk[:, None] * per_chunk + np.arange(per_chunk)[None, :]).reshape(-1)
+
+
+def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: Plan,
+                            mesh) -> Any:
+    """(params, tokens [batch, length + 1]) -> (mean loss, gradients), run by the pipeline schedule."""
+    m = plan.schedule.microbatches
+    remat = cfg.parallel.remat
+
+    def stage_fn(chunk, x):
+        return apply_blocks(block_graphdef, chunk, x, cfg.model, remat)
+
+    def value_and_grad(params: Any, tokens: jax.Array):
+        blocks = params["blocks"]
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        # Shape-only stand-ins: the embedding and the head never touch the layer stack.
+        absent = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks)
+        model = lambda rest: nnx.merge(graphdef, {**rest, "blocks": absent})  # noqa: E731
+        inputs = constrain(tokens[:, :-1], ("batch", "length"))
+        targets = constrain(tokens[:, 1:], ("batch", "length"))
+        rows = inputs.shape[0]
+        if rows % m:
+            raise ValueError(f"{rows} rows per device cannot form {m} equal microbatches")
+
+        def split(a):
+            # Row r of microbatch i is row r * m + i: each device's rows split evenly, no data moves.
+            a = a.reshape(rows // m, m, *a.shape[1:]).swapaxes(0, 1)
+            return constrain(a, (None, *(RESIDUAL if a.ndim == 4 else ("batch", "length"))))
+
+        x, embed_vjp = jax.vjp(lambda rest: split(model(rest).embed(inputs)), rest)
+
+        def head_fn(rest, y, target):
+            return cross_entropy(model(rest).head(y), target)
+
+        loss, block_grads, head_grads, d_x = run_pipeline(stage_fn, head_fn, plan, blocks, rest, x, split(targets),
+                                                          mesh=mesh)
+        (embed_grads,) = embed_vjp(d_x)
+        grads = jax.tree.map(lambda a, b: a + b, head_grads, embed_grads)
+        return loss, {**grads, "blocks": block_grads}
+
+    return value_and_grad

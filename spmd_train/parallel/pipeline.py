@@ -177,6 +177,11 @@ class _VjpLayout:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+def stash_layout(stage_fn: StageFn, params: Any, x: Any) -> _VjpLayout:
+    """How a stage's VJP splits into weights and stashed residuals (`.stashed`: their shapes), abstractly."""
+    return _VjpLayout.of(stage_fn, params, x)
+
+
 def _weight_index(leaves: list, weights: list) -> list[int | None]:
     """For each residual leaf, the index of the weight it *is* (identity), else None."""
     ids = {id(w): i for i, w in enumerate(weights)}

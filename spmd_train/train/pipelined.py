@@ -15,16 +15,18 @@ each stored row is, and the engine stores parameters in that order (and records 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from spmd_train.config.checks import resolved_microbatches
 from spmd_train.config.schema import Config
 from spmd_train.models.transformer import RESIDUAL, apply_blocks
-from spmd_train.parallel.pipeline import run_pipeline
+from spmd_train.parallel.pipeline import run_pipeline, stash_layout
 from spmd_train.parallel.pipeline_plan import Plan, build_plan
 from spmd_train.parallel.schedules import build_schedule
 from spmd_train.sharding.constrain import constrain
@@ -90,3 +92,19 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
         return loss, {**grads, "blocks": block_grads}
 
     return value_and_grad
+
+
+def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_shapes: Any, plan: Plan,
+                               rows_per_device: int) -> int:
+    """Bytes one (microbatch, chunk) forward keeps for its backward on a device (upper bound).
+
+    Traced without a mesh on the device's own slice of the batch, so activations split over
+    `tensor` count whole: exact without tensor parallelism, an upper bound with it.
+    """
+    sched = plan.schedule
+    per_chunk = cfg.model.num_layers // (sched.stages * sched.virtual)
+    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per_chunk, *a.shape[1:]), a.dtype), block_shapes)
+    x = jax.ShapeDtypeStruct((rows_per_device // sched.microbatches, cfg.train.seq_len, cfg.model.d_model),
+                             jnp.dtype(cfg.model.compute_dtype))
+    layout = stash_layout(lambda c, x: apply_blocks(block_graphdef, c, x, cfg.model, cfg.parallel.remat), chunk, x)
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stashed)

@@ -133,6 +133,26 @@ class Engine:
         inverse = np.argsort(self.layer_order)
         return {**params, "blocks": jax.tree.map(lambda a: a[inverse], params["blocks"])}
 
+    @property
+    def stored_layer_order(self) -> list[int] | None:
+        """`layer_order` as a JSON-friendly list (None: model order), as checkpoints record it."""
+        return None if self.layer_order is None else [int(i) for i in self.layer_order]
+
+    def reorder_layers(self, state: TrainState, saved: list[int] | None) -> TrainState:
+        """A state restored from a run that stored its layer stack in order `saved`, in this run's order."""
+        n = self.cfg.model.num_layers
+        saved_order = np.arange(n) if saved is None else np.asarray(saved)
+        current = np.arange(n) if self.layer_order is None else self.layer_order
+        if (saved_order == current).all():
+            return state
+        index = np.argsort(saved_order)[current]  # row q takes the saved row holding model layer current[q]
+
+        def fix(path, leaf):
+            in_stack = any(getattr(k, "key", None) == "blocks" for k in path)
+            return leaf[index] if in_stack and leaf.ndim and leaf.shape[0] == n else leaf
+
+        return jax.jit(lambda s: jax.tree_util.tree_map_with_path(fix, s), out_shardings=self.state_shardings)(state)
+
     def loss(self, params: Any, tokens: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy of a [batch, seq_len + 1] token array, without the pipeline."""
         model = nnx.merge(self.graphdef, self.model_params(params))

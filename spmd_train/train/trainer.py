@@ -79,7 +79,8 @@ class Trainer:
         restored = self.checkpointer.restore_latest(self._abstract_state(), self._checker(self.run_dir)) \
             if existing else None
         if restored is not None:
-            step, self.state, _ = restored
+            step, state, meta = restored
+            self.state = self.engine.reorder_layers(state, meta.get("layer_order"))
             self.history = read_history(self.run_dir / "metrics.jsonl", step)
             self._say(f"resumed from {self.run_dir / 'checkpoints'} at step {step}")
         else:
@@ -158,6 +159,7 @@ class Trainer:
                                                  "zero_stage": self.engine.layout.zero_stage},
                            self.engine.param_shapes)
         meta["data"] = {"source": self.cfg.data.source, "next_step": self.step_count}
+        meta["layer_order"] = self.engine.stored_layer_order
         self.checkpointer.save(self.step_count, self.state, meta)
         if wait:
             self.checkpointer.wait()
@@ -168,7 +170,7 @@ class Trainer:
         restored = source.restore_latest(self._abstract_state(), self._checker(Path(path or self.run_dir)))
         if restored is None:
             raise ConfigError(f"no checkpoint found in {source.directory}")
-        self.state = restored[1]
+        self.state = self.engine.reorder_layers(restored[1], restored[2].get("layer_order"))
         return self.state
 
     def describe(self):
@@ -221,7 +223,8 @@ class Trainer:
         source = Checkpointer(run_dir / "checkpoints", read_only=True)
         if not source.steps():
             raise ConfigError(f"checkpoint.load_from={path} holds no checkpoint (valid: a run.dir with checkpoints)")
-        _, restored, _ = source.restore_latest(self._abstract_state(), self._checker(run_dir))
+        _, restored, meta = source.restore_latest(self._abstract_state(), self._checker(run_dir))
+        restored = self.engine.reorder_layers(restored, meta.get("layer_order"))
         self.state = self.state._replace(params=restored.params)
         self._say(f"started from the parameters in {run_dir / 'checkpoints'}")
 

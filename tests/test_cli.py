@@ -51,8 +51,13 @@ def test_train_writes_metrics_and_learns(tmp_path):
         (["model.d_modle=64"], ["unknown key 'model.d_modle'", "d_model"]),
         (["train.steps=many"], ["train.steps='many'", "integer"]),
         (["parallel.zero_stage=5"], ["parallel.zero_stage=5", "0, 1, 2 or 3"]),
+        (["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1"],
+         ["model.num_layers=2", "mesh.pipeline=4", "preset 'tiny'"]),
+        (["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1", "model.num_layers=8", "parallel.microbatches=2"],
+         ["parallel.microbatches=2", "1f1b", "mesh.pipeline=4", ">= 4"]),
     ],
-    ids=["mesh-product", "heads-vs-tensor", "batch-vs-accum", "seq-vs-sp", "unknown-key", "wrong-type", "zero-stage"],
+    ids=["mesh-product", "heads-vs-tensor", "batch-vs-accum", "seq-vs-sp", "unknown-key", "wrong-type", "zero-stage",
+         "pipeline-too-shallow", "microbatches-below-stages"],
 )
 def test_bad_input_exits_2_with_a_message(tmp_path, overrides, needles):
     run_dir = tmp_path / "run"

@@ -47,7 +47,7 @@ SINGLE_DEVICE = [f"mesh.{axis}=1" for axis in ("data", "fsdp", "tensor", "sequen
 ]
 
 
-@pytest.mark.parametrize("name", ["tiny", "ddp", "fsdp", "fsdp_tp", "tp_sp", "hsdp"])
+@pytest.mark.parametrize("name", ["tiny", "ddp", "fsdp", "fsdp_tp", "tp_sp", "hsdp", "pipeline"])
 def test_shipped_configs_match_one_device(devices, name):
     path = f"configs/{name}.yaml"
     common = ["train.steps=2", "train.seq_len=16"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -14,10 +14,13 @@ from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
 from spmd_train.models.flops import flops_per_token
 from spmd_train.analysis.hlo import matmul_flops
 from spmd_train.analysis.topology import tpu_topology_devices
+from spmd_train.config.checks import BATCH_AXES
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
+from spmd_train.parallel.schedules import simulate
 from spmd_train.train.engine import Engine
+from spmd_train.train.pipelined import stash_bytes_per_microbatch
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,75 @@ class ParamRow:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """One pipeline stage under the schedule: its work and the VJP residuals it holds at most."""
+
+    stage: int
+    busy_ticks: int
+    """Ticks this stage runs a forward or a backward (the rest of the step's ticks it idles)."""
+    peak_in_flight: int
+    """Most (microbatch, chunk) pairs whose forward has run and whose backward has not, at once."""
+    stash_bytes: int
+    """peak_in_flight x the stash of one (microbatch, chunk): the residuals this stage needs at most."""
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    """The pipeline schedule of a step (mesh.pipeline > 1) and the activation memory it implies."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    """Microbatches per pipeline flush; one optimizer step runs train.grad_accum flushes."""
+    virtual_stages: int
+    microbatch_rows: int
+    """Rows of one microbatch on one device (of the batch axes data x fsdp x expert)."""
+    ticks: int
+    bubble_fraction: float
+    """Idle (stage, tick) slots / (stages x ticks), from simulating the schedule table."""
+    bubble_fraction_formula: float
+    """The closed form (p - 1) / (v m + p - 1) the schedules reach."""
+    stash_bytes_per_microbatch: int
+    """Bytes one (microbatch, chunk) forward keeps for its backward on one device (weights excluded;
+    an upper bound when activations are split over `tensor`)."""
+    stash_slots: int
+    """Stash slots the compiled program reserves on every device: the SPMD program is the same on
+    every stage, so it is sized for the stage that needs the most."""
+    activation_slots: int
+    cotangent_slots: int
+    per_stage: list[PipelineStage]
+    compiled_flops_all_branches: float | None
+    """The loop-aware matmul FLOP count of the compiled program, which counts both the forward and
+    the backward branch of the per-tick `lax.switch` on every tick (an over-count; see notes)."""
+
+    @property
+    def stash_bytes_reserved(self) -> int:
+        """stash_slots x stash_bytes_per_microbatch: the stash buffers' size on every device."""
+        return self.stash_slots * self.stash_bytes_per_microbatch
+
+    def to_json(self) -> dict[str, Any]:
+        """The `pipeline` section of `StepReport.to_json()`."""
+        return {
+            "schedule": self.schedule,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "virtual_stages": self.virtual_stages,
+            "microbatch_rows": self.microbatch_rows,
+            "ticks": self.ticks,
+            "bubble_fraction": self.bubble_fraction,
+            "bubble_fraction_formula": self.bubble_fraction_formula,
+            "stash_bytes_per_microbatch": self.stash_bytes_per_microbatch,
+            "stash_slots": self.stash_slots,
+            "stash_bytes_reserved": self.stash_bytes_reserved,
+            "activation_slots": self.activation_slots,
+            "cotangent_slots": self.cotangent_slots,
+            "per_stage": [{"stage": s.stage, "busy_ticks": s.busy_ticks, "peak_in_flight": s.peak_in_flight,
+                           "stash_bytes": s.stash_bytes} for s in self.per_stage],
+            "compiled_flops_all_branches": self.compiled_flops_all_branches,
+        }
+
+
+@dataclass(frozen=True)
 class StepReport:
     """Everything `spmd-train describe` shows, for one config on one mesh."""
 
@@ -43,15 +115,19 @@ class StepReport:
     param_count: int
     params: list[ParamRow]
     per_device: dict[str, float | None]
-    """Bytes and FLOPs per device; the compiled figures are None when the program does not fit."""
+    """Bytes and FLOPs per device; the compiled figures are None when the program does not fit. `flops` is
+    the compiled program's loop-aware matmul count, except for pipelined steps, where it is `model_flops`
+    (see PipelineReport.compiled_flops_all_branches)."""
     collectives: list[CollectiveSummary]
     hbm_bytes: float | None
     fits: bool | None
     compile_seconds: float
     notes: list[str] = field(default_factory=list)
+    pipeline: PipelineReport | None = None
+    """The schedule and its activation memory, when mesh.pipeline > 1 (else None)."""
 
     def to_json(self) -> dict[str, Any]:
-        """The public JSON form (keys mesh, devices, param_count, per_device, collectives, ...)."""
+        """The public JSON form (keys mesh, devices, param_count, per_device, collectives, pipeline, ...)."""
         return {
             "mesh": self.mesh,
             "devices": self.devices,
@@ -69,6 +145,7 @@ class StepReport:
                 for p in self.params
             ],
             "notes": self.notes,
+            "pipeline": self.pipeline.to_json() if self.pipeline else None,
         }
 
 
@@ -89,6 +166,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     )
     t = cfg.train
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1), "int32", sharding=engine.batch_sharding)
+    pipeline = _pipeline_report(engine) if engine.plan is not None else None
     start = time.perf_counter()
     lowered = engine.train_step.lower(state, tokens)
     mesh = engine.mesh
@@ -113,6 +191,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
             collectives=[], hbm_bytes=spec.hbm_bytes if spec else None, fits=False,
             compile_seconds=time.perf_counter() - start,
             notes=["does not fit: " + str(err).split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0]],
+            pipeline=pipeline,
         )
     compile_seconds = time.perf_counter() - start
     hlo = compiled.as_text()
@@ -138,6 +217,12 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     if device.platform == "cpu":
         notes.append("XLA:CPU lowers reduce-scatters it creates itself as all-reduce + slice; compile for a "
                      "TPU slice (--topology) to see the accelerator program")
+    if pipeline is not None:
+        # Each tick of the pipeline loop runs one branch of a `lax.switch` (idle, forward or
+        # backward), but a static count of the program has to add up every branch on every tick.
+        pipeline = replace(pipeline, compiled_flops_all_branches=per_device["flops"])
+        per_device["flops"] = model_flops
+        notes.append(PIPELINE_FLOPS_NOTE)
     return StepReport(
         mesh=dict(mesh.shape),
         devices=mesh.size,
@@ -151,6 +236,33 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         fits=(peak <= spec.hbm_bytes) if spec else None,
         compile_seconds=compile_seconds,
         notes=notes,
+        pipeline=pipeline,
+    )
+
+
+PIPELINE_FLOPS_NOTE = (
+    "pipelined step: FLOPs per device are the model count (averaged over devices; the last stage also runs the "
+    "LM head), not the compiled program's: its loop-aware count adds both the forward and the backward branch of "
+    "the per-tick lax.switch on every tick, though each tick runs at most one (pipeline.compiled_flops_all_branches)"
+)
+
+
+def _pipeline_report(engine: Engine) -> PipelineReport:
+    """The schedule's figures and the stash bytes they imply, from the plan the step was compiled with."""
+    cfg, plan, sizes = engine.cfg, engine.plan, dict(engine.mesh.shape)
+    sched, stats = plan.schedule, simulate(plan.schedule)
+    p, m, v = sched.stages, sched.microbatches, sched.virtual
+    rows = cfg.train.global_batch_size // (cfg.train.grad_accum * math.prod(sizes[a] for a in BATCH_AXES))
+    per_mb = stash_bytes_per_microbatch(cfg, engine.block_graphdef, engine.param_shapes["blocks"], plan, rows)
+    return PipelineReport(
+        schedule=sched.name, stages=p, microbatches=m, virtual_stages=v, microbatch_rows=rows // m,
+        ticks=plan.num_ticks, bubble_fraction=stats.bubble_fraction,
+        bubble_fraction_formula=(p - 1) / (v * m + p - 1),
+        stash_bytes_per_microbatch=per_mb, stash_slots=plan.stash_slots,
+        activation_slots=plan.act_slots, cotangent_slots=plan.ct_slots,
+        per_stage=[PipelineStage(stage=s, busy_ticks=stats.busy_ticks[s], peak_in_flight=stats.peak_in_flight[s],
+                                 stash_bytes=stats.peak_in_flight[s] * per_mb) for s in range(p)],
+        compiled_flops_all_branches=None,
     )
 
 

@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from spmd_train.analysis.report import StepReport
+from spmd_train.analysis.report import PIPELINE_FLOPS_NOTE, PipelineReport, StepReport
 
 
 def human_bytes(n: float | None) -> str:
@@ -22,7 +22,7 @@ def human_bytes(n: float | None) -> str:
 
 
 def render(report: StepReport, console: Console | None = None) -> None:
-    """Print the report as a header and four tables."""
+    """Print the report as a header and its tables (parameters, memory, pipeline when pipelined, collectives)."""
     console = console or Console(width=None if sys.stdout.isatty() else 140)
     where = f"TPU slice {report.topology}" if report.topology else "this host"
     mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items() if s > 1) or "1 device"
@@ -50,14 +50,21 @@ def render(report: StepReport, console: Console | None = None) -> None:
     fits = "unknown device" if report.fits is None else ("yes" if report.fits else "[red]NO[/red]")
     memory.add_row("device memory (HBM)", f"{human_bytes(report.hbm_bytes)}  fits: {fits}")
     console.print(memory)
+    if report.pipeline is not None:
+        render_pipeline(report.pipeline, console)
 
     if d["flops"] is None:
         for note in report.notes:
             console.print(f"[red]{note}[/red]")
         return
-    ratio = d["flops"] / d["model_flops"] if d["model_flops"] else float("nan")
-    console.print(f"FLOPs per device per step: compiled program {d['flops']:.4g}, model {d['model_flops']:.4g} "
-                  f"(ratio {ratio:.2f}); XLA cost analysis, loop bodies counted once: {d['xla_cost_flops']:.4g}")
+    if report.pipeline is not None:
+        console.print(f"FLOPs per device per step (pipelined): model {d['model_flops']:.4g}, mean over devices; "
+                      f"compiled program with both branches of every tick counted (an over-count) "
+                      f"{report.pipeline.compiled_flops_all_branches:.4g}")
+    else:
+        ratio = d["flops"] / d["model_flops"] if d["model_flops"] else float("nan")
+        console.print(f"FLOPs per device per step: compiled program {d['flops']:.4g}, model {d['model_flops']:.4g} "
+                      f"(ratio {ratio:.2f}); XLA cost analysis, loop bodies counted once: {d['xla_cost_flops']:.4g}")
 
     coll = Table(title="Collectives per step (bytes each device sends, bandwidth-optimal)", title_justify="left")
     for col in ("op", "mesh axes", "group", "count", "bytes / device"):
@@ -66,4 +73,27 @@ def render(report: StepReport, console: Console | None = None) -> None:
         coll.add_row(c.op, ", ".join(c.axes), str(c.group_size), str(c.count), human_bytes(c.bytes))
     console.print(coll if report.collectives else "No collectives: every device computes alone.")
     for note in report.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        if note != PIPELINE_FLOPS_NOTE:  # said in the FLOPs line already
+            console.print(f"[dim]note: {note}[/dim]")
+
+
+def render_pipeline(pipe: PipelineReport, console: Console) -> None:
+    """The schedule's figures and, per stage, the VJP residuals (stash) it keeps alive at most."""
+    virtual = f", {pipe.virtual_stages} chunks per stage" if pipe.virtual_stages > 1 else ""
+    rows = f"{pipe.microbatch_rows} row{'s' if pipe.microbatch_rows != 1 else ''}"
+    console.print(f"[bold]Pipeline schedule {pipe.schedule}[/bold]: {pipe.stages} stages, {pipe.microbatches} "
+                  f"microbatches of {rows} per device{virtual}; {pipe.ticks} ticks; bubble fraction "
+                  f"{pipe.bubble_fraction:.4f} (closed form (p-1)/(v*m+p-1) = {pipe.bubble_fraction_formula:.4f})")
+    table = Table(title="Pipeline stages (stash: VJP residuals kept from a forward to its backward)",
+                  title_justify="left")
+    for col in ("stage", "busy ticks", "peak in flight (microbatch, chunk)", "stash at peak"):
+        table.add_column(col, justify="right")
+    for s in pipe.per_stage:
+        table.add_row(str(s.stage), str(s.busy_ticks), str(s.peak_in_flight), human_bytes(s.stash_bytes))
+    table.add_row("every device", "", f"{pipe.stash_slots} slots reserved", human_bytes(pipe.stash_bytes_reserved),
+                  style="bold")
+    console.print(table)
+    console.print(f"stash at peak = peak in flight x {human_bytes(pipe.stash_bytes_per_microbatch)} per (microbatch, "
+                  f"chunk); the compiled program is the same on every stage, so every device reserves the largest "
+                  f"stage's {pipe.stash_slots} slots (plus {pipe.activation_slots} activation and "
+                  f"{pipe.cotangent_slots} cotangent slots of one microbatch each)")

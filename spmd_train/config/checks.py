@@ -102,8 +102,8 @@ def check_config(cfg: Config) -> None:
                     )
 
 
-def check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
-    """Checks that need the resolved mesh axis sizes (after -1 is filled)."""
+def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = None) -> None:
+    """Checks that need the resolved mesh axis sizes (after -1 is filled) and the platform compiled for."""
     m, t = cfg.model, cfg.train
     tensor = sizes["tensor"]
     for key, value in (
@@ -138,6 +138,7 @@ def check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
         )
     if sizes["pipeline"] > 1:
         check_pipeline(cfg, sizes)
+    check_moe(cfg, sizes, platform or "cpu")
     # Until context-parallel attention lands, `sequence` must stay 1; `expert` is already valid
     # because outside MoE layers it is one more batch axis.
     if sizes["sequence"] != 1:

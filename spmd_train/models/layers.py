@@ -11,13 +11,15 @@ from spmd_train.sharding.constrain import constrain, stored_param
 
 
 def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std: float | None, dtype,
-          stack: int | None = None) -> nnx.Param:
+          stack: int | tuple[int, ...] | None = None) -> nnx.Param:
     """A parameter drawn from N(0, std^2) (ones when std is None), tagged with its logical axes.
 
-    With `stack=L` the parameter gets a leading `layers` axis of size L, one slice per layer.
+    With `stack=L` the parameter gets a leading `layers` axis of size L, one slice per layer;
+    with `stack=(G, n)` a `layers` axis of G groups, then a `sublayers` axis of n layers each.
     """
     if stack is not None:
-        shape, axes = (stack, *shape), ("layers", *axes)
+        stack = (stack,) if isinstance(stack, int) else tuple(stack)
+        shape, axes = (*stack, *shape), ("layers", *("sublayers",) * (len(stack) - 1), *axes)
     value = jnp.ones(shape, jnp.float32) if std is None else std * jax.random.normal(key, shape, jnp.float32)
     return nnx.Param(value.astype(dtype), logical_axes=P(*axes))
 

@@ -15,6 +15,7 @@ from flax import nnx
 from spmd_train.config.schema import ModelConfig
 from spmd_train.models.layers import apply_rope, dense, param, rope_tables, weight
 from spmd_train.parallel.attention import attention
+from spmd_train.models.moe import MoE
 from spmd_train.models.remat import apply_remat
 from spmd_train.sharding.constrain import constrain
 
@@ -79,20 +80,47 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)); the MLP may be an MoE layer.
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+    Returns (x, stats): the MoE layer's router statistics, or an empty dict.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack=None, moe: bool = False):
         self.attn_norm = RMSNorm(cfg, stack=stack)
         self.attn = Attention(cfg, rngs, stack=stack)
         self.mlp_norm = RMSNorm(cfg, stack=stack)
-        self.mlp = MLP(cfg, rngs, stack=stack)
+        self.mlp = MoE(cfg, rngs, stack=stack) if moe else MLP(cfg, rngs, stack=stack)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         with jax.named_scope("attention"):
             x = x + self.attn(constrain(self.attn_norm(x), RESIDUAL), cos, sin)
         with jax.named_scope("mlp"):
-            x = x + self.mlp(constrain(self.mlp_norm(x), RESIDUAL))
-        return constrain(x, RESIDUAL)
+            out = self.mlp(constrain(self.mlp_norm(x), RESIDUAL))
+        out, stats = out if isinstance(out, tuple) else (out, {})
+        return constrain(x + out, RESIDUAL), stats
+
+
+class MoEGroup(nnx.Module):
+    """moe_every = k > 1: k - 1 dense layers (stacked on `sublayers`), then one MoE layer."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int):
+        self.dense = Block(cfg, rngs, stack=(stack, cfg.moe_every - 1))
+        self.moe = Block(cfg, rngs, stack=stack, moe=True)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        graphdef, stacked = nnx.split(self.dense)
+        x, _ = jax.lax.scan(lambda c, p: (nnx.merge(graphdef, p)(c, cos, sin)[0], None), x, stacked)
+        return self.moe(x, cos, sin)
+
+
+def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """The layer stack: L dense layers, L MoE layers (moe_every=1), or L/k groups ending in an MoE layer."""
+    k = cfg.moe_every
+    if k == 0:
+        return Block(cfg, rngs, stack=cfg.num_layers)
+    if k == 1:
+        return Block(cfg, rngs, stack=cfg.num_layers, moe=True)
+    return MoEGroup(cfg, rngs, stack=cfg.num_layers // k)
 
 
 class Transformer(nnx.Module):
@@ -102,16 +130,20 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embedding = param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.init_std,
                                dtype=cfg.param_dtype)
-        self.blocks = Block(cfg, rngs, stack=cfg.num_layers)
+        self.blocks = make_blocks(cfg, rngs)
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std,
                                  dtype=cfg.param_dtype)
 
     def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
+        return self.forward(tokens, remat=remat)[0]
+
+    def forward(self, tokens: jax.Array, *, remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(logits, stats): stats holds each MoE layer's router statistics stacked on a leading axis."""
         graphdef, stacked = nnx.split(self.blocks)
-        x = apply_blocks(graphdef, stacked, self.embed(tokens), self.cfg, remat)
-        return self.head(x)
+        x, stats = apply_blocks(graphdef, stacked, self.embed(tokens), self.cfg, remat)
+        return self.head(x), stats
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Token ids [batch, length] -> the residual stream [batch, length, d_model] in the compute dtype."""
@@ -134,15 +166,15 @@ class Transformer(nnx.Module):
 
 
 def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: ModelConfig,
-                 remat: str = "none") -> jax.Array:
+                 remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
     """Run layers whose parameters are stacked on a leading axis (any number of them) with `lax.scan`.
 
     The whole model calls this on all its layers; a pipeline stage on its own slice of them.
+    Returns the output and the MoE statistics of every scanned step (empty without MoE).
     """
     cos, sin = rope_tables(x.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
 
     def layer(carry, layer_params):
-        return nnx.merge(graphdef, layer_params)(carry, cos, sin), None
+        return nnx.merge(graphdef, layer_params)(carry, cos, sin)
 
-    x, _ = jax.lax.scan(apply_remat(layer, remat), x, stacked)
-    return x
+    return jax.lax.scan(apply_remat(layer, remat), x, stacked)

@@ -68,7 +68,7 @@ class Engine:
         if devices is None:
             simulate_devices(cfg.run.simulate_devices)
         mesh = build_mesh(cfg.mesh, devices)
-        check_layout(cfg, dict(mesh.shape))
+        check_layout(cfg, dict(mesh.shape), mesh.devices.flat[0].platform)
         layout = Layout.from_config(cfg, mesh)
         abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
         graphdef, abstract_state = nnx.split(abstract)
@@ -155,24 +155,47 @@ class Engine:
 
     def loss(self, params: Any, tokens: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy of a [batch, seq_len + 1] token array, without the pipeline."""
+        return self.objective(params, tokens)[1]["loss"]
+
+    def objective(self, params: Any, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(what training minimises, metrics): cross-entropy plus the weighted MoE router losses.
+
+        Metrics: `loss` (the cross-entropy alone) and, with MoE layers, `aux_loss` and `z_loss`
+        (unweighted, mean over MoE layers), `dropped_fraction` and `expert_load.<i>` (max / mean
+        of the tokens routed to each expert of MoE layer i).
+        """
         model = nnx.merge(self.graphdef, self.model_params(params))
         # Shift first, then lay out: left to itself the partitioner may split the odd-length
         # token array on length and exchange halos to form the shifted views.
         inputs = constrain(tokens[:, :-1], ("batch", "length"))
         targets = constrain(tokens[:, 1:], ("batch", "length"))
-        logits = model(inputs, remat=self.cfg.parallel.remat)
+        logits, stats = model.forward(inputs, remat=self.cfg.parallel.remat)
         with jax.named_scope("loss"):
-            return cross_entropy(logits, targets)
+            loss = cross_entropy(logits, targets)
+        metrics = {"loss": loss}
+        if not stats:
+            return loss, metrics
+        m = self.cfg.model
+        aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
+        load = stats["expert_load"]
+        metrics.update(aux_loss=aux, z_loss=z, dropped_fraction=jnp.mean(stats["dropped_fraction"]))
+        metrics.update({f"expert_load.{i}": r for i, r in enumerate(jnp.max(load, -1) / jnp.mean(load, -1))})
+        return loss + m.router_aux_weight * aux + m.router_z_weight * z, metrics
 
     def step_fn(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step (un-jitted; see `train_step`)."""
         if self.plan is None:
-            value_and_grad = jax.value_and_grad(self.loss)
+            def value_and_grad(params, tokens):
+                (_, metrics), grads = jax.value_and_grad(self.objective, has_aux=True)(params, tokens)
+                return metrics, grads
         else:
-            value_and_grad = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan,
-                                                     self.mesh)
+            pipelined = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan, self.mesh)
+
+            def value_and_grad(params, tokens):
+                loss, grads = pipelined(params, tokens)
+                return {"loss": loss}, grads
         with use_layout(self.layout):
-            loss, grads = loss_and_grads(
+            values, grads = loss_and_grads(
                 value_and_grad, state.params, tokens,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
             )
@@ -180,7 +203,7 @@ class Engine:
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
+        metrics = {**values, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     @functools.cached_property
@@ -190,6 +213,7 @@ class Engine:
         return jax.jit(
             self.step_fn,
             in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, {"loss": replicated, "grad_norm": replicated, "lr": replicated}),
+            out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
         )
+

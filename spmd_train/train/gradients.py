@@ -1,9 +1,9 @@
 """Loss and gradients of one global batch, with one gradient reduction per step per replica axis.
 
 The forward and backward passes run inside a `shard_map` that is manual over the axes the
-gradients are replicated on (`data` and `expert`, and `fsdp` below ZeRO stage 2, those of
-size > 1). Each device sums its own gradient over all microbatches and the reduction over
-those axes is a single explicit psum per step. Everything else stays compiler-partitioned:
+gradients are replicated on (`data`, `expert` unless MoE experts are split over it, and
+`fsdp` below ZeRO stage 2, those of size > 1). Each device sums its own gradient over all
+microbatches and the reduction over those axes is a single explicit psum per step. Everything else stays compiler-partitioned:
 `tensor`, and `fsdp` from stage 2, where each weight's gradient is pinned to its shard
 (`sharding.stored_param`) so it is reduce-scattered per layer as the backward pass makes it.
 
@@ -26,21 +26,27 @@ from spmd_train.config.checks import BATCH_AXES
 from spmd_train.sharding.constrain import constrain
 from spmd_train.sharding.rules import Layout
 
-ValueAndGrad = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
-"""(params, tokens of one microbatch) -> (mean loss, its gradient): `jax.value_and_grad` of the
-model's loss, or a pipeline schedule that computes the same thing stage by stage."""
+ValueAndGrad = Callable[[Any, jax.Array], tuple[Any, Any]]
+"""(params, tokens of one microbatch) -> (values, gradient of the loss): `jax.value_and_grad` of
+the model's loss, or a pipeline schedule that computes the same thing stage by stage. `values`
+is the mean loss, or any pytree of per-batch means (e.g. the loss and MoE router statistics);
+each is averaged over microbatches and devices like the loss."""
 
 
 def loss_and_grads(
     value_and_grad: ValueAndGrad, params: Any, tokens: jax.Array, *, layout: Layout, logical: Any, grad_accum: int
 ) -> tuple[jax.Array, Any]:
-    """(mean loss, gradient of the mean loss) over the global batch `tokens` [batch, length + 1].
+    """(mean values, gradient of the mean loss) over the global batch `tokens` [batch, length + 1].
 
     Gradients come back in the ZeRO stage's gradient layout.
     """
     mesh, stage = layout.mesh, layout.zero_stage
-    manual = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1 and (a != "fsdp" or stage <= 1))
     grad_layout = _shardings(layout, logical, params, fsdp=stage >= 2)
+    # An axis that splits some parameter besides FSDP (`expert` under MoE) stays automatic.
+    splits = {a for sh in jax.tree.leaves(_shardings(layout, logical, params, fsdp=False))
+              for e in sh.spec for a in ((e,) if isinstance(e, str) else e or ())}
+    manual = tuple(a for a in BATCH_AXES
+                   if mesh.shape[a] > 1 and (a != "fsdp" or stage <= 1) and a not in splits)
     if not manual:
         loss, grads = _accumulate(value_and_grad, params, tokens, grad_accum, scatter=None)
         return loss, jax.lax.with_sharding_constraint(grads, grad_layout)
@@ -64,7 +70,7 @@ def loss_and_grads(
         loss, grads = _accumulate(value_and_grad, params, tokens, grad_accum, scatter=scatter)
         grads = jax.lax.psum(grads, manual)  # the step's single reduction over these axes
         grads = jax.tree.map(lambda g: g / ways, grads)
-        return jax.lax.psum(loss, manual) / ways, grads
+        return jax.tree.map(lambda v: jax.lax.psum(v, manual) / ways, loss), grads
 
     loss, grads = jax.shard_map(
         local,
@@ -92,14 +98,14 @@ def _accumulate(value_and_grad: ValueAndGrad, params: Any, tokens: jax.Array, gr
         loss, grads = value_and_grad(params, mb)
         if scatter:
             grads = scatter(grads)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+        return (jax.tree.map(jnp.add, loss_sum, loss), jax.tree.map(jnp.add, grad_sum, grads)), None
 
     first_loss, first = value_and_grad(params, micro[0])
     if scatter:
         first = scatter(first)
     # Peeling the first microbatch gives the accumulator the exact type (shape, varying axes) of a gradient.
     (loss_sum, grad_sum), _ = jax.lax.scan(add, (first_loss, first), micro[1:])
-    return loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
+    return jax.tree.map(lambda v: v / grad_accum, loss_sum), jax.tree.map(lambda g: g / grad_accum, grad_sum)
 
 
 def _shardings(layout: Layout, logical: Any, params: Any, *, fsdp: bool) -> Any:

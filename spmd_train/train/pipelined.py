@@ -61,7 +61,7 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
     remat = cfg.parallel.remat
 
     def stage_fn(chunk, x):
-        return apply_blocks(block_graphdef, chunk, x, cfg.model, remat)
+        return apply_blocks(block_graphdef, chunk, x, cfg.model, remat)[0]  # MoE stages are refused by the checks
 
     def value_and_grad(params: Any, tokens: jax.Array):
         blocks = params["blocks"]
@@ -106,5 +106,6 @@ def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per_chunk, *a.shape[1:]), a.dtype), block_shapes)
     x = jax.ShapeDtypeStruct((rows_per_device // sched.microbatches, cfg.train.seq_len, cfg.model.d_model),
                              jnp.dtype(cfg.model.compute_dtype))
-    layout = stash_layout(lambda c, x: apply_blocks(block_graphdef, c, x, cfg.model, cfg.parallel.remat), chunk, x)
+    layout = stash_layout(lambda c, x: apply_blocks(block_graphdef, c, x, cfg.model, cfg.parallel.remat)[0], chunk,
+                          x)
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stashed)

@@ -1,0 +1,87 @@
+"""Mixture-of-experts feed-forward layer (NNX): a router, E SwiGLU experts, optional shared experts.
+
+Each token goes to its top-k experts (`routing.route`); their outputs are summed with the
+renormalised gates. Where the experts run and how tokens reach them is the parallel
+layer's business (`parallel.expert_dispatch`); this module speaks logical axis names only:
+
+- router [embed, router_experts]: small, kept whole on every expert device (no rule maps
+  `router_experts`), fp32 compute;
+- w_gate, w_up [experts, embed, expert_mlp], w_down [experts, expert_mlp, embed]: rules put
+  `experts` on the expert axis, `expert_mlp` on tensor, params' `embed` on fsdp;
+- shared experts [embed, mlp] / [mlp, embed]: a dense SwiGLU every token goes through.
+
+Capacity (moe_impl=capacity) is counted per group: the tokens one device holds of the
+batch (see `parallel.expert_dispatch`); with no layout active, the whole batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmd_train.config.schema import ModelConfig
+from spmd_train.models.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights
+from spmd_train.models.layers import dense, param, weight
+from spmd_train.models.routing import aux_loss, capacity, expert_counts, route, slot_positions, z_loss
+from spmd_train.parallel.expert_dispatch import moe_ffn
+from spmd_train.sharding.constrain import constrain
+
+__all__ = ["MoE", "aux_loss", "capacity", "route", "slot_positions", "z_loss"]
+
+INPUT = ("batch", "length", "embed")
+OUTPUT = ("batch", "norm_length", "embed")
+ROUTER_AXES = ("embed", "router_experts")
+STATS = ("aux_loss", "z_loss", "dropped_fraction", "expert_load")
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts (+ shared experts): x [batch, length, d] -> (y [batch, length, d], stats).
+
+    stats (fp32): `aux_loss` and `z_loss` (unweighted; the caller applies router_aux_weight and
+    router_z_weight), `dropped_fraction` (share of (token, choice) assignments dropped for lack
+    of capacity) and `expert_load` [E] (assignments routed to each expert, before dropping).
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+        d, f, e = cfg.d_model, cfg.resolved_moe_d_ff, cfg.num_experts
+        out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        kw = dict(dtype=cfg.param_dtype, stack=stack)
+        self.router = param(rngs.params(), (d, e), ROUTER_AXES, std=cfg.init_std, **kw)
+        self.w_gate = param(rngs.params(), (e, d, f), GATE_UP_AXES, std=cfg.init_std, **kw)
+        self.w_up = param(rngs.params(), (e, d, f), GATE_UP_AXES, std=cfg.init_std, **kw)
+        self.w_down = param(rngs.params(), (e, f, d), DOWN_AXES, std=out_std, **kw)
+        if cfg.num_shared_experts:
+            shared = cfg.num_shared_experts * f
+            self.shared_gate = param(rngs.params(), (d, shared), ("embed", "mlp"), std=cfg.init_std, **kw)
+            self.shared_up = param(rngs.params(), (d, shared), ("embed", "mlp"), std=cfg.init_std, **kw)
+            self.shared_down = param(rngs.params(), (shared, d), ("mlp", "embed"), std=out_std, **kw)
+        self.num_experts, self.k = e, cfg.experts_per_token
+        self.capacity_factor, self.score, self.impl = cfg.capacity_factor, cfg.router_score, cfg.moe_impl
+        self.num_shared = cfg.num_shared_experts
+        self.compute_dtype = cfg.compute_dtype
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        dt = self.compute_dtype
+        x = constrain(x, INPUT)
+        # The router runs in fp32: top-k is decided by small logit differences.
+        logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), weight(self.router, jnp.float32))
+        expert_idx, gates, scores = route(logits, self.k, self.score)
+        experts = ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...])
+        y, kept = moe_ffn(x, expert_idx, gates, experts, num_experts=self.num_experts,
+                          capacity_factor=self.capacity_factor, impl=self.impl, dtype=dt)
+        if self.num_shared:
+            y = y + self._shared(x)
+        stats = {
+            "aux_loss": aux_loss(scores, expert_idx),
+            "z_loss": z_loss(logits),
+            "dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)),
+            "expert_load": expert_counts(expert_idx, self.num_experts).astype(jnp.float32),
+        }
+        return constrain(y, OUTPUT), stats
+
+    def _shared(self, x: jax.Array) -> jax.Array:
+        dt = self.compute_dtype
+        gate = constrain(dense("bld,df->blf", x, self.shared_gate, dt), ("batch", "length", "mlp"))
+        up = constrain(dense("bld,df->blf", x, self.shared_up, dt), ("batch", "length", "mlp"))
+        return dense("blf,fd->bld", jax.nn.silu(gate) * up, self.shared_down, dt).astype(x.dtype)

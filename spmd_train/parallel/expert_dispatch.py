@@ -1,0 +1,268 @@
+"""Expert parallelism: send each token to its experts' devices, run them, bring the results back.
+
+Outside MoE layers `expert` is one more batch axis, so each device of the `expert` axis
+holds a different shard of tokens; inside, each holds num_experts / mesh.expert experts.
+Two implementations:
+
+- capacity (default): per group, every expert gets C = `capacity(...)` slots; tokens are
+  scattered into [E, C, d] slots, exchanged with one `all_to_all` over `expert`, run through
+  the local experts as one batched matmul, returned with a second `all_to_all` and combined
+  with the gates. Overflowing assignments are dropped (their contribution is 0).
+- dropless: assignments sorted by expert travel with `ragged_all_to_all` (exact sizes, no
+  drops) into a worst-case buffer and meet the experts through `ragged_dot`. XLA:CPU has no
+  ragged all-to-all: on CPU only the form without exchange (mesh.expert=1) runs.
+
+With mesh.expert > 1 both run in a `shard_map` manual over every mesh axis: tokens split
+over the batch axes (`expert` among them), expert weights over `expert` and, for the hidden
+width, `tensor`; see `_in_region` for why not `expert` alone. With mesh.expert = 1 there
+is no exchange: capacity runs without a region (the compiler splits the groups like any
+batch dimension), dropless in the same region minus the all-to-alls (the compiler would
+gather every token to sort them).
+
+A group (the unit capacity is counted over) is the tokens one device holds of the batch:
+batch_size / (product of the mesh axes `batch` is split over) rows, times the length.
+Without an active layout the group is the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd_train.errors import ConfigError
+from spmd_train.models.experts import (DOWN_AXES, GATE_UP_AXES, ExpertWeights, Manual, batched_swiglu,
+                                      ragged_swiglu)
+from spmd_train.models.routing import capacity, expert_counts, slot_positions
+from spmd_train.sharding.constrain import active_layout
+
+AXIS = "expert"
+IMPLEMENTATIONS = ("capacity", "dropless")
+
+
+def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: ExpertWeights, *, num_experts: int,
+            capacity_factor: float, impl: str = "capacity", dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """Routed experts: x [b, l, d], expert_idx/gates [b, l, k] -> (y [b, l, d] in x.dtype, kept [b, l, k] bool).
+
+    `weights` are the stored expert weights (leading `experts` axis); `kept` is False for
+    assignments dropped for lack of capacity (always True when dropless).
+    """
+    layout = active_layout()
+    manual = _manual_axes()
+    mesh = None if layout is None else jax.sharding.get_abstract_mesh() if manual else layout.mesh
+    if AXIS in manual:
+        raise NotImplementedError("an MoE layer inside a shard_map that is already manual over `expert`")
+    axes = _batch_axes(layout, manual)
+    ways = 1 if mesh is None else mesh.shape[AXIS]
+    if ways > 1 and AXIS not in axes:
+        raise ConfigError(f"mesh.expert={ways} needs `expert` among the mesh axes of the activation rule `batch` "
+                          f"(now {list(axes)}): each expert-axis device dispatches its own tokens")
+    if num_experts % ways:
+        raise ConfigError(f"model.num_experts={num_experts} is not divisible by mesh.expert={ways}")
+    if impl == "capacity":
+        return _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes, ways)
+    if impl == "dropless":
+        return _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, ways)
+    raise ValueError(f"model.moe_impl={impl!r} is not an implementation (valid: {', '.join(IMPLEMENTATIONS)})")
+
+
+# --- capacity: fixed slots, two all-to-alls ---------------------------------------------------------
+
+
+def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes, ways):
+    b, l, d = x.shape
+    k = expert_idx.shape[-1]
+    groups = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    rows = b // groups
+    slots = capacity(k, rows * l, capacity_factor, num_experts)
+
+    def local(xs, idx, gs, w, manual=None):
+        held = xs.shape[0] // rows  # every group outside a region; one inside
+        pin = (lambda a: _pin(a, P(axes, P.UNCONSTRAINED, None), mesh)) if axes and ways == 1 else (lambda a: a)
+        y, kept = _slots_and_experts(pin(xs.reshape(held, rows * l, d)), pin(idx.reshape(held, rows * l, k)),
+                                     pin(gs.reshape(held, rows * l, k)), w, num_experts, slots, dtype,
+                                     AXIS if ways > 1 else None, manual)
+        return y.reshape(xs.shape), kept.reshape(idx.shape)
+
+    if ways == 1:  # no exchange: the compiler partitions the groups like any batch dimension
+        return local(x, expert_idx, gates, weights)
+    return _in_region(local, layout, mesh, axes, (x, expert_idx, gates), weights, outputs=2)
+
+
+def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype, axis, manual):
+    """Groups [G, T, d] (+ [G, T, k] routing) -> ([G, T, d], kept [G, T, k]) through [E, C, d] slots."""
+    groups, tokens, d = x.shape
+    k = expert_idx.shape[-1]
+    pos = jax.vmap(slot_positions, in_axes=(0, None))(expert_idx, num_experts)
+    kept = pos < slots
+    # Flat slot of each assignment; a dropped one points past the end, where scatter and gather ignore it.
+    slot = jnp.where(kept, expert_idx * slots + pos, num_experts * slots).reshape(groups, tokens * k)
+    src = jnp.broadcast_to(x[:, :, None, :].astype(dtype), (groups, tokens, k, d)).reshape(groups, tokens * k, d)
+    buf = jax.vmap(lambda s, v: jnp.zeros((num_experts * slots, d), dtype).at[s].add(v, mode="drop"))(slot, src)
+    buf = buf.reshape(groups, num_experts, slots, d)
+    if axis is None:
+        out = batched_swiglu(buf, weights, dtype, manual)
+    else:
+        ways = jax.lax.axis_size(axis)
+        buf = buf.reshape(groups, ways, num_experts // ways, slots, d)
+        # [G, destination device, local expert, C, d] -> [G, source device, local expert, C, d] and back.
+        buf = jax.lax.all_to_all(buf, axis, 1, 1, tiled=True)
+        out = jax.lax.all_to_all(batched_swiglu(buf, weights, dtype, manual), axis, 1, 1, tiled=True)
+    out = out.reshape(groups, num_experts * slots, d)
+    back = jax.vmap(lambda o, s: o.at[s].get(mode="fill", fill_value=0))(out, slot).reshape(groups, tokens, k, d)
+    y = jnp.einsum("gtkd,gtk->gtd", back.astype(jnp.float32), jnp.where(kept, gates, 0.0).astype(jnp.float32))
+    return y.astype(x.dtype), kept
+
+
+# --- dropless: ragged all-to-all and ragged_dot ----------------------------------------------------
+
+
+def _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, ways):
+    b, l, d = x.shape
+    k = expert_idx.shape[-1]
+
+    def local(xs, idx, gs, w, manual=None):
+        n = xs.shape[0] * xs.shape[1]
+        y = _ragged_experts(xs.reshape(n, d), idx.reshape(n, k), gs.reshape(n, k), w, num_experts, dtype,
+                            AXIS if ways > 1 else None, manual, axes)
+        return (y.reshape(xs.shape),)
+
+    if not axes:
+        (y,) = local(x, expert_idx, gates, weights)
+    else:  # even without exchange: the compiler would gather every token to sort them
+        (y,) = _in_region(local, layout, mesh, axes, (x, expert_idx, gates), weights, outputs=1)
+    return y, jnp.ones(expert_idx.shape, bool)
+
+
+def _ragged_experts(x, expert_idx, gates, weights, num_experts, dtype, axis, manual, token_axes):
+    """One device's tokens x [T, d] -> [T, d]: sort assignments by expert, (exchange,) ragged_dot, undo."""
+    tokens, k = expert_idx.shape
+    n = tokens * k
+    order = jnp.argsort(expert_idx.reshape(n), stable=True)
+    xs = jnp.take(x, order // k, axis=0).astype(dtype)
+    counts = expert_counts(expert_idx, num_experts)
+    if axis is None:
+        out = ragged_swiglu(xs, counts, weights, dtype, manual)
+    else:
+        out = _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, manual, token_axes)
+    per_assignment = jnp.zeros_like(out).at[order].set(out)
+    y = jnp.einsum("tkd,tk->td", per_assignment.reshape(tokens, k, -1).astype(jnp.float32), gates)
+    return y.astype(x.dtype)
+
+
+def _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, manual, token_axes):
+    """Sorted assignments [n, d] -> expert outputs in the same order, via the devices owning the experts.
+
+    ragged_all_to_all's result takes the type of its `output` buffer, so the zero buffers are
+    marked varying over the token axes by hand: left invariant, autodiff would psum the received
+    rows' gradient over the expert axis (wrong, and silent).
+    """
+    n, d = xs.shape
+    ways, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    local_experts = num_experts // ways
+    per = jax.lax.all_gather(counts, axis).reshape(ways, ways, local_experts)  # [source, destination, expert]
+    sizes = per.sum(-1)  # rows each source sends each destination
+    send, recv = sizes[me], sizes[:, me]
+    # Worst case every device sends every assignment to this one: dropless costs a ways-fold buffer.
+    buf = jax.lax.pcast(jnp.zeros((ways * n, d), xs.dtype), token_axes, to="varying")
+    got = jax.lax.ragged_all_to_all(xs, buf, _exclusive_cumsum(send), send, _exclusive_cumsum(sizes, 0)[me], recv,
+                                    axis_name=axis)
+    # Received: per source, rows sorted by local expert. Regroup by local expert for ragged_dot;
+    # rows past the received ones get label `local_experts` and sort last.
+    mine = per[:, me, :]
+    # segment[r] = how many (source, expert) runs end at or before row r (a searchsorted; jnp's trips
+    # over varying-manual-axis types in jax 0.10, so count run ends with a scatter and a cumsum).
+    ends = jnp.cumsum(mine.reshape(-1))
+    segment = jnp.cumsum(jnp.zeros((ways * n,), jnp.int32).at[ends].add(1, mode="drop"))
+    label = jnp.where(segment < ways * local_experts, segment % local_experts, local_experts)
+    regroup = jnp.argsort(label, stable=True)
+    out = ragged_swiglu(got[regroup], mine.sum(0), weights, dtype, manual)
+    out = jnp.zeros_like(out).at[regroup].set(out)
+    home = jax.lax.pcast(jnp.zeros((n, d), out.dtype), token_axes, to="varying")
+    return jax.lax.ragged_all_to_all(out, home, _exclusive_cumsum(recv), recv, _exclusive_cumsum(sizes, 1)[:, me],
+                                     send, axis_name=axis)
+
+
+# --- the shard_map region ---------------------------------------------------------------------------
+
+
+def _in_region(local, layout, mesh, axes, activations, weights: ExpertWeights, outputs: int):
+    """Run `local` per device in a shard_map manual over every mesh axis not already manual.
+
+    Why not manual over `expert` alone: XLA replicates the operand of a collective in a partly
+    manual region over its compiler-partitioned axes (measured: an all-gather over fsdp before
+    each all-to-all, and over tensor before each by-hand weight gather). So each device owns
+    its group of tokens outright (split over the batch axes), and the experts' hidden width
+    (`expert_mlp`, on `tensor`) is split by hand, Megatron-style, with one psum after the
+    down projection. Weights enter with `embed` still split as stored and are gathered inside
+    each matmul's checkpoint (the backward pass gathers again and reduce-scatters the
+    gradient, as ZeRO-3 does). Any other axis (`sequence`, which must be 1 for now) only
+    replicates the work.
+    """
+    outer = _manual_axes()
+    hidden = tuple(a for a in _entry(layout.activation_spec(P("expert_mlp")), 0) if a not in axes and a not in outer)
+    manual = set(axes) | set(hidden)
+
+    def weight_spec(names):
+        stored = layout.param_spec(P(*names), None, fsdp=layout.zero_stage >= 3)
+        entries = []
+        for dim, name in enumerate(names):
+            if name == "experts":
+                entries.append(AXIS if AXIS in manual else None)
+            elif name == "expert_mlp":
+                entries.append(hidden or None)
+            else:
+                kept = tuple(a for a in _entry(stored, dim) if a in manual and a != AXIS and a not in hidden)
+                entries.append(kept or None)
+        return P(*entries)
+
+    specs = {names: weight_spec(names) for names in (GATE_UP_AXES, DOWN_AXES)}
+
+    def gather(w, names):
+        for dim, name in enumerate(names):
+            if name not in ("experts", "expert_mlp") and specs[names][dim] is not None:
+                w = jax.lax.all_gather(w, specs[names][dim], axis=dim, tiled=True)
+        return w
+
+    by_hand = Manual(gather, (lambda y: jax.lax.psum(y, hidden)) if hidden else (lambda y: y))
+    spec = P(axes)
+    w_specs = ExpertWeights(specs[GATE_UP_AXES], specs[GATE_UP_AXES], specs[DOWN_AXES])
+    # Every other axis is manual too (replicated: size 1 today): XLA:CPU aborts on a bf16 psum or
+    # psum_scatter in a partly manual region ("Invalid binary instruction opcode copy").
+    return jax.shard_map(lambda x, i, g, w: local(x, i, g, w, by_hand), mesh=mesh,
+                         in_specs=(spec, spec, spec, w_specs), out_specs=(spec,) * outputs,
+                         axis_names=set(mesh.axis_names) - outer, check_vma=True)(*activations, weights)
+
+
+def _entry(spec: P, dim: int) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec puts on one dimension."""
+    entry = spec[dim] if dim < len(spec) else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def _exclusive_cumsum(a: jax.Array, axis: int = 0) -> jax.Array:
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _manual_axes() -> set[str]:
+    abstract = jax.sharding.get_abstract_mesh()
+    return set(abstract.manual_axes) if not abstract.empty else set()
+
+
+def _batch_axes(layout, manual: set[str]) -> tuple[str, ...]:
+    """Mesh axes (size > 1, not already manual) that split the batch, outermost first."""
+    if layout is None:
+        return ()
+    return tuple(a for a in _entry(layout.activation_spec(P("batch")), 0) if a not in manual)
+
+
+def _pin(x: jax.Array, spec: P, mesh) -> jax.Array:
+    if _manual_axes():  # inside a shard_map: the context mesh applies, minus its manual axes
+        return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

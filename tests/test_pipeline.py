@@ -158,3 +158,11 @@ def test_interleaved_needs_microbatches_in_groups_of_stages(devices):
                              "parallel.virtual_stages=2", "parallel.microbatches=2", "train.global_batch_size=16"])
     with pytest.raises(ConfigError, match=r"parallel.microbatches=2 is (not divisible by|invalid)"):
         Engine.build(cfg, devices)
+
+
+def test_bf16_compute_pipeline_trains_like_one_device(devices):
+    # bf16 activations cross stages and the input gradients are summed over `pipeline`.
+    common = [*DEEP, "model.compute_dtype=bfloat16"]
+    ref_losses, _, _, _ = run_steps(["mesh.fsdp=1", *common], devices[:1])
+    losses, _, _, _ = run_steps(["mesh.pipeline=2", "mesh.fsdp=4", *common], devices)
+    assert np.abs(losses - ref_losses).max() <= 2e-2 * np.abs(ref_losses).max()

@@ -222,7 +222,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         # backward), but a static count of the program has to add up every branch on every tick.
         pipeline = replace(pipeline, compiled_flops_all_branches=per_device["flops"])
         per_device["flops"] = model_flops
-        notes.append(PIPELINE_FLOPS_NOTE)
+        notes += [PIPELINE_FLOPS_NOTE, PIPELINE_COLLECTIVES_NOTE]
     return StepReport(
         mesh=dict(mesh.shape),
         devices=mesh.size,
@@ -244,6 +244,12 @@ PIPELINE_FLOPS_NOTE = (
     "pipelined step: FLOPs per device are the model count (averaged over devices; the last stage also runs the "
     "LM head), not the compiled program's: its loop-aware count adds both the forward and the backward branch of "
     "the per-tick lax.switch on every tick, though each tick runs at most one (pipeline.compiled_flops_all_branches)"
+)
+PIPELINE_COLLECTIVES_NOTE = (
+    "pipelined step: collectives inside a stage's forward or backward (its fsdp/tensor gathers and reductions) "
+    "are counted on every tick for each branch of the per-tick lax.switch, so their counts and bytes are upper "
+    "bounds, by about ticks / (virtual stages x microbatches); the per-tick pipeline collective-permutes and the "
+    "collectives outside the pipeline are exact"
 )
 
 

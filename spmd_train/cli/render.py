@@ -95,5 +95,6 @@ def render_pipeline(pipe: PipelineReport, console: Console) -> None:
     console.print(table)
     console.print(f"stash at peak = peak in flight x {human_bytes(pipe.stash_bytes_per_microbatch)} per (microbatch, "
                   f"chunk); the compiled program is the same on every stage, so every device reserves the largest "
-                  f"stage's {pipe.stash_slots} slots (plus {pipe.activation_slots} activation and "
-                  f"{pipe.cotangent_slots} cotangent slots of one microbatch each)")
+                  f"stage's {pipe.stash_slots} slots (plus receive buffers of one microbatch activation each: "
+                  f"{pipe.activation_slots} + 1 spare for activations, {pipe.cotangent_slots} + 1 spare for "
+                  f"cotangents)")

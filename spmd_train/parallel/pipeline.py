@@ -119,7 +119,11 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: Plan, blocks: Any, he
         _, _, _, grads, head_grads, loss, d_inputs = carry
         grads = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), grads)
         # The loss and head gradients live on the last stage, the input gradients on the first.
-        loss, head_grads, d_inputs = jax.lax.psum((loss, head_grads, d_inputs), AXIS)
+        # Summed in fp32: exact either way (one stage holds each value), and XLA:CPU cannot
+        # compile a bf16 all-reduce inside a partly manual region.
+        totals = jax.tree.map(lambda a: a.astype(jnp.float32), (loss, head_grads, d_inputs))
+        loss, head_grads, d_inputs = jax.tree.map(lambda t, a: t.astype(a.dtype), jax.lax.psum(totals, AXIS),
+                                                  (loss, head_grads, d_inputs))
         return loss, grads, head_grads, d_inputs
 
     block_spec = jax.tree.map(lambda _: P(AXIS), blocks)

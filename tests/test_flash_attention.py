@@ -141,7 +141,8 @@ def test_inside_the_model_under_grad_accumulation_shard_map(devices):
 
 @pytest.mark.skipif(not __import__("spmd_train.analysis.topology", fromlist=["x"]).has_libtpu(),
                     reason="needs the tpu-aot extra")
-def test_kernels_compile_for_tpu_inside_shard_map():
+@pytest.mark.parametrize("length", [2048, pytest.param(32768, marks=pytest.mark.heavy)])
+def test_kernels_compile_for_tpu_inside_shard_map(length):
     from jax.sharding import AxisType, Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -156,22 +157,25 @@ def test_kernels_compile_for_tpu_inside_shard_map():
                             in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
         return jnp.sum(out.astype(jnp.float32))
 
-    q = jax.ShapeDtypeStruct((4, 2048, 8, 128), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
-    kv = jax.ShapeDtypeStruct((4, 2048, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    # 32k tokens: 8x beyond what fit in VMEM before K/V were tiled over the grid.
+    q = jax.ShapeDtypeStruct((4, length, 8, 128), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    kv = jax.ShapeDtypeStruct((4, length, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
     assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv: Mosaic kernels, not XLA fallbacks
 
 
-def test_long_sequences_fall_back_to_xla_on_tpu_and_pallas_refuses_them_clearly():
-    from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, tpu_vmem_bytes
+def test_vmem_does_not_grow_with_length_and_oversized_blocks_fall_back_clearly():
+    from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
     from spmd_train.parallel.attention import resolve
 
     short = tpu_vmem_bytes((1, 2048, 4, 128), (1, 2048, 1, 128), jnp.bfloat16)
-    long = tpu_vmem_bytes((1, 8192, 4, 128), (1, 8192, 1, 128), jnp.bfloat16)
-    assert short <= TPU_VMEM_BUDGET < long
+    long = tpu_vmem_bytes((1, 131072, 4, 128), (1, 131072, 1, 128), jnp.bfloat16)
+    assert short == long <= TPU_VMEM_BUDGET // 4
+    huge = BlockSizes(8192, 8192)
+    assert tpu_vmem_bytes((1, 65536, 4, 128), (1, 65536, 1, 128), jnp.bfloat16, huge) > TPU_VMEM_BUDGET
     assert resolve("auto", "tpu", True) == "pallas" and resolve("auto", "tpu", False) == "xla"
     assert resolve("auto", "cpu") == "xla" and resolve("auto", "gpu") == "cudnn" and resolve("pallas", "cpu") == "pallas"
-    x = jnp.zeros((1, 8192, 4, 128), jnp.bfloat16)
-    kv = jnp.zeros((1, 8192, 1, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="MiB of TPU VMEM"):
-        flash_attention(x, kv, kv, interpret=False)
+    x = jnp.zeros((1, 65536, 4, 128), jnp.bfloat16)
+    kv = jnp.zeros((1, 65536, 1, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="MiB of TPU VMEM.*smaller block_sizes"):
+        flash_attention(x, kv, kv, block_sizes=huge, interpret=False)

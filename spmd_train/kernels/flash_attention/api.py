@@ -29,21 +29,21 @@ TPU_VMEM_BUDGET = 32 * 2**20
 def tpu_vmem_bytes(q_shape, kv_shape, dtype, block_sizes: BlockSizes | None = None) -> int:
     """VMEM the kernels need on TPU for these per-device shapes (the largest of the three kernels).
 
-    Each program keeps the whole (padded) K/V of its head resident, and the dk/dv kernel the
-    queries, output gradients and softmax statistics of its head group, double-buffered; row
-    statistics occupy a full 128-lane row each. This bounds the sequence length the kernels
-    take today; longer sequences need K/V tiled over the grid.
+    Both sides are tiled over the grid, so this depends on the block sizes (capped by the
+    padded lengths) and head_dim, not on the sequence length: double-buffered input and
+    output blocks plus fp32 scratch accumulators; row statistics take a full 128-lane row.
     """
     blocks = block_sizes or DEFAULT_BLOCKS["tpu"]
-    _, lq, h, d = q_shape
-    lk, kvh = kv_shape[1], kv_shape[2]
+    _, lq, _, d = q_shape
+    lk = kv_shape[1]
     isz = jnp.dtype(dtype).itemsize
-    lq_pad = _round_up(lq, min(blocks.block_q, _round_up(lq, 8)))
-    lk_pad = _round_up(lk, min(blocks.block_k, _round_up(lk, 8)))
-    kv_resident = 2 * (2 * lk_pad * d * isz + lk_pad * 4)
-    group = h // kvh
-    q_resident = 2 * group * lq_pad * (2 * d * isz + 2 * 128 * 4)
-    return max(kv_resident, q_resident)
+    bq = min(blocks.block_q, _round_up(lq, 8))
+    bk = min(blocks.block_k, _round_up(lk, 8))
+    stat = 128 * 4  # a [rows, 1] fp32 block occupies whole lane rows
+    forward = 2 * (2 * bq * d * isz + 2 * bk * d * isz + bq * stat + bk * 4) + 2 * bq * stat + bq * d * 4
+    dq = 2 * (3 * bq * d * isz + 2 * bk * d * isz + 3 * bq * stat + bk * 4) + bq * d * 4
+    dkv = 2 * (2 * bq * d * isz + 4 * bk * d * isz + 3 * bq * stat + bk * 4) + 2 * bk * d * 4
+    return max(forward, dq, dkv)
 
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale: float | None = None,
@@ -65,9 +65,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     blocks = block_sizes or DEFAULT_BLOCKS.get(platform, BlockSizes())
     if platform == "tpu" and tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks) > TPU_VMEM_BUDGET:
         need = tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks)
-        raise ValueError(f"q {q.shape} / k {k.shape} need {need / 2**20:.0f} MiB of TPU VMEM in these kernels "
-                         f"(budget {TPU_VMEM_BUDGET / 2**20:.0f} MiB): the sequence is too long for them; use "
-                         "model.attention=xla (or auto, which falls back) for this length")
+        raise ValueError(f"q {q.shape} / k {k.shape} with {blocks} need {need / 2**20:.0f} MiB of TPU VMEM "
+                         f"(budget {TPU_VMEM_BUDGET / 2**20:.0f} MiB): use smaller block_sizes")
     b, lq, h, d = q.shape
     lk, kvh = k.shape[1], k.shape[2]
     block_q = min(blocks.block_q, _round_up(lq, 8))

@@ -1,12 +1,14 @@
 """Pallas flash-attention kernels: forward (online softmax) and backward (dq, dk/dv).
 
 Layout inside the kernels: [batch, heads, length, head_dim], lengths padded to whole blocks.
-Each program owns one block of rows and loops over the blocks of the other side, reading
-them from a ref that spans the whole (padded) length; causal programs stop at the diagonal
-instead of computing blocks that are entirely masked. Softmax statistics and accumulators are
-fp32 whatever the input dtype. Masked scores use a large finite negative value, and masked
-probabilities are zeroed explicitly, so a row with nothing to attend to yields zeros (and a
-very negative log-sum-exp), never NaN.
+Both sides are tiled over the grid: a program sees one block of rows and one block of the
+other side, and the innermost grid dimensions walk over the other side's blocks while fp32
+accumulators (softmax statistics, partial outputs or gradients) stay in scratch memory. So
+on-chip memory depends on the block sizes only, never on the sequence length. Causal
+programs skip blocks that are entirely masked, and their index maps repeat the last useful
+block so the skipped ones are never even copied in. Masked scores use a large finite
+negative value and masked probabilities are zeroed explicitly, so a row with nothing to
+attend to yields zeros (and a very negative log-sum-exp), never NaN.
 
 Kernels know nothing of meshes: callers wrap them in `shard_map` (see `spmd_train.parallel`).
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -60,20 +63,22 @@ def poison_requested() -> bool:
     return _POISON.get()
 
 
-def _call(body, *, plan: Plan, grid, in_specs, out_specs, out_shape, name, args):
-    """pallas_call, with NaN-filled outputs aliased in when the plan asks for poisoning."""
+def _call(body, *, plan: Plan, grid, in_specs, out_specs, out_shape, scratch, parallel: int, name, args):
+    """pallas_call over a grid whose first `parallel` dimensions are independent and whose others
+    accumulate into `scratch`; with NaN-filled outputs aliased in when the plan asks for poisoning."""
+    semantics = ("parallel",) * parallel + ("arbitrary",) * (len(grid) - parallel)
+    common = dict(grid=grid, out_shape=out_shape, scratch_shapes=scratch, interpret=plan.interpret, name=name,
+                  compiler_params=None if plan.interpret else pltpu.CompilerParams(dimension_semantics=semantics))
     if not plan.poison:
-        return pl.pallas_call(body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                              interpret=plan.interpret, name=name)(*args)
+        return pl.pallas_call(body, in_specs=in_specs, out_specs=out_specs, **common)(*args)
     n_in, n_out = len(args), len(out_shape)
     poison = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
 
     def without_poison(*refs):
         return body(*refs[:n_in], *refs[n_in + n_out:])
 
-    return pl.pallas_call(without_poison, grid=grid, in_specs=[*in_specs, *out_specs], out_specs=out_specs,
-                          out_shape=out_shape, input_output_aliases={n_in + i: i for i in range(n_out)},
-                          interpret=plan.interpret, name=name)(*args, *poison)
+    return pl.pallas_call(without_poison, in_specs=[*in_specs, *out_specs], out_specs=out_specs,
+                          input_output_aliases={n_in + i: i for i in range(n_out)}, **common)(*args, *poison)
 
 
 def _scores(q, k, q_start, k_start, q_seg, k_seg, plan: Plan):
@@ -87,123 +92,123 @@ def _scores(q, k, q_start, k_start, q_seg, k_seg, plan: Plan):
     return jnp.where(mask, s, MASK), mask
 
 
-def _kv_tile(k_ref, v_ref, kseg_ref, k_start, plan: Plan):
-    """The K, V and segment-id tile starting at k_start (the whole refs when there is one tile).
-
-    With a single tile there is nothing to slice, which spares TPU from proving a dynamic
-    offset into the lane dimension is 128-aligned.
-    """
-    if k_ref.shape[0] == plan.block_k:
-        return k_ref[...], v_ref[...], kseg_ref[...]
-    cols = pl.ds(k_start, plan.block_k)
-    return k_ref[cols, :], v_ref[cols, :], kseg_ref[:, cols]
-
-
-def _kv_blocks(q_start, plan: Plan, padded_kv: int):
-    """How many K/V blocks a row block must visit (causal: up to the diagonal)."""
-    total = padded_kv // plan.block_k
+def _visible(q_start, k_start, plan: Plan):
+    """Whether a (row block, column block) pair has any unmasked entry under causality."""
     if not plan.causal:
-        return total
-    return jnp.minimum(total, pl.cdiv(q_start + plan.block_q, plan.block_k))
+        return True
+    return k_start < q_start + plan.block_q
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, plan: Plan):
-    q_start = pl.multiple_of(pl.program_id(2) * plan.block_q, plan.block_q)
-    q = q_ref[...]
-    q_seg = qseg_ref[...]
-    d = q.shape[-1]
+def _last_kv_block(i, plan: Plan):
+    """Index of the last K/V block row block i attends to (causal), for clamped index maps."""
+    return (i * plan.block_q + plan.block_q - 1) // plan.block_k
 
-    def body(j, carry):
-        m, l, acc = carry
-        k_start = pl.multiple_of(j * plan.block_k, plan.block_k)
-        k, v, k_seg = _kv_tile(k_ref, v_ref, kseg_ref, k_start, plan)
-        s, mask = _scores(q, k, q_start, k_start, q_seg, k_seg, plan)
+
+def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: Plan):
+    j = pl.program_id(3)
+    q_start, k_start = pl.program_id(2) * plan.block_q, j * plan.block_k
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, MASK, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    @pl.when(_visible(q_start, k_start, plan))
+    def _step():
+        v = v_ref[...]
+        s, mask = _scores(q_ref[...], k_ref[...], q_start, k_start, qseg_ref[...], kseg_ref[...], plan)
+        m = m_sc[...]
         m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m - m_new)
-        l = alpha * l + p.sum(axis=1, keepdims=True)
-        acc = alpha * acc + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        l_sc[...] = alpha * l_sc[...] + p.sum(axis=1, keepdims=True)
+        acc_sc[...] = alpha * acc_sc[...] + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                                                preferred_element_type=jnp.float32)
+        m_sc[...] = m_new
 
-    init = (jnp.full((plan.block_q, 1), MASK, jnp.float32), jnp.zeros((plan.block_q, 1), jnp.float32),
-            jnp.zeros((plan.block_q, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, _kv_blocks(q_start, plan, k_ref.shape[0]), body, init)
-    safe = jnp.where(l == 0.0, 1.0, l)
-    o_ref[...] = (acc / safe).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(safe)
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        l = l_sc[...]
+        safe = jnp.where(l == 0.0, 1.0, l)
+        o_ref[...] = (acc_sc[...] / safe).astype(o_ref.dtype)
+        lse_ref[...] = m_sc[...] + jnp.log(safe)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan: Plan):
-    q_start = pl.multiple_of(pl.program_id(2) * plan.block_q, plan.block_q)
-    q, do = q_ref[...], do_ref[...]
-    lse, delta, q_seg = lse_ref[...], delta_ref[...], qseg_ref[...]
+def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc, *, plan: Plan):
+    j = pl.program_id(3)
+    q_start, k_start = pl.program_id(2) * plan.block_q, j * plan.block_k
 
-    def body(j, dq):
-        k_start = pl.multiple_of(j * plan.block_k, plan.block_k)
-        k, v, k_seg = _kv_tile(k_ref, v_ref, kseg_ref, k_start, plan)
-        s, mask = _scores(q, k, q_start, k_start, q_seg, k_seg, plan)
-        p = jnp.where(mask, jnp.exp(s - lse), 0.0)
+    @pl.when(j == 0)
+    def _init():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+    @pl.when(_visible(q_start, k_start, plan))
+    def _step():
+        k, v, do = k_ref[...], v_ref[...], do_ref[...]
+        s, mask = _scores(q_ref[...], k, q_start, k_start, qseg_ref[...], kseg_ref[...], plan)
+        p = jnp.where(mask, jnp.exp(s - lse_ref[...]), 0.0)
         dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        ds = p * (dp - delta)
-        return dq + jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
-
-    dq = jax.lax.fori_loop(0, _kv_blocks(q_start, plan, k_ref.shape[0]), body,
-                           jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
-
-
-def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                plan: Plan):
-    # One K/V block of one K/V head, against every query head of its group.
-    k_start = pl.multiple_of(pl.program_id(2) * plan.block_k, plan.block_k)
-    k, v = k_ref[...], v_ref[...]
-    k_seg = kseg_ref[...]
-    q_blocks = q_ref.shape[1] // plan.block_q
-    first = k_start // plan.block_q if plan.causal else 0
-
-    def over_queries(g, carry):
-        def body(i, carry):
-            dk, dv = carry
-            q_start = pl.multiple_of(i * plan.block_q, plan.block_q)
-            rows = pl.ds(q_start, plan.block_q)
-            q, do = q_ref[g, rows, :], do_ref[g, rows, :]
-            s, mask = _scores(q, k, q_start, k_start, qseg_ref[rows, :], k_seg, plan)
-            p = jnp.where(mask, jnp.exp(s - lse_ref[g, rows, :]), 0.0)
-            dv = dv + jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+        ds = p * (dp - delta_ref[...])
+        dq_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                           preferred_element_type=jnp.float32)
-            dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            ds = p * (dp - delta_ref[g, rows, :])
-            dk = dk + jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = (dq_sc[...] * plan.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc,
+                *, plan: Plan):
+    # One K/V block of one K/V head; the grid walks every query head of its group, then every row block.
+    g, i = pl.program_id(3), pl.program_id(4)
+    q_start, k_start = i * plan.block_q, pl.program_id(2) * plan.block_k
+    first = (g == 0) & (i == 0)
+    last = (g == pl.num_programs(3) - 1) & (i == pl.num_programs(4) - 1)
+
+    @pl.when(first)
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    @pl.when(_visible(q_start, k_start, plan))
+    def _step():
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        s, mask = _scores(q, k, q_start, k_start, qseg_ref[...], kseg_ref[...], plan)
+        p = jnp.where(mask, jnp.exp(s - lse_ref[...]), 0.0)
+        dv_sc[...] += jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                           preferred_element_type=jnp.float32)
-            return dk, dv
+        dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_ref[...])
+        dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
 
-        return jax.lax.fori_loop(first, q_blocks, body, carry)
-
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = jax.lax.fori_loop(0, plan.groups, over_queries, (zeros, zeros))
-    dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    @pl.when(last)
+    def _finish():
+        dk_ref[...] = (dk_sc[...] * plan.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
 def forward(q, k, v, q_seg, kv_seg, plan: Plan):
     """q [b, h, Lq, d], k/v [b, kvh, Lk, d], q_seg [b, Lq, 1], kv_seg [b, 1, Lk] -> (o, lse [b, h, Lq, 1])."""
     b, h, lq, d = q.shape
     lk = k.shape[2]
-    sq = pl.squeezed
-    grid = (b, h, lq // plan.block_q)
-    row = pl.BlockSpec((sq, sq, plan.block_q, d), lambda b_, h_, i: (b_, h_, i, 0))
-    kv = pl.BlockSpec((sq, sq, lk, d), lambda b_, h_, i: (b_, h_ // plan.groups, 0, 0))
+    sq, bq, bk = pl.squeezed, plan.block_q, plan.block_k
+    kv_at = _kv_index(plan)
+    row = pl.BlockSpec((sq, sq, bq, d), lambda b_, h_, i, j: (b_, h_, i, 0))
+    kv = pl.BlockSpec((sq, sq, bk, d), lambda b_, h_, i, j: (b_, h_ // plan.groups, kv_at(i, j), 0))
+    f32 = jnp.float32
     return _call(
         functools.partial(_forward_kernel, plan=plan),
         plan=plan,
-        grid=grid,
+        grid=(b, h, lq // bq, lk // bk),
         in_specs=[row, kv, kv,
-                  pl.BlockSpec((sq, plan.block_q, 1), lambda b_, h_, i: (b_, i, 0)),
-                  pl.BlockSpec((sq, 1, lk), lambda b_, h_, i: (b_, 0, 0))],
-        out_specs=[row, pl.BlockSpec((sq, sq, plan.block_q, 1), lambda b_, h_, i: (b_, h_, i, 0))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, lq, 1), jnp.float32)],
+                  pl.BlockSpec((sq, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
+                  pl.BlockSpec((sq, 1, bk), lambda b_, h_, i, j: (b_, 0, kv_at(i, j)))],
+        out_specs=[row, pl.BlockSpec((sq, sq, bq, 1), lambda b_, h_, i, j: (b_, h_, i, 0))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, lq, 1), f32)],
+        scratch=[pltpu.VMEM((bq, 1), f32), pltpu.VMEM((bq, 1), f32), pltpu.VMEM((bq, d), f32)],
+        parallel=3,
         name="flash_attention_fwd",
         args=(q, k, v, q_seg, kv_seg),
     )
@@ -213,40 +218,60 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, plan: Plan):
     """Gradients (dq, dk, dv) given the output, its log-sum-exp and the output cotangent."""
     b, h, lq, d = q.shape
     kvh, lk = k.shape[1], k.shape[2]
-    sq = pl.squeezed
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
-    row = pl.BlockSpec((sq, sq, plan.block_q, d), lambda b_, h_, i: (b_, h_, i, 0))
-    row_stat = pl.BlockSpec((sq, sq, plan.block_q, 1), lambda b_, h_, i: (b_, h_, i, 0))
-    kv_full = pl.BlockSpec((sq, sq, lk, d), lambda b_, h_, i: (b_, h_ // plan.groups, 0, 0))
+    sq, bq, bk, g = pl.squeezed, plan.block_q, plan.block_k, plan.groups
+    f32 = jnp.float32
+    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1, keepdims=True)
+    kv_at = _kv_index(plan)
+    row = pl.BlockSpec((sq, sq, bq, d), lambda b_, h_, i, j: (b_, h_, i, 0))
+    row_stat = pl.BlockSpec((sq, sq, bq, 1), lambda b_, h_, i, j: (b_, h_, i, 0))
+    kv = pl.BlockSpec((sq, sq, bk, d), lambda b_, h_, i, j: (b_, h_ // g, kv_at(i, j), 0))
     (dq,) = _call(
         functools.partial(_dq_kernel, plan=plan),
         plan=plan,
-        grid=(b, h, lq // plan.block_q),
-        in_specs=[row, kv_full, kv_full,
-                  pl.BlockSpec((sq, plan.block_q, 1), lambda b_, h_, i: (b_, i, 0)),
-                  pl.BlockSpec((sq, 1, lk), lambda b_, h_, i: (b_, 0, 0)),
+        grid=(b, h, lq // bq, lk // bk),
+        in_specs=[row, kv, kv,
+                  pl.BlockSpec((sq, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
+                  pl.BlockSpec((sq, 1, bk), lambda b_, h_, i, j: (b_, 0, kv_at(i, j))),
                   row, row_stat, row_stat],
         out_specs=[row],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        scratch=[pltpu.VMEM((bq, d), f32)],
+        parallel=3,
         name="flash_attention_dq",
         args=(q, k, v, q_seg, kv_seg, do, lse, delta),
     )
 
-    g = plan.groups
-    group_rows = pl.BlockSpec((sq, g, lq, d), lambda b_, j_, i: (b_, j_, 0, 0))
-    group_stat = pl.BlockSpec((sq, g, lq, 1), lambda b_, j_, i: (b_, j_, 0, 0))
-    kv_block = pl.BlockSpec((sq, sq, plan.block_k, d), lambda b_, j_, i: (b_, j_, i, 0))
+    q_at = _q_index(plan)
+    q_row = pl.BlockSpec((sq, sq, bq, d), lambda b_, j_, kb, g_, i: (b_, j_ * g + g_, q_at(kb, i), 0))
+    q_stat = pl.BlockSpec((sq, sq, bq, 1), lambda b_, j_, kb, g_, i: (b_, j_ * g + g_, q_at(kb, i), 0))
+    kv_block = pl.BlockSpec((sq, sq, bk, d), lambda b_, j_, kb, g_, i: (b_, j_, kb, 0))
     dk, dv = _call(
         functools.partial(_dkv_kernel, plan=plan),
         plan=plan,
-        grid=(b, kvh, lk // plan.block_k),
-        in_specs=[group_rows, kv_block, kv_block,
-                  pl.BlockSpec((sq, lq, 1), lambda b_, j_, i: (b_, 0, 0)),
-                  pl.BlockSpec((sq, 1, plan.block_k), lambda b_, j_, i: (b_, 0, i)),
-                  group_rows, group_stat, group_stat],
+        grid=(b, kvh, lk // bk, g, lq // bq),
+        in_specs=[q_row, kv_block, kv_block,
+                  pl.BlockSpec((sq, bq, 1), lambda b_, j_, kb, g_, i: (b_, q_at(kb, i), 0)),
+                  pl.BlockSpec((sq, 1, bk), lambda b_, j_, kb, g_, i: (b_, 0, kb)),
+                  q_row, q_stat, q_stat],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        scratch=[pltpu.VMEM((bk, d), f32), pltpu.VMEM((bk, d), f32)],
+        parallel=3,
         name="flash_attention_dkv",
         args=(q, k, v, q_seg, kv_seg, do, lse, delta),
     )
     return dq, dk, dv
+
+
+def _kv_index(plan: Plan):
+    """K/V block to copy in for (row block i, step j): causal steps past the diagonal repeat the last."""
+    if not plan.causal:
+        return lambda i, j: j
+    return lambda i, j: jnp.minimum(j, _last_kv_block(i, plan))
+
+
+def _q_index(plan: Plan):
+    """Row block to copy in for (K/V block kb, step i): causal steps before the diagonal repeat the first."""
+    if not plan.causal:
+        return lambda kb, i: i
+    return lambda kb, i: jnp.maximum(i, (kb * plan.block_k) // plan.block_q)

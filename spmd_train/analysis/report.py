@@ -20,6 +20,7 @@ from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
 from spmd_train.parallel.schedules import simulate
 from spmd_train.train.engine import Engine
+from spmd_train.analysis.moe_report import moe_section
 from spmd_train.train.pipelined import stash_bytes_per_microbatch
 
 
@@ -125,6 +126,8 @@ class StepReport:
     notes: list[str] = field(default_factory=list)
     pipeline: PipelineReport | None = None
     """The schedule and its activation memory, when mesh.pipeline > 1 (else None)."""
+    moe: dict[str, Any] | None = None
+    """Expert placement, capacity and expected all-to-all traffic, with MoE layers (else None)."""
 
     def to_json(self) -> dict[str, Any]:
         """The public JSON form (keys mesh, devices, param_count, per_device, collectives, pipeline, ...)."""
@@ -146,6 +149,7 @@ class StepReport:
             ],
             "notes": self.notes,
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
+            "moe": self.moe,
         }
 
 
@@ -167,6 +171,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     t = cfg.train
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1), "int32", sharding=engine.batch_sharding)
     pipeline = _pipeline_report(engine) if engine.plan is not None else None
+    moe = moe_section(engine)
     start = time.perf_counter()
     lowered = engine.train_step.lower(state, tokens)
     mesh = engine.mesh
@@ -192,6 +197,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
             compile_seconds=time.perf_counter() - start,
             notes=["does not fit: " + str(err).split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0]],
             pipeline=pipeline,
+            moe=moe,
         )
     compile_seconds = time.perf_counter() - start
     hlo = compiled.as_text()
@@ -237,6 +243,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         compile_seconds=compile_seconds,
         notes=notes,
         pipeline=pipeline,
+        moe=moe,
     )
 
 

@@ -22,7 +22,7 @@ def human_bytes(n: float | None) -> str:
 
 
 def render(report: StepReport, console: Console | None = None) -> None:
-    """Print the report as a header and its tables (parameters, memory, pipeline when pipelined, collectives)."""
+    """Print the report as a header and its tables (parameters, memory, pipeline, experts, collectives)."""
     console = console or Console(width=None if sys.stdout.isatty() else 140)
     where = f"TPU slice {report.topology}" if report.topology else "this host"
     mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items() if s > 1) or "1 device"
@@ -52,6 +52,8 @@ def render(report: StepReport, console: Console | None = None) -> None:
     console.print(memory)
     if report.pipeline is not None:
         render_pipeline(report.pipeline, console)
+    if report.moe is not None:
+        render_moe(report.moe, console)
 
     if d["flops"] is None:
         for note in report.notes:
@@ -98,3 +100,29 @@ def render_pipeline(pipe: PipelineReport, console: Console) -> None:
                   f"stage's {pipe.stash_slots} slots (plus receive buffers of one microbatch activation each: "
                   f"{pipe.activation_slots} + 1 spare for activations, {pipe.cotangent_slots} + 1 spare for "
                   f"cotangents)")
+
+
+def render_moe(moe: dict, console: Console) -> None:
+    """Expert placement, capacity and the expected all-to-all traffic of the MoE layers."""
+    table = Table(title="Mixture of experts", title_justify="left")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    slots = "dropless (ragged)" if moe["capacity_slots"] is None else (
+        f"{moe['capacity_slots']} per expert per group (capacity factor {moe['capacity_factor']})")
+    for label, value in (
+        ("MoE layers (model layer index)", f"{moe['moe_layers']} ({', '.join(map(str, moe['layers']))})"),
+        ("experts, top-k, shared", f"{moe['num_experts']}, top-{moe['experts_per_token']}, "
+                                   f"{moe['num_shared_experts']} shared"),
+        ("experts per device (mesh.expert)", f"{moe['experts_per_device']} (expert={moe['expert_axis']})"),
+        ("group (capacity counted over)", f"{moe['group_tokens']:,} tokens: {moe['group_rows']} rows per device, "
+                                          f"{moe['groups']} groups"),
+        ("slots", slots),
+        ("all-to-all over expert per step", f"{moe['all_to_all']['count']} x, "
+                                            f"{human_bytes(moe['all_to_all']['bytes_per_device'])} / device"),
+    ):
+        table.add_row(label, value)
+    for p in moe["expert_params"]:
+        spec = ", ".join("-" if e is None else "+".join(e) if isinstance(e, list) else e for e in p["spec"])
+        table.add_row(f"split over expert: {p['path']}", spec)
+    console.print(table)
+    console.print(f"[dim]all-to-all bytes: {moe['all_to_all']['formula']}[/dim]")

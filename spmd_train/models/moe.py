@@ -16,6 +16,8 @@ batch (see `parallel.expert_dispatch`); with no layout active, the whole batch.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -24,7 +26,7 @@ from spmd_train.config.schema import ModelConfig
 from spmd_train.models.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights
 from spmd_train.models.layers import dense, param, weight
 from spmd_train.models.routing import aux_loss, capacity, expert_counts, route, slot_positions, z_loss
-from spmd_train.parallel.expert_dispatch import moe_ffn
+from spmd_train.parallel.expert_dispatch import moe_ffn, replica_mean
 from spmd_train.sharding.constrain import constrain
 
 __all__ = ["MoE", "aux_loss", "capacity", "route", "slot_positions", "z_loss"]
@@ -40,7 +42,8 @@ class MoE(nnx.Module):
 
     stats (fp32): `aux_loss` and `z_loss` (unweighted; the caller applies router_aux_weight and
     router_z_weight), `dropped_fraction` (share of (token, choice) assignments dropped for lack
-    of capacity) and `expert_load` [E] (assignments routed to each expert, before dropping).
+    of capacity) and `expert_load` [E] (assignments routed to each expert, before dropping, per
+    replica: averaged over the replicas of an enclosing gradient step).
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
@@ -72,11 +75,15 @@ class MoE(nnx.Module):
                           capacity_factor=self.capacity_factor, impl=self.impl, dtype=dt)
         if self.num_shared:
             y = y + self._shared(x)
+        # Routing counts over every replica's tokens, not just this one's (see `replica_mean`):
+        # the aux loss and the load metric then describe the whole batch.
+        counts = replica_mean(expert_counts(expert_idx, self.num_experts).astype(jnp.float32))
+        fraction = counts / math.prod(expert_idx.shape[:-1])
         stats = {
-            "aux_loss": aux_loss(scores, expert_idx),
+            "aux_loss": aux_loss(scores, expert_idx, fraction),
             "z_loss": z_loss(logits),
             "dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)),
-            "expert_load": expert_counts(expert_idx, self.num_experts).astype(jnp.float32),
+            "expert_load": counts,
         }
         return constrain(y, OUTPUT), stats
 

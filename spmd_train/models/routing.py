@@ -75,18 +75,21 @@ def expert_counts(expert_idx: jax.Array, num_experts: int) -> jax.Array:
     return jnp.zeros((num_experts,), jnp.int32).at[expert_idx.reshape(-1)].add(1)
 
 
-def aux_loss(scores: jax.Array, expert_idx: jax.Array) -> jax.Array:
+def aux_loss(scores: jax.Array, expert_idx: jax.Array, fraction: jax.Array | None = None) -> jax.Array:
     """Switch/GShard load-balancing loss E * sum_i f_i * p_i over all tokens ([..., E], [..., k]).
 
     f_i is the fraction of tokens that chose expert i among their k choices (assignments to i
     before dropping, divided by the number of tokens, so sum_i f_i = k) and p_i the mean
     router probability of expert i (scores renormalised per token, a no-op for softmax). It
     equals k under perfectly uniform routing and grows with imbalance; only p carries gradient.
+    `fraction` overrides f (e.g. measured over more tokens than these: since f carries no
+    gradient and the loss is linear in p, the mean of per-replica losses with the global f is
+    exactly the global loss).
     """
     num_experts = scores.shape[-1]
     scores = scores.reshape(-1, num_experts)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    f = expert_counts(expert_idx, num_experts).astype(jnp.float32) / scores.shape[0]
+    f = fraction if fraction is not None else expert_counts(expert_idx, num_experts).astype(jnp.float32) / scores.shape[0]
     return num_experts * jnp.sum(f * jnp.mean(probs, axis=0))
 
 

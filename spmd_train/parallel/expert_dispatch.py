@@ -69,6 +69,21 @@ def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: Expe
     raise ValueError(f"model.moe_impl={impl!r} is not an implementation (valid: {', '.join(IMPLEMENTATIONS)})")
 
 
+def replica_mean(x: jax.Array) -> jax.Array:
+    """Mean of a per-device statistic over the batch axes an enclosing shard_map made manual.
+
+    The train step runs replicas (`data`, and `fsdp` below ZeRO stage 2) in a manual region,
+    where each sees only its tokens; router fractions averaged there equal those of the
+    global batch. Outside any manual region the statistic is already global.
+    """
+    layout = active_layout()
+    manual = _manual_axes()
+    if layout is None or not manual:
+        return x
+    axes = tuple(a for a in _entry(layout.activation_spec(P("batch")), 0) if a in manual)
+    return jax.lax.pmean(x, axes) if axes else x
+
+
 # --- capacity: fixed slots, two all-to-alls ---------------------------------------------------------
 
 

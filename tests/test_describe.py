@@ -147,8 +147,9 @@ def test_cli_tables():
         (["--topology", "v9z:1x1"], ["v9z:1x1", "v5e:2x4"]),
         (["--topology", "v5e:2x2"], ["multiply to 8", "4 devices", "v5e:2x2"]),
         (["model.d_model=abc"], ["model.d_model='abc'"]),
+        (["--topology", "v5e:2x2", "mesh.fsdp=3"], ["fsdp=3", "4 devices"]),  # overrides may follow options
     ],
-    ids=["unknown-topology", "topology-size", "bad-config"],
+    ids=["unknown-topology", "topology-size", "bad-config", "override-after-option"],
 )
 def test_cli_bad_input_exits_2(args, needles):
     if "--topology" in args and not has_libtpu():

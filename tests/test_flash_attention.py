@@ -147,6 +147,7 @@ def test_kernels_compile_for_tpu_inside_shard_map(length):
     from jax.sharding import PartitionSpec as P
 
     from spmd_train.analysis import tpu_topology_devices
+    from spmd_train.analysis.hlo import matmul_flops
 
     mesh = Mesh(np.array(tpu_topology_devices("v5e:2x2")).reshape(2, 2), ("data", "tensor"),
                 axis_types=(AxisType.Explicit,) * 2)
@@ -162,6 +163,10 @@ def test_kernels_compile_for_tpu_inside_shard_map(length):
     kv = jax.ShapeDtypeStruct((4, length, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
     assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv: Mosaic kernels, not XLA fallbacks
+    # describe's FLOP count sees inside the kernels: per device 2 x 4 heads, 512-blocks, causal
+    # (1 + 2 + ... + n visible block pairs), 2 + 3 + 4 block matmuls of 2 x 512 x 512 x 128.
+    n = length // 512
+    assert matmul_flops(text) == 9 * 2 * (2 * 4) * (n * (n + 1) // 2) * 512 * 512 * 128
 
 
 def test_vmem_does_not_grow_with_length_and_oversized_blocks_fall_back_clearly():

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd_train.kernels.flash_attention.kernel import KERNEL_MATMULS
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _DTYPE_BYTES = {
@@ -314,7 +316,8 @@ def matmul_flops(hlo_text: str) -> float:
     collectives. A dot costs 2 x output elements x contracted size. XLA:TPU writes batched
     matmuls as convolutions whose windows walk batch dimensions over padding and dilation
     holes; those are counted exactly: only (output, window) pairs that meet a real input
-    element do arithmetic.
+    element do arithmetic. Our Pallas flash-attention kernels are opaque custom calls; their
+    matmuls are counted from the kernel's name (causality, block sizes) and operand shapes.
     """
     computations, entry = _parse_computations(hlo_text)
     executions, _ = _executions(computations, entry)
@@ -325,6 +328,9 @@ def matmul_flops(hlo_text: str) -> float:
             continue
         shapes = {ins.name: ins.shape for ins in instructions}
         for ins in instructions:
+            if ins.opcode == "custom-call":
+                total += times * _flash_attention_flops(ins, shapes)
+                continue
             if ins.opcode not in ("dot", "convolution") or len(ins.operands) < 2:
                 continue
             out = _dims(ins.shape)
@@ -336,6 +342,25 @@ def matmul_flops(hlo_text: str) -> float:
                 size = _conv_macs_per_output(ins, shapes, out)
             total += times * 2.0 * math.prod(out) * size
     return total
+
+
+_FLASH = re.compile(r"flash_attention_(fwd|dq|dkv)(_causal)?_q(\d+)_k(\d+)")
+
+
+def _flash_attention_flops(ins: _Instruction, shapes: dict[str, str]) -> float:
+    """Matmul FLOPs inside one of our flash-attention kernels: per visible block pair, KERNEL_MATMULS
+    block matmuls of 2 x block_q x block_k x head_dim, over batch x query heads."""
+    m = _FLASH.match(ins.name.lstrip("%"))
+    if not m or len(ins.operands) < 2:
+        return 0.0
+    kind, causal, bq, bk = m.group(1), bool(m.group(2)), int(m.group(3)), int(m.group(4))
+    q, k = _dims(shapes.get(ins.operands[0], "")), _dims(shapes.get(ins.operands[1], ""))
+    if len(q) != 4 or len(k) != 4:
+        return 0.0
+    (b, h, lq, d), lk = q, k[2]
+    nq, nk = lq // bq, lk // bk
+    pairs = sum(min(nk, (i * bq + bq - 1) // bk + 1) for i in range(nq)) if causal else nq * nk
+    return KERNEL_MATMULS[kind] * 2.0 * b * h * pairs * bq * bk * d
 
 
 def _dims(shape: str) -> list[int]:

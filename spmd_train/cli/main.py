@@ -24,7 +24,13 @@ EXIT_BAD_INPUT = 2
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `spmd-train` console script; returns the process exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    # Overrides may also follow options (`describe CFG --topology v5e:2x4 model.x=1`), which
+    # argparse leaves over as unknown arguments.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     _log_to_stderr()
     try:
         if args.command == "prepare-data":

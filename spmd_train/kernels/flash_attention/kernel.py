@@ -209,7 +209,7 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, lq, 1), f32)],
         scratch=[pltpu.VMEM((bq, 1), f32), pltpu.VMEM((bq, 1), f32), pltpu.VMEM((bq, d), f32)],
         parallel=3,
-        name="flash_attention_fwd",
+        name=kernel_name("fwd", plan),
         args=(q, k, v, q_seg, kv_seg),
     )
 
@@ -237,7 +237,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, plan: Plan):
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
         scratch=[pltpu.VMEM((bq, d), f32)],
         parallel=3,
-        name="flash_attention_dq",
+        name=kernel_name("dq", plan),
         args=(q, k, v, q_seg, kv_seg, do, lse, delta),
     )
 
@@ -257,10 +257,21 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, plan: Plan):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch=[pltpu.VMEM((bk, d), f32), pltpu.VMEM((bk, d), f32)],
         parallel=3,
-        name="flash_attention_dkv",
+        name=kernel_name("dkv", plan),
         args=(q, k, v, q_seg, kv_seg, do, lse, delta),
     )
     return dq, dk, dv
+
+
+KERNEL_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+"""Block matmuls each kernel runs per visible (row block, column block) pair: QK^T and PV;
+QK^T, dO V^T and dS K; QK^T, P^T dO, dO V^T and dS^T Q. `analysis.hlo` counts FLOPs from this."""
+
+
+def kernel_name(kind: str, plan: Plan) -> str:
+    """The custom call's name: kernel, causality and block sizes, so compiled-program analysis can
+    count the matmuls inside it (e.g. flash_attention_fwd_causal_q512_k512)."""
+    return f"flash_attention_{kind}{'_causal' if plan.causal else ''}_q{plan.block_q}_k{plan.block_k}"
 
 
 def _kv_index(plan: Plan):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,7 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.report import provenance, update_section  # noqa: E402
+from benchmarks.report import provenance, time_call, update_section  # noqa: E402
 from spmd_train.kernels.flash_attention import flash_attention, reference_attention  # noqa: E402
 
 
@@ -50,15 +49,6 @@ def correctness_rows(lengths, dtype=jnp.float32):
     return rows
 
 
-def _time(fn, *args, repeats=10):
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / repeats
-
-
 def speed_rows(lengths, baseline):
     """TFLOP/s of ours and the baseline, forward and forward+backward, bf16, head_dim 128."""
     rows = []
@@ -75,10 +65,10 @@ def speed_rows(lengths, baseline):
         flops = 4 * batch * heads * length**2 * d / 2
         cells = []
         for name, fn in impls.items():
-            fwd = _time(jax.jit(fn), q, k, v)
+            fwd = time_call(jax.jit(fn), q, k, v)
             grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) * do),
                                     argnums=(0, 1, 2)))
-            both = _time(grad, q, k, v)
+            both = time_call(grad, q, k, v)
             cells += [flops / fwd / 1e12, 3.5 * flops / both / 1e12]
         rows.append(f"| {length} | {batch} | " + " | ".join(f"{c:.0f}" for c in cells)
                     + f" | {cells[3] and cells[1] / cells[3]:.2f} |")

@@ -48,7 +48,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.report import provenance, update_section  # noqa: E402
+from benchmarks.report import provenance, time_call, update_section  # noqa: E402
 from spmd_train import Engine, load_config  # noqa: E402
 from spmd_train.analysis.moe_report import moe_section  # noqa: E402
 from spmd_train.data import make_source  # noqa: E402
@@ -130,15 +130,6 @@ def side_by_side(rounds: int, steps: int) -> str:
 # --- 2. one MoE layer on a GPU: achieved TFLOP/s -----------------------------------------------------
 
 
-def _time(fn, *args, repeats: int = 10) -> float:
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / repeats
-
-
 def layer_rows(device: jax.Device, tokens: int, d: int = 4096, f: int = 14336, e: int = 8, k: int = 2) -> list[str]:
     """Forward and forward+backward TFLOP/s of one MoE layer (capacity, dropless) and the dense ceiling."""
     base = load_config(None, ["model.moe_every=1", f"model.d_model={d}", "model.num_heads=32", "model.num_kv_heads=8",
@@ -160,7 +151,7 @@ def layer_rows(device: jax.Device, tokens: int, d: int = 4096, f: int = 14336, e
 
         fwd = jax.jit(forward)
         grad = jax.jit(jax.grad(lambda p, x: jnp.sum(forward(p, x).astype(jnp.float32)), argnums=(0, 1)))
-        t_fwd, t_both = _time(fwd, params, x), _time(grad, params, x)
+        t_fwd, t_both = time_call(fwd, params, x), time_call(grad, params, x)
         slots = "" if impl == "dropless" else f" ({e * capacity(k, tokens, cfg.capacity_factor, e)} slot rows " \
             f"for {k * tokens} assignments)"
         rows.append(f"| MoE layer, {impl}{slots} | {active / t_fwd / 1e12:.0f} | {3 * active / t_both / 1e12:.0f} |")
@@ -172,8 +163,8 @@ def layer_rows(device: jax.Device, tokens: int, d: int = 4096, f: int = 14336, e
     def swiglu(w, x):
         return (jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2]
 
-    t_fwd = _time(jax.jit(swiglu), w, rows_in)
-    t_both = _time(jax.jit(jax.grad(lambda w, x: jnp.sum(swiglu(w, x).astype(jnp.float32)), argnums=(0, 1))),
+    t_fwd = time_call(jax.jit(swiglu), w, rows_in)
+    t_both = time_call(jax.jit(jax.grad(lambda w, x: jnp.sum(swiglu(w, x).astype(jnp.float32)), argnums=(0, 1))),
                    w, rows_in)
     rows.append(f"| dense SwiGLU over the same {k * tokens} rows (no routing: the ceiling) "
                 f"| {active / t_fwd / 1e12:.0f} | {3 * active / t_both / 1e12:.0f} |")

@@ -6,6 +6,7 @@ import datetime
 import platform
 import re
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -41,3 +42,13 @@ def _cpu_count() -> int:
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+def time_call(fn, *args, repeats: int = 10) -> float:
+    """Mean seconds per call of `fn(*args)` after one warm-up call, blocking on the results."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats

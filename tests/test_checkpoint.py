@@ -133,3 +133,16 @@ def test_an_interleaved_pipeline_checkpoint_restores_in_model_order_elsewhere(tm
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(got.params["blocks"]["mlp"]["w_up"], _np(saver.state.params)["blocks"]["mlp"]["w_up"])
     restorer.close()
+
+
+def test_architecture_check_covers_moe_keys_and_accepts_older_records():
+    from dataclasses import asdict
+
+    from spmd_train.train.checkpoint import check_architecture
+
+    dense = load_config(None, BASE)
+    meta = {"config": asdict(dense)}
+    with pytest.raises(ConfigError, match="model.moe_every: checkpoint 0, this run 2"):
+        check_architecture(meta, load_config(None, [*BASE, "model.preset=moe-tiny"]), "here")
+    older = {"config": {"model": {k: v for k, v in asdict(dense.model).items() if "moe" not in k and "expert" not in k}}}
+    check_architecture(older, dense, "here")  # saved before the MoE keys existed: the defaults apply

@@ -19,13 +19,13 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from spmd_train.config.schema import Config
+from spmd_train.config.schema import Config, ModelConfig
 from spmd_train.errors import ConfigError
 
 log = logging.getLogger("spmd_train")
 
 ARCHITECTURE_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "vocab_size",
-                     "tie_embeddings", "param_dtype")
+                     "tie_embeddings", "param_dtype", "moe_every", "num_experts", "moe_d_ff", "num_shared_experts")
 
 
 class Checkpointer:
@@ -100,9 +100,10 @@ def layout_meta(cfg: Config, mesh: jax.sharding.Mesh, rules: dict, param_shapes:
 def check_architecture(meta: dict, cfg: Config, where: str) -> None:
     """Raise a ConfigError naming every architecture key that differs from the checkpoint's."""
     saved = meta.get("config", {}).get("model", {})
-    current = asdict(cfg.model)
-    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {current[k]!r}"
-             for k in ARCHITECTURE_KEYS if saved.get(k) != current[k]]
+    current, default = asdict(cfg.model), asdict(ModelConfig())
+    # A key the checkpoint does not record predates it: it was saved with the default.
+    diffs = [f"model.{k}: checkpoint {saved.get(k, default[k])!r}, this run {current[k]!r}"
+             for k in ARCHITECTURE_KEYS if saved.get(k, default[k]) != current[k]]
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was saved by a different model ({'; '.join(diffs)}); "
                           "use the same model settings, or a new run.dir")

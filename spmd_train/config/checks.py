@@ -25,6 +25,7 @@ def check_config(cfg: Config) -> None:
         ("train.global_batch_size", t.global_batch_size),
         ("train.seq_len", t.seq_len),
         ("train.grad_accum", t.grad_accum),
+        ("train.eval_batches", t.eval_batches),
         ("run.log_every", cfg.run.log_every),
         ("data.order", cfg.data.order),
     ):
@@ -72,6 +73,8 @@ def check_config(cfg: Config) -> None:
                           f"(valid: 0 to {r.num_processes - 1})")
     if cfg.run.peak_tflops is not None and cfg.run.peak_tflops <= 0:
         raise ConfigError(f"run.peak_tflops={cfg.run.peak_tflops} is invalid: it must be > 0")
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every} is invalid: it must be >= 0 (0: no evaluation)")
     if cfg.optim.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} is invalid: it must be >= 0")
     if cfg.run.simulate_devices is not None and cfg.run.simulate_devices < 1:

@@ -175,6 +175,10 @@ class TrainConfig:
     seq_len: int = 64
     grad_accum: int = 1
     seed: int = 0
+    eval_every: int = 0
+    """Mean loss on the held-out split every this many steps (0: never), as `val_loss` in the metrics."""
+    eval_batches: int = 4
+    """Global batches of the held-out split each evaluation averages over (the same ones every time)."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest complete checkpoint in run.dir; never: refuse a run.dir that has checkpoints."""
 

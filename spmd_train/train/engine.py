@@ -207,6 +207,17 @@ class Engine:
         return TrainState(state.step + 1, params, opt_state), metrics
 
     @functools.cached_property
+    def eval_step(self):
+        """The jitted evaluation: (params, tokens) -> mean cross-entropy, without the pipeline schedule."""
+
+        def loss(params, tokens):
+            with use_layout(self.layout):
+                return self.loss(params, tokens)
+
+        return jax.jit(loss, in_shardings=(self.state_shardings.params, self.batch_sharding),
+                       out_shardings=NamedSharding(self.mesh, P()))
+
+    @functools.cached_property
     def train_step(self):
         """The jitted step: (state, tokens) -> (state, metrics); the input state is donated."""
         replicated = NamedSharding(self.mesh, P())

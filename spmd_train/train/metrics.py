@@ -50,9 +50,11 @@ class MetricsSink:
                 self._tb.add_scalar(f"train/{key}", value, record["step"])
         mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
         status = (f"loss {record['loss']:.4f}  {record['tokens_per_sec']:,.0f} tok/s  MFU {mfu}")
+        if "val_loss" in record:
+            status = f"{status}  val_loss {record['val_loss']:.4f}"
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], status=status)
-        elif record["step"] % self.log_every == 0 or record["step"] in (1, self.total):
+        elif record["step"] % self.log_every == 0 or record["step"] in (1, self.total) or "val_loss" in record:
             log.info("step %d/%d  %s  grad_norm %.3f  lr %.2e", record["step"], self.total, status,
                      record["grad_norm"], record["lr"])
 

@@ -130,6 +130,10 @@ class Trainer:
                 if pending is not None:  # at most one step in flight: finish the previous one now
                     done_at = self._finish(pending, done_at, sink, new)
                 pending = (index + 1, metrics)
+                if self.cfg.train.eval_every and (index + 1) % self.cfg.train.eval_every == 0:
+                    # Finish this step now so its record gets the loss of exactly these parameters.
+                    done_at = self._finish(pending, done_at, sink, new, evaluate=True)
+                    pending = None
                 if profile and index + 1 == profile[1]:
                     jax.block_until_ready(metrics)
                     jax.profiler.stop_trace()
@@ -172,6 +176,16 @@ class Trainer:
             raise ConfigError(f"no checkpoint found in {source.directory}")
         self.state = self.engine.reorder_layers(restored[1], restored[2].get("layer_order"))
         return self.state
+
+    def evaluate(self, batches: int | None = None) -> float:
+        """Mean loss of the current parameters on the held-out split (`train.eval_batches` fixed batches)."""
+        self._ensure_ready()
+        total = 0.0
+        for i in range(batches or self.cfg.train.eval_batches):
+            # One program in flight at a time (XLA:CPU's collectives on simulated devices).
+            total += float(self.engine.eval_step(self.state.params,
+                                                 self.data.batch(i, self.engine.batch_sharding, split="val")))
+        return total / (batches or self.cfg.train.eval_batches)
 
     def describe(self):
         """The compiled-step report of `spmd-train describe` for this run's config and mesh."""
@@ -228,11 +242,14 @@ class Trainer:
         self.state = self.state._replace(params=restored.params)
         self._say(f"started from the parameters in {run_dir / 'checkpoints'}")
 
-    def _finish(self, pending, done_at: float, sink: MetricsSink, new: list) -> float:
+    def _finish(self, pending, done_at: float, sink: MetricsSink, new: list, evaluate: bool = False) -> float:
         step, metrics = pending
         values = jax.device_get(metrics)  # blocks until that step is done
         now = time.perf_counter()
         record = self._record(step - 1, values, now - done_at)
+        if evaluate:  # after the step's timing: evaluation time is not step time
+            record["val_loss"] = self.evaluate()
+            now = time.perf_counter()
         self.history.append(record)
         new.append(record)
         sink.write(record)

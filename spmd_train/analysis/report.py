@@ -14,7 +14,7 @@ from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
 from spmd_train.models.flops import flops_per_token
 from spmd_train.analysis.hlo import matmul_flops
 from spmd_train.analysis.topology import tpu_topology_devices
-from spmd_train.config.checks import BATCH_AXES
+from spmd_train.config.checks import rows_per_device
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
@@ -265,7 +265,7 @@ def _pipeline_report(engine: Engine) -> PipelineReport:
     cfg, plan, sizes = engine.cfg, engine.plan, dict(engine.mesh.shape)
     sched, stats = plan.schedule, simulate(plan.schedule)
     p, m, v = sched.stages, sched.microbatches, sched.virtual
-    rows = cfg.train.global_batch_size // (cfg.train.grad_accum * math.prod(sizes[a] for a in BATCH_AXES))
+    rows = rows_per_device(cfg, sizes)
     per_mb = stash_bytes_per_microbatch(cfg, engine.block_graphdef, engine.param_shapes["blocks"], plan, rows)
     return PipelineReport(
         schedule=sched.name, stages=p, microbatches=m, virtual_stages=v, microbatch_rows=rows // m,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from spmd_train.config.schema import MESH_AXES, Config
@@ -163,13 +164,14 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int]) -> None:
     if par.pipeline_schedule == "interleaved_1f1b" and v < 2:
         raise ConfigError(f"parallel.virtual_stages={v} is invalid for interleaved_1f1b (valid: >= 2)")
     if m.num_layers % (p * v):
+        preset = "" if m.preset is None else f", not preset {m.preset!r} as is"
         raise ConfigError(
             f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} x parallel.virtual_stages={v} "
             f"= {p * v}: every stage{' chunk' if v > 1 else ''} gets the same number of layers "
-            f"(valid: a model with a multiple of {p * v} layers{'' if m.preset is None else ', not preset ' + repr(m.preset) + ' as is'}, "
+            f"(valid: a model with a multiple of {p * v} layers{preset}, "
             f"or mesh.pipeline x virtual_stages in {_divisors(m.num_layers)})"
         )
-    rows = t.global_batch_size // (t.grad_accum * sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    rows = rows_per_device(cfg, sizes)
     micro = resolved_microbatches(cfg, p, rows)
     if micro < 1 or rows % micro:
         raise ConfigError(
@@ -181,6 +183,11 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int]) -> None:
     if m.moe_every:
         raise ConfigError(f"model.moe_every={m.moe_every} with mesh.pipeline={p}: MoE layers inside pipeline "
                           "stages are not supported yet (valid: mesh.pipeline=1 for MoE models)")
+
+
+def rows_per_device(cfg: Config, sizes: Mapping[str, int]) -> int:
+    """Rows of the global batch each device gets per accumulation step (split over BATCH_AXES)."""
+    return cfg.train.global_batch_size // (cfg.train.grad_accum * math.prod(sizes[a] for a in BATCH_AXES))
 
 
 def resolved_microbatches(cfg: Config, stages: int, rows: int) -> int:

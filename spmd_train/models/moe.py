@@ -34,7 +34,6 @@ __all__ = ["MoE", "aux_loss", "capacity", "route", "slot_positions", "z_loss"]
 INPUT = ("batch", "length", "embed")
 OUTPUT = ("batch", "norm_length", "embed")
 ROUTER_AXES = ("embed", "router_experts")
-STATS = ("aux_loss", "z_loss", "dropped_fraction", "expert_load")
 
 
 class MoE(nnx.Module):

@@ -116,7 +116,7 @@ class Engine:
         def init():
             params = nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed))))
             if order is not None:
-                params = {**params, "blocks": jax.tree.map(lambda a: a[order], params["blocks"])}
+                params = _take_layers(params, order)
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
 
         return jax.jit(init, out_shardings=self.state_shardings)
@@ -130,8 +130,7 @@ class Engine:
         """Stored parameters with the layer stack in model order (they differ only under interleaved 1F1B)."""
         if self.layer_order is None:
             return params
-        inverse = np.argsort(self.layer_order)
-        return {**params, "blocks": jax.tree.map(lambda a: a[inverse], params["blocks"])}
+        return _take_layers(params, np.argsort(self.layer_order))
 
     @property
     def stored_layer_order(self) -> list[int] | None:
@@ -146,12 +145,7 @@ class Engine:
         if (saved_order == current).all():
             return state
         index = np.argsort(saved_order)[current]  # row q takes the saved row holding model layer current[q]
-
-        def fix(path, leaf):
-            in_stack = any(getattr(k, "key", None) == "blocks" for k in path)
-            return leaf[index] if in_stack and leaf.ndim and leaf.shape[0] == n else leaf
-
-        return jax.jit(lambda s: jax.tree_util.tree_map_with_path(fix, s), out_shardings=self.state_shardings)(state)
+        return jax.jit(lambda s: _take_layers(s, index), out_shardings=self.state_shardings)(state)
 
     def loss(self, params: Any, tokens: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy of a [batch, seq_len + 1] token array, without the pipeline."""
@@ -189,11 +183,8 @@ class Engine:
                 (_, metrics), grads = jax.value_and_grad(self.objective, has_aux=True)(params, tokens)
                 return metrics, grads
         else:
-            pipelined = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan, self.mesh)
-
-            def value_and_grad(params, tokens):
-                loss, grads = pipelined(params, tokens)
-                return {"loss": loss}, grads
+            value_and_grad = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan,
+                                                     self.mesh)
         with use_layout(self.layout):
             values, grads = loss_and_grads(
                 value_and_grad, state.params, tokens,
@@ -228,3 +219,16 @@ class Engine:
             donate_argnums=0,
         )
 
+
+def _take_layers(tree: Any, index: np.ndarray) -> Any:
+    """`tree` with every layer-stack array under a `blocks` key reordered to rows `index` (axis 0).
+
+    Works on parameters and on whole train states (optimizer moments mirror the parameters;
+    scalars such as step counts are left alone).
+    """
+
+    def take(path, leaf):
+        in_stack = any(getattr(k, "key", None) == "blocks" for k in path)
+        return leaf[index] if in_stack and leaf.ndim and leaf.shape[0] == len(index) else leaf
+
+    return jax.tree_util.tree_map_with_path(take, tree)

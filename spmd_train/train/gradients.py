@@ -3,9 +3,10 @@
 The forward and backward passes run inside a `shard_map` that is manual over the axes the
 gradients are replicated on (`data`, `expert` unless MoE experts are split over it, and
 `fsdp` below ZeRO stage 2, those of size > 1). Each device sums its own gradient over all
-microbatches and the reduction over those axes is a single explicit psum per step. Everything else stays compiler-partitioned:
-`tensor`, and `fsdp` from stage 2, where each weight's gradient is pinned to its shard
-(`sharding.stored_param`) so it is reduce-scattered per layer as the backward pass makes it.
+microbatches and the reduction over those axes is a single explicit psum per step.
+Everything else stays compiler-partitioned: `tensor`, and `fsdp` from stage 2, where each
+weight's gradient is pinned to its shard (`sharding.stored_param`) so it is reduce-scattered
+per layer as the backward pass makes it.
 
 Keeping `fsdp` automatic at stages 2-3 is deliberate: gathering by hand inside a region
 that is manual over `fsdp` but automatic over `tensor` makes XLA replicate the tensor-split

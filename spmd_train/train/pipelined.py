@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spmd_train.config.checks import resolved_microbatches
+from spmd_train.config.checks import resolved_microbatches, rows_per_device
 from spmd_train.config.schema import Config
 from spmd_train.models.transformer import RESIDUAL, apply_blocks
 from spmd_train.parallel.pipeline import run_pipeline, stash_layout
@@ -35,10 +35,9 @@ from spmd_train.train.loss import cross_entropy
 
 def pipeline_plan(cfg: Config, sizes: dict[str, int]) -> Plan:
     """The validated schedule of a run on a mesh with these axis sizes, compiled for the executor."""
-    par, t, p = cfg.parallel, cfg.train, sizes["pipeline"]
-    rows = t.global_batch_size // (t.grad_accum * sizes["data"] * sizes["fsdp"] * sizes["expert"])
-    return build_plan(build_schedule(par.pipeline_schedule, p, resolved_microbatches(cfg, p, rows),
-                                     par.virtual_stages))
+    par, p = cfg.parallel, sizes["pipeline"]
+    microbatches = resolved_microbatches(cfg, p, rows_per_device(cfg, sizes))
+    return build_plan(build_schedule(par.pipeline_schedule, p, microbatches, par.virtual_stages))
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
@@ -56,12 +55,9 @@ def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
 
 def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: Plan,
                             mesh) -> Any:
-    """(params, tokens [batch, length + 1]) -> (mean loss, gradients), run by the pipeline schedule."""
+    """(params, tokens [batch, length + 1]) -> ({"loss": mean loss}, gradients), run by the pipeline schedule."""
     m = plan.schedule.microbatches
-    remat = cfg.parallel.remat
-
-    def stage_fn(chunk, x):
-        return apply_blocks(block_graphdef, chunk, x, cfg.model, remat)[0]  # MoE stages are refused by the checks
+    stage_fn = _stage_fn(cfg, block_graphdef)
 
     def value_and_grad(params: Any, tokens: jax.Array):
         blocks = params["blocks"]
@@ -89,9 +85,18 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
                                                           mesh=mesh)
         (embed_grads,) = embed_vjp(d_x)
         grads = jax.tree.map(lambda a, b: a + b, head_grads, embed_grads)
-        return loss, {**grads, "blocks": block_grads}
+        return {"loss": loss}, {**grads, "blocks": block_grads}
 
     return value_and_grad
+
+
+def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef):
+    """One chunk of stacked layers as a pure function (chunk params, x) -> x."""
+
+    def stage_fn(chunk, x):
+        return apply_blocks(block_graphdef, chunk, x, cfg.model, cfg.parallel.remat)[0]  # MoE stages are refused
+
+    return stage_fn
 
 
 def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_shapes: Any, plan: Plan,
@@ -106,6 +111,5 @@ def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per_chunk, *a.shape[1:]), a.dtype), block_shapes)
     x = jax.ShapeDtypeStruct((rows_per_device // sched.microbatches, cfg.train.seq_len, cfg.model.d_model),
                              jnp.dtype(cfg.model.compute_dtype))
-    layout = stash_layout(lambda c, x: apply_blocks(block_graphdef, c, x, cfg.model, cfg.parallel.remat)[0], chunk,
-                          x)
+    layout = stash_layout(_stage_fn(cfg, block_graphdef), chunk, x)
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stashed)

@@ -180,12 +180,13 @@ class Trainer:
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss of the current parameters on the held-out split (`train.eval_batches` fixed batches)."""
         self._ensure_ready()
+        batches = batches or self.cfg.train.eval_batches
         total = 0.0
-        for i in range(batches or self.cfg.train.eval_batches):
+        for i in range(batches):
             # One program in flight at a time (XLA:CPU's collectives on simulated devices).
             total += float(self.engine.eval_step(self.state.params,
                                                  self.data.batch(i, self.engine.batch_sharding, split="val")))
-        return total / (batches or self.cfg.train.eval_batches)
+        return total / batches
 
     def describe(self):
         """The compiled-step report of `spmd-train describe` for this run's config and mesh."""

@@ -21,8 +21,9 @@ IMPLEMENTATIONS = ("auto", "pallas", "cudnn", "xla")
 def resolve(impl: str, platform: str, fits_kernel: bool = True) -> str:
     """The implementation `auto` means on a platform: Pallas on TPU, cuDNN on GPU, XLA on CPU.
 
-    GPUs get cuDNN until the Pallas kernel has a GPU lowering; on CPU the Pallas kernel runs
-    only when asked for, in interpret mode. On TPU, block sizes too large for the kernels'
+    GPUs get cuDNN until our Mosaic GPU kernels have been checked and timed against it on an
+    H200 (`pallas` selects them); on CPU the Pallas kernels run only when asked for, in
+    interpret mode. On TPU, block sizes too large for the kernels'
     VMEM budget (`fits_kernel` false) fall back to XLA; the kernels tile any length.
     """
     if impl != "auto":

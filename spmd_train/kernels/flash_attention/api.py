@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd_train.kernels.flash_attention import kernel
+from spmd_train.kernels.flash_attention import gpu_kernel, kernel
+from spmd_train.kernels.flash_attention.gpu_ops import ROWS_PER_WARPGROUP
 from spmd_train.kernels.flash_attention.kernel import Plan
 
 
@@ -21,7 +22,9 @@ class BlockSizes:
     block_k: int = 128
 
 
-DEFAULT_BLOCKS = {"tpu": BlockSizes(512, 512), "cpu": BlockSizes(128, 128)}
+DEFAULT_BLOCKS = {"tpu": BlockSizes(512, 512), "gpu": BlockSizes(128, 128), "cpu": BlockSizes(128, 128)}
+"""Per backend; "cpu" is the TPU kernels interpreted. On GPU block_q is two compute warpgroups of 64 rows."""
+BACKENDS = ("tpu", "gpu")
 TPU_VMEM_BUDGET = 32 * 2**20
 """Scoped VMEM these kernels may use on TPU (v5p reports 64 MiB; half leaves room for the compiler)."""
 
@@ -47,62 +50,97 @@ def tpu_vmem_bytes(q_shape, kv_shape, dtype, block_sizes: BlockSizes | None = No
 
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale: float | None = None,
-                    block_sizes: BlockSizes | None = None, return_lse: bool = False, interpret: bool | None = None):
+                    block_sizes: BlockSizes | None = None, return_lse: bool = False, interpret: bool | None = None,
+                    backend: str | None = None):
     """Attention of q [batch, lq, heads, head_dim] over k, v [batch, lk, kv_heads, head_dim].
 
     Grouped-query attention when kv_heads divides heads (K/V are never repeated). `segment_ids`:
     None, one [batch, length] int array for both sides (packed sequences), or a
     (q_segments [batch, lq], kv_segments [batch, lk]) pair. Causal attention needs lq == lk.
     Returns the output in q's dtype, and with `return_lse` also the fp32 log-sum-exp
-    [batch, heads, lq] so blockwise results can be merged exactly. `interpret` defaults to True
-    on CPU (the kernels then run as ordinary XLA ops, slowly, for testing).
+    [batch, heads, lq] so blockwise results can be merged exactly. `backend` picks the kernels:
+    "tpu" (Mosaic TPU) or "gpu" (Mosaic GPU, Hopper; bfloat16), by default the default device's.
+    `interpret` defaults to True on CPU: the kernels then run on the host, slowly, for testing.
     """
     q_seg, kv_seg = _check(q, k, v, causal, segment_ids)
-    platform = jax.devices()[0].platform if interpret is None else ("cpu" if interpret else "tpu")
-    if platform == "gpu":
-        raise NotImplementedError("the Pallas flash-attention kernel has no GPU lowering yet; use "
-                                  "model.attention=cudnn or xla on GPUs")
-    blocks = block_sizes or DEFAULT_BLOCKS.get(platform, BlockSizes())
-    if platform == "tpu" and tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks) > TPU_VMEM_BUDGET:
-        need = tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks)
-        raise ValueError(f"q {q.shape} / k {k.shape} with {blocks} need {need / 2**20:.0f} MiB of TPU VMEM "
-                         f"(budget {TPU_VMEM_BUDGET / 2**20:.0f} MiB): use smaller block_sizes")
+    device = jax.devices()[0].platform
+    backend = backend or ("gpu" if device == "gpu" else "tpu")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a flash-attention backend (valid: {', '.join(BACKENDS)})")
+    interpret = device == "cpu" if interpret is None else interpret
+    blocks = block_sizes or DEFAULT_BLOCKS["cpu" if backend == "tpu" and interpret else backend]
     b, lq, h, d = q.shape
     lk, kvh = k.shape[1], k.shape[2]
-    block_q = min(blocks.block_q, _round_up(lq, 8))
-    block_k = min(blocks.block_k, _round_up(lk, 8))
-    if platform == "tpu" and block_k < _round_up(lk, 8) and block_k % 128:
-        # K/V tiles are sliced out of the segment-id row along TPU lanes: whole lane groups only.
-        block_k = _round_up(block_k, 128)
-    plan = Plan(scale=float(softmax_scale if softmax_scale is not None else d**-0.5), causal=causal,
-                block_q=block_q, block_k=block_k, q_len=lq, kv_len=lk, groups=h // kvh,
-                interpret=platform == "cpu", poison=kernel.poison_requested())
+    if backend == "gpu":
+        block_q, block_k = _gpu_blocks(q, k, blocks)
+    else:
+        block_q, block_k = _tpu_blocks(q, k, blocks, interpret)
     lq_pad, lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
-    # [b, l, h, d] -> [b, h, l_padded, d]; segment ids as [b, lq, 1] and [b, 1, lk] (TPU tiling).
+    plan = Plan(scale=float(softmax_scale if softmax_scale is not None else d**-0.5), causal=causal,
+                block_q=block_q, block_k=block_k, q_len=lq, kv_len=lk, groups=h // kvh, interpret=interpret,
+                poison=kernel.poison_requested(), gpu=backend == "gpu",
+                segments=segment_ids is not None or (lk_pad != lk and not causal))
+    # [b, l, h, d] -> [b, h, l_padded, d]; padded keys get segment id -1 so nothing attends to them.
     qt = _pad(jnp.swapaxes(q, 1, 2), 2, lq_pad)
     kt = _pad(jnp.swapaxes(k, 1, 2), 2, lk_pad)
     vt = _pad(jnp.swapaxes(v, 1, 2), 2, lk_pad)
-    qs = _pad(q_seg.astype(jnp.int32), 1, lq_pad)[:, :, None]
-    ks = _pad(kv_seg.astype(jnp.int32), 1, lk_pad, value=-1)[:, None, :]
+    qs = _pad(q_seg.astype(jnp.int32), 1, lq_pad)
+    ks = _pad(kv_seg.astype(jnp.int32), 1, lk_pad, value=-1)
+    if not plan.gpu:  # TPU tiling: segment ids as [b, lq, 1] and [b, 1, lk]
+        qs, ks = qs[:, :, None], ks[:, None, :]
     out, lse = _attention(qt, kt, vt, qs, ks, plan)
     out = jnp.swapaxes(out[:, :, :lq], 1, 2)
     return (out, lse[:, :, :lq, 0]) if return_lse else out
 
 
+def _tpu_blocks(q, k, blocks: BlockSizes, interpret: bool) -> tuple[int, int]:
+    if not interpret and tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks) > TPU_VMEM_BUDGET:
+        need = tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks)
+        raise ValueError(f"q {q.shape} / k {k.shape} with {blocks} need {need / 2**20:.0f} MiB of TPU VMEM "
+                         f"(budget {TPU_VMEM_BUDGET / 2**20:.0f} MiB): use smaller block_sizes")
+    lq, lk = q.shape[1], k.shape[1]
+    block_q = min(blocks.block_q, _round_up(lq, 8))
+    block_k = min(blocks.block_k, _round_up(lk, 8))
+    if not interpret and block_k < _round_up(lk, 8) and block_k % 128:
+        # K/V tiles are sliced out of the segment-id row along TPU lanes: whole lane groups only.
+        block_k = _round_up(block_k, 128)
+    return block_q, block_k
+
+
+def _gpu_blocks(q, k, blocks: BlockSizes) -> tuple[int, int]:
+    """Block sizes for the Mosaic GPU kernels, which work in 64-row warpgroup tiles of bfloat16."""
+    if q.dtype != jnp.bfloat16:
+        raise ValueError(f"the GPU flash-attention kernels take bfloat16 (wgmma operands); got {q.dtype} for "
+                         f"q {q.shape}: cast to bfloat16 or use model.attention=xla")
+    if q.shape[3] % 64:
+        raise ValueError(f"the GPU flash-attention kernels need head_dim a multiple of 64; got {q.shape[3]} "
+                         f"for q {q.shape}")
+    for name, size in (("block_q", blocks.block_q), ("block_k", blocks.block_k)):
+        if size % ROWS_PER_WARPGROUP or size > 4 * ROWS_PER_WARPGROUP:
+            raise ValueError(f"GPU {name}={size}: must be 64, 128, 192 or 256 (64-row warpgroups, at most 4)")
+    lq, lk = q.shape[1], k.shape[1]
+    return (min(blocks.block_q, _round_up(lq, ROWS_PER_WARPGROUP)),
+            min(blocks.block_k, _round_up(lk, ROWS_PER_WARPGROUP)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention(q, k, v, q_seg, kv_seg, plan):
-    return tuple(kernel.forward(q, k, v, q_seg, kv_seg, plan))
+    return tuple(_kernels(plan).forward(q, k, v, q_seg, kv_seg, plan))
+
+
+def _kernels(plan: Plan):
+    return gpu_kernel if plan.gpu else kernel
 
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, plan):
-    out, lse = kernel.forward(q, k, v, q_seg, kv_seg, plan)
+    out, lse = _kernels(plan).forward(q, k, v, q_seg, kv_seg, plan)
     return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
 
 def _attention_bwd(plan, residuals, cotangents):
     q, k, v, q_seg, kv_seg, out, lse = residuals
     d_out, _ = cotangents  # the log-sum-exp is returned for merging, not differentiated through
-    dq, dk, dv = kernel.backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan)
+    dq, dk, dv = _kernels(plan).backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan)
     no_grad = [np.zeros(x.shape, jax.dtypes.float0) for x in (q_seg, kv_seg)]
     return dq, dk, dv, *no_grad
 

@@ -43,6 +43,10 @@ class Plan:
     interpret: bool
     poison: bool = False
     """Start every output as NaN (aliased input), so a block the kernel fails to write shows up."""
+    gpu: bool = False
+    """Run the Mosaic GPU kernels (`gpu_kernel.py`) rather than these."""
+    segments: bool = True
+    """Whether segment ids can mask anything (given by the caller, or padded keys without causality)."""
 
 
 _POISON = contextvars.ContextVar("flash_attention_poison", default=False)

@@ -1,0 +1,327 @@
+"""Flash attention for Hopper GPUs as Mosaic GPU Pallas kernels: forward, dq and dk/dv.
+
+Why Mosaic GPU rather than Pallas' Triton lowering: jax 0.11 makes Mosaic GPU the default
+Pallas GPU backend and deprecates the Triton one (we run on jax 0.10 and 0.11 without
+deprecated APIs), and Mosaic GPU exposes what a flash-attention kernel needs on Hopper to
+approach cuDNN: TMA bulk copies into swizzled shared memory, warpgroup matmuls (wgmma) and
+warp specialisation with register reallocation. Each program is `wgs + 1` warpgroups: a
+producer warpgroup streams the other side's tiles through a multi-stage shared-memory ring
+(`emit_pipeline_warp_specialized`) while `wgs` compute warpgroups each own 64 rows and keep
+their accumulators and softmax statistics in registers.
+
+Same layout and masking rules as the TPU kernels (`kernel.py`): [batch, heads, length,
+head_dim] with lengths padded to whole blocks, padded keys carry segment id -1, masked scores
+take a large finite negative value and masked probabilities are zeroed explicitly, so rows with
+nothing to attend to give zeros and never NaN. Softmax runs in base 2 (exp2 is the hardware
+instruction); the saved log-sum-exp is natural-log, as the TPU kernels save it. Causal
+programs skip the compute of blocks that are entirely masked; the producer still streams
+them (the pipeline's trip count is static), which costs bandwidth, not matmul time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from spmd_train.kernels.flash_attention.gpu_ops import ROWS_PER_WARPGROUP, HopperOps, cols, rows
+from spmd_train.kernels.flash_attention.kernel import MASK, Plan, kernel_name
+
+LOG2E = math.log2(math.e)
+PIPELINE_STAGES = 2
+"""Shared-memory ring depth of the streamed side (K/V in forward and dq, Q/dO in dk/dv)."""
+PRODUCER_REGISTERS = 40
+"""Registers per thread left to the producer warpgroup; the compute warpgroups get the rest."""
+
+
+def _smem_tile(shape, dtype):
+    # 128-byte swizzle over (8, 64) tiles: the layout wgmma and TMA both read without bank conflicts.
+    swizzle = 128 if 64 * jnp.dtype(dtype).itemsize >= 128 else 64 * jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def _tile_spec(block, dtype, index_map):
+    size = jnp.dtype(dtype).itemsize
+    return plgpu.BlockSpec(block_shape=block, index_map=index_map,
+                           transforms=(plgpu.TilingTransform((8, 128 // size)), plgpu.SwizzleTransform(128)))
+
+
+def _kernel(body, *, plan: Plan, out_type, grid, names, wgs: int, name: str, args):
+    # Mosaic GPU names the kernel after its body function: keep the kernel name readable in profiles.
+    body.__name__ = body.__qualname__ = name
+    return plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=names, num_threads=wgs + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **({"interpret": _interpret_params()} if plan.interpret else {}),
+    )(*args)
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _scores(ops: HopperOps, s, q_start, k_start, q_seg, k_seg, plan: Plan, *, transposed: bool):
+    """Base-2 scores of a tile and the mask of entries that count (None when nothing is masked).
+
+    `transposed`: the tile is [keys, queries] (the dk/dv kernel) rather than [queries, keys]."""
+    s = s * (plan.scale * LOG2E)
+    keep = None
+    if plan.causal:
+        q_pos = q_start + ops.iota(s.shape, 1 if transposed else 0)
+        k_pos = k_start + ops.iota(s.shape, 0 if transposed else 1)
+        keep = q_pos >= k_pos
+    if plan.segments:
+        same = (rows(k_seg, s.shape) == cols(q_seg, s.shape)) if transposed else (
+            rows(q_seg, s.shape) == cols(k_seg, s.shape))
+        keep = same if keep is None else keep & same
+    if keep is not None:
+        s = jnp.where(keep, s, MASK)
+    return s, keep
+
+
+def _masked(p, keep):
+    return p if keep is None else jnp.where(keep, p, 0.0)
+
+
+def forward(q, k, v, q_seg, kv_seg, plan: Plan):
+    """q [b, h, Lq, d], k/v [b, kvh, Lk, d], q_seg [b, Lq], kv_seg [b, Lk] -> (o, lse [b, h, Lq, 1])."""
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    bq, bk, dtype = plan.block_q, plan.block_k, q.dtype
+    wgs, r = bq // ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP
+    n_kv = lk // bk
+    ops = HopperOps(plan.interpret)
+
+    def body(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref):
+        batch, head, block = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
+        kv_head = lax.div(head, jnp.int32(plan.groups))
+
+        def with_scratch(q_smem2, lse_smem2, seg_smem2, barriers):
+            def context(pipeline):
+                wg = lax.axis_index("wg")
+                q_smem, lse_smem, seg_smem = q_smem2.at[wg], lse_smem2.at[wg], seg_smem2.at[wg]
+                q_start = block * bq + wg * r
+                plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(q_start, r)], q_smem, barriers.at[wg])
+                plgpu.barrier_wait(barriers.at[wg])
+                q_seg_rows = None
+                if plan.segments:
+                    plgpu.copy_gmem_to_smem(qseg_ref.at[batch, pl.ds(q_start, r)], seg_smem, barriers.at[wg])
+                    plgpu.barrier_wait(barriers.at[wg])
+                    q_seg_rows = ops.load_rows(seg_smem)
+                carry = (ops.zeros((r, d)), ops.row_vector(MASK, r), ops.row_vector(0.0, r), q_start, q_seg_rows)
+                acc, m, l, _, _ = pipeline(carry)
+                safe = jnp.where(l == 0.0, 1.0, l)
+                q_smem[...] = (acc / rows(safe, acc.shape)).astype(dtype)
+                lse_smem[...] = (m + jnp.log2(safe)) / LOG2E
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, head, pl.ds(q_start, r)], commit_group=False)
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, r)], commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+                plgpu.wait_smem_to_gmem(0)
+
+            def step(indices, k_smem, v_smem, kseg_smem, carry):
+                acc, m, l, q_start, q_seg_rows = carry
+                k_start = indices[0] * bk
+                q_smem = q_smem2.at[lax.axis_index("wg")]
+
+                def compute(acc, m, l):
+                    k_seg = ops.load_cols(kseg_smem) if plan.segments else None
+                    s, keep = _scores(ops, ops.matmul(q_smem, k_smem, (r, bk), transpose_b=True),
+                                      q_start, k_start, q_seg_rows, k_seg, plan, transposed=False)
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    p = _masked(jnp.exp2(s - rows(m_new, s.shape)), keep)
+                    alpha = jnp.exp2(m - m_new)
+                    l = l * alpha + p.sum(axis=1)
+                    acc = ops.matmul_acc(acc * rows(alpha, acc.shape), p, v_smem)
+                    return acc, m_new, l
+
+                if plan.causal:
+                    acc, m, l = lax.cond(k_start <= q_start + r - 1, compute, lambda *c: c, acc, m, l)
+                else:
+                    acc, m, l = compute(acc, m, l)
+                return acc, m, l, q_start, q_seg_rows
+
+            kv_spec = _tile_spec((bk, d), dtype, lambda j: (j, 0))
+            pipeline = plgpu.emit_pipeline_warp_specialized(
+                step, grid=(n_kv,), memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
+                max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
+                in_specs=[kv_spec, kv_spec, plgpu.BlockSpec(block_shape=(bk,), index_map=lambda j: (j,))])
+            pipeline(k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
+
+        pl.run_scoped(with_scratch, _smem_tile((wgs, r, d), dtype), plgpu.SMEM((wgs, r), jnp.float32),
+                      plgpu.SMEM((wgs, r), jnp.int32), plgpu.Barrier(num_barriers=wgs), collective_axes="wg")
+
+    out, lse = _kernel(
+        body, plan=plan, wgs=wgs, grid=(lq // bq, h, b), names=("rows", "heads", "batch"),
+        out_type=[jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, lq), jnp.float32)],
+        name=kernel_name("fwd", plan), args=(q, k, v, q_seg, kv_seg))
+    return out, lse[..., None]
+
+
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, plan: Plan):
+    """Gradients (dq, dk, dv) given the output, its log-sum-exp [b, h, Lq, 1] and the output cotangent."""
+    lse2 = lse[..., 0] * LOG2E  # base-2, as the kernels exponentiate
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    dq = _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan)
+    dk, dv = _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan)
+    return dq, dk, dv
+
+
+def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    bq, bk, dtype = plan.block_q, plan.block_k, q.dtype
+    wgs, r = bq // ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP
+    n_kv = lk // bk
+    ops = HopperOps(plan.interpret)
+
+    def body(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref):
+        batch, head, block = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
+        kv_head = lax.div(head, jnp.int32(plan.groups))
+
+        def with_scratch(q_smem2, do_smem2, lse_smem2, delta_smem2, seg_smem2, barriers):
+            def context(pipeline):
+                wg = lax.axis_index("wg")
+                q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+                q_start = block * bq + wg * r
+                rows_of = pl.ds(q_start, r)
+                loads = [(q_ref.at[batch, head, rows_of], q_smem), (do_ref.at[batch, head, rows_of], do_smem),
+                         (lse_ref.at[batch, head, rows_of], lse_smem2.at[wg]),
+                         (delta_ref.at[batch, head, rows_of], delta_smem2.at[wg])]
+                if plan.segments:
+                    loads.append((qseg_ref.at[batch, rows_of], seg_smem2.at[wg]))
+                for src, dst in loads:
+                    plgpu.copy_gmem_to_smem(src, dst, barriers.at[wg])
+                    plgpu.barrier_wait(barriers.at[wg])
+                q_seg_rows = ops.load_rows(seg_smem2.at[wg]) if plan.segments else None
+                stats = (ops.load_rows(lse_smem2.at[wg]), ops.load_rows(delta_smem2.at[wg]))
+                dq, *_ = pipeline((ops.zeros((r, d)), q_start, q_seg_rows, stats))
+                q_smem[...] = (dq * plan.scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, head, rows_of])
+                plgpu.wait_smem_to_gmem(0)
+
+            def step(indices, k_smem, v_smem, kseg_smem, carry):
+                dq, q_start, q_seg_rows, (lse_rows, delta_rows) = carry
+                k_start = indices[0] * bk
+                wg = lax.axis_index("wg")
+                q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+
+                def compute(dq):
+                    k_seg = ops.load_cols(kseg_smem) if plan.segments else None
+                    s, keep = _scores(ops, ops.matmul(q_smem, k_smem, (r, bk), transpose_b=True),
+                                      q_start, k_start, q_seg_rows, k_seg, plan, transposed=False)
+                    p = _masked(jnp.exp2(s - rows(lse_rows, s.shape)), keep)
+                    dp = ops.matmul(do_smem, v_smem, (r, bk), transpose_b=True)
+                    ds = p * (dp - rows(delta_rows, dp.shape))
+                    return ops.matmul_acc(dq, ds, k_smem)
+
+                if plan.causal:
+                    dq = lax.cond(k_start <= q_start + r - 1, compute, lambda c: c, dq)
+                else:
+                    dq = compute(dq)
+                return dq, q_start, q_seg_rows, (lse_rows, delta_rows)
+
+            kv_spec = _tile_spec((bk, d), dtype, lambda j: (j, 0))
+            pipeline = plgpu.emit_pipeline_warp_specialized(
+                step, grid=(n_kv,), memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
+                max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
+                in_specs=[kv_spec, kv_spec, plgpu.BlockSpec(block_shape=(bk,), index_map=lambda j: (j,))])
+            pipeline(k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
+
+        tile = _smem_tile((wgs, r, d), dtype)
+        pl.run_scoped(with_scratch, tile, tile, plgpu.SMEM((wgs, r), jnp.float32), plgpu.SMEM((wgs, r), jnp.float32),
+                      plgpu.SMEM((wgs, r), jnp.int32), plgpu.Barrier(num_barriers=wgs), collective_axes="wg")
+
+    return _kernel(body, plan=plan, wgs=wgs, grid=(lq // bq, h, b), names=("rows", "heads", "batch"),
+                   out_type=jax.ShapeDtypeStruct(q.shape, dtype), name=kernel_name("dq", plan),
+                   args=(q, k, v, q_seg, kv_seg, do, lse2, delta))
+
+
+def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
+    b, h, lq, d = q.shape
+    kvh, lk = k.shape[1], k.shape[2]
+    bq, bk, g, dtype = plan.block_q, plan.block_k, plan.groups, q.dtype
+    # Each compute warpgroup owns 64 keys; the pipeline streams 64-row query tiles (two fp32
+    # [64, 64] score tiles plus the dk, dv accumulators fit the registers).
+    wgs, r, step_q = bk // ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP
+    n_q = lq // step_q
+    ops = HopperOps(plan.interpret)
+    # The query heads of one K/V head are contiguous: view them as one [groups * Lq] sequence so the
+    # pipeline walks every head of the group and every row tile in one static grid.
+    q_g, do_g = (x.reshape(b, kvh, g * lq, d) for x in (q, do))
+    lse_g, delta_g = (x.reshape(b, kvh, g * lq) for x in (lse2, delta))
+
+    def body(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
+        batch, kv_head, block = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
+
+        def with_scratch(k_smem2, v_smem2, seg_smem2, barriers):
+            def context(pipeline):
+                wg = lax.axis_index("wg")
+                k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+                k_start = block * bk + wg * r
+                rows_of = pl.ds(k_start, r)
+                loads = [(k_ref.at[batch, kv_head, rows_of], k_smem), (v_ref.at[batch, kv_head, rows_of], v_smem)]
+                if plan.segments:
+                    loads.append((kseg_ref.at[batch, rows_of], seg_smem2.at[wg]))
+                for src, dst in loads:
+                    plgpu.copy_gmem_to_smem(src, dst, barriers.at[wg])
+                    plgpu.barrier_wait(barriers.at[wg])
+                k_seg_rows = ops.load_rows(seg_smem2.at[wg]) if plan.segments else None
+                dk, dv, *_ = pipeline((ops.zeros((r, d)), ops.zeros((r, d)), k_start, k_seg_rows))
+                k_smem[...] = (dk * plan.scale).astype(dtype)
+                v_smem[...] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[batch, kv_head, rows_of], commit_group=False)
+                plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[batch, kv_head, rows_of], commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+                plgpu.wait_smem_to_gmem(0)
+
+            def step(indices, q_smem, do_smem, lse_smem, delta_smem, qseg_smem, carry):
+                dk, dv, k_start, k_seg_rows = carry
+                q_start = lax.rem(indices[0], jnp.int32(n_q)) * step_q
+                wg = lax.axis_index("wg")
+                k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+
+                def compute(dk, dv):
+                    q_seg = ops.load_cols(qseg_smem) if plan.segments else None
+                    s, keep = _scores(ops, ops.matmul(k_smem, q_smem, (r, step_q), transpose_b=True),
+                                      q_start, k_start, q_seg, k_seg_rows, plan, transposed=True)
+                    p = _masked(jnp.exp2(s - cols(ops.load_cols(lse_smem), s.shape)), keep)
+                    dv = ops.matmul_acc(dv, p, do_smem)
+                    dp = ops.matmul(v_smem, do_smem, (r, step_q), transpose_b=True)
+                    ds = p * (dp - cols(ops.load_cols(delta_smem), dp.shape))
+                    return ops.matmul_acc(dk, ds, q_smem), dv
+
+                if plan.causal:
+                    dk, dv = lax.cond(q_start + step_q - 1 >= k_start, compute, lambda *c: c, dk, dv)
+                else:
+                    dk, dv = compute(dk, dv)
+                return dk, dv, k_start, k_seg_rows
+
+            q_spec = _tile_spec((step_q, d), dtype, lambda i: (i, 0))
+            vec = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda i: (i,))
+            seg = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda i: (lax.rem(i, jnp.int32(n_q)),))
+            pipeline = plgpu.emit_pipeline_warp_specialized(
+                step, grid=(g * n_q,), memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
+                max_concurrent_steps=min(PIPELINE_STAGES, g * n_q), compute_context=context,
+                in_specs=[q_spec, q_spec, vec, vec, seg])
+            pipeline(q_ref.at[batch, kv_head], do_ref.at[batch, kv_head], lse_ref.at[batch, kv_head],
+                     delta_ref.at[batch, kv_head], qseg_ref.at[batch])
+
+        tile = _smem_tile((wgs, r, d), dtype)
+        pl.run_scoped(with_scratch, tile, tile, plgpu.SMEM((wgs, r), jnp.int32), plgpu.Barrier(num_barriers=wgs),
+                      collective_axes="wg")
+
+    kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+    return _kernel(body, plan=plan, wgs=wgs, grid=(lk // bk, kvh, b), names=("rows", "heads", "batch"),
+                   out_type=[kv_type, kv_type], name=kernel_name("dkv", plan),
+                   args=(q_g, k, v, q_seg, kv_seg, do_g, lse_g, delta_g))

@@ -1,0 +1,102 @@
+"""The Mosaic GPU (Hopper) flash-attention kernels: run by Mosaic GPU's interpreter on CPU against a
+float64 reference, and lowered for CUDA (wgmma, TMA) on the CPU host."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
+from tests.test_flash_attention import reference64
+
+# The interpreter simulates every warpgroup, barrier and copy: a handful of cases, chosen to cover
+# odd lengths, both head sizes, GQA 1/2/4, causal and not, segments, one and two compute warpgroups.
+CASES = [  # length, head_dim, causal, groups, segmented, blocks
+    (17, 64, True, 2, False, None),
+    (129, 128, True, 1, False, BlockSizes(64, 64)),
+    (100, 64, False, 4, True, BlockSizes(128, 64)),
+    pytest.param(256, 128, True, 4, True, BlockSizes(64, 128), marks=pytest.mark.heavy),
+]
+
+
+def _gpu(q, k, v, **kwargs):
+    return flash_attention(q, k, v, backend="gpu", interpret=True, **kwargs)
+
+
+@pytest.mark.parametrize(("length", "head_dim", "causal", "groups", "segmented", "blocks"), CASES,
+                         ids=lambda v: str(v))
+def test_forward_and_gradients_match_float64(length, head_dim, causal, groups, segmented, blocks):
+    keys = jax.random.split(jax.random.key(length + head_dim + groups), 5)
+    b, kvh = 1, 2
+    q = jax.random.normal(keys[0], (b, length, kvh * groups, head_dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, length, kvh, head_dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, length, kvh, head_dim), jnp.bfloat16)
+    do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    segments = jnp.sort(jax.random.randint(keys[4], (b, length), 0, 4), axis=1) if segmented else None
+    # The interpreter starts every buffer as NaN, so a block a kernel fails to write shows up.
+    out, vjp = jax.vjp(lambda q, k, v: _gpu(q, k, v, causal=causal, segment_ids=segments, block_sizes=blocks),
+                       q, k, v)
+    grads = vjp(do)
+    expected = reference64(q, k, v, do, causal, segments)
+    for got, want in zip((out, *grads), expected, strict=True):
+        got = np.asarray(got, np.float64)
+        assert not np.isnan(got).any()
+        assert np.linalg.norm(got - want) <= 2e-2 * max(np.linalg.norm(want), 1.0)
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+
+
+def test_non_causal_with_different_lengths_and_lse_and_empty_rows():
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (1, 33, 2, 64), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, 70, 1, 64), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (1, 70, 1, 64), jnp.bfloat16)
+    # Queries 30.. are in a segment no key has: nothing to attend to, so zeros, never NaN.
+    q_seg = (jnp.arange(33) >= 30).astype(jnp.int32)[None] * 7
+    segments = (q_seg, jnp.zeros((1, 70), jnp.int32))
+    out, lse = _gpu(q, k, v, causal=False, segment_ids=segments, return_lse=True, block_sizes=BlockSizes(64, 64))
+    expected, _, _, _ = reference64(q, k, v, np.zeros(q.shape), False, None)
+    out = np.asarray(out, np.float64)
+    assert np.all(out[:, 30:] == 0)
+    np.testing.assert_allclose(out[:, :30], expected[:, :30], atol=3e-2)
+    s = np.einsum("blhd,bmhd->bhlm", np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 2, 2)) / 8.0
+    np.testing.assert_allclose(np.asarray(lse)[:, :, :30], np.log(np.exp(s).sum(-1))[:, :, :30], rtol=1e-4)
+    assert np.all(np.isfinite(np.asarray(lse)))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "blocks", "needle"),
+    [
+        ((1, 64, 2, 64), jnp.float32, None, "take bfloat16 (wgmma operands); got float32 for q (1, 64, 2, 64)"),
+        ((1, 64, 2, 96), jnp.bfloat16, None, "head_dim a multiple of 64; got 96 for q (1, 64, 2, 96)"),
+        ((1, 64, 2, 64), jnp.bfloat16, BlockSizes(96, 128), "block_q=96: must be 64, 128, 192 or 256"),
+    ],
+    ids=["dtype", "head-dim", "block"],
+)
+def test_gpu_limits_are_clear_errors(shape, dtype, blocks, needle):
+    x = jnp.zeros(shape, dtype)
+    with pytest.raises(ValueError) as err:
+        _gpu(x, x, x, block_sizes=blocks)
+    assert needle in str(err.value)
+    with pytest.raises(ValueError, match="backend='cuda' is not a flash-attention backend"):
+        flash_attention(x, x, x, backend="cuda")
+
+
+@pytest.mark.parametrize(("causal", "segmented", "head_dim"), [(True, False, 128), (False, True, 64)])
+def test_kernels_lower_for_hopper(causal, segmented, head_dim):
+    """Forward and backward go through Mosaic GPU's whole lowering for sm_90 (layouts, TMA
+    descriptors, wgmma shapes) on the CPU host; what is left for the GPU is PTX assembly."""
+    b, length, h, kvh = 2, 2048, 8, 2
+
+    def loss(q, k, v, seg):
+        out = flash_attention(q, k, v, causal=causal, segment_ids=seg if segmented else None,
+                              backend="gpu", interpret=False)
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((b, length, h, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, length, kvh, head_dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((b, length), jnp.int32)
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=("cuda",))(q, kv, kv, seg)
+    text = exported.mlir_module()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 3  # forward, dq, dk/dv
+    assert text.count(f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.bf16.bf16") >= 3  # P V, dS K, dS^T Q
+    assert "cp.async.bulk.tensor" in text  # K/V stream in by TMA

@@ -100,3 +100,24 @@ def test_kernels_lower_for_hopper(causal, segmented, head_dim):
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3  # forward, dq, dk/dv
     assert text.count(f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.bf16.bf16") >= 3  # P V, dS K, dS^T Q
     assert "cp.async.bulk.tensor" in text  # K/V stream in by TMA
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU (Hopper)")
+@pytest.mark.parametrize(("length", "causal", "groups", "segmented"),
+                         [(1000, True, 4, False), (2048, True, 1, True), (777, False, 2, False)])
+def test_compiled_on_the_gpu_matches_float64(length, causal, groups, segmented):
+    """On a Hopper GPU: the compiled kernels (real wgmma, TMA, barriers) against float64."""
+    keys = jax.random.split(jax.random.key(length), 5)
+    q = jax.random.normal(keys[0], (2, length, 2 * groups, 128), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (2, length, 2, 128), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (2, length, 2, 128), jnp.bfloat16)
+    do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    segments = jnp.sort(jax.random.randint(keys[4], (2, length), 0, 4), axis=1) if segmented else None
+    run = jax.jit(lambda q, k, v, do: jax.vjp(
+        lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segments), q, k, v)[1](do))
+    out = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segments))(q, k, v)
+    expected = reference64(q, k, v, do, causal, segments)
+    for got, want in zip((out, *run(q, k, v, do)), expected, strict=True):
+        got = np.asarray(got, np.float64)
+        assert not np.isnan(got).any()
+        assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)

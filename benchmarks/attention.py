@@ -1,6 +1,6 @@
 """Attention speed and correctness: our Pallas kernels against cuDNN and plain XLA.
 
-Usage: python benchmarks/attention.py [--lengths 1024 2048 4096 8192 16384]
+Usage: python benchmarks/attention.py [--lengths 1024 2048 4096 8192 16384] [--sweep LENGTH]
 On a GPU (ours vs cuDNN and XLA side by side) or TPU (ours vs XLA): checks our output and
 gradients against the first baseline, then times forward and
 forward+backward and reports TFLOP/s. FLOP convention: forward 4 x batch x heads x L^2 x d,
@@ -12,6 +12,7 @@ mode, so the script checks correctness at small sizes and times nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.report import provenance, time_call, update_section  # noqa: E402
-from spmd_train.kernels.flash_attention import flash_attention, reference_attention  # noqa: E402
+from spmd_train.kernels.flash_attention import BlockSizes, flash_attention, reference_attention  # noqa: E402
 
 
 def _inputs(batch, length, heads, kv_heads, d, dtype, seed=0):
@@ -81,6 +82,28 @@ def speed_rows(lengths, baselines):
     return rows
 
 
+SWEEP = {"gpu": [(64, 64), (64, 128), (128, 64), (128, 128)], "tpu": [(256, 256), (512, 512), (512, 1024),
+                                                                      (1024, 512)]}
+
+
+def sweep_rows(length, platform):
+    """Our kernels' TFLOP/s per block shape at one length (same sizes and FLOP convention as above)."""
+    batch, heads, d = max(1, 32768 // length), 32, 128
+    q, k, v, do = _inputs(batch, length, heads, 8, d, jnp.bfloat16)
+    flops = 4 * batch * heads * length**2 * d / 2
+    rows = []
+    for block_q, block_k in SWEEP[platform]:
+        fn = functools.partial(flash_attention, causal=True, block_sizes=BlockSizes(block_q, block_k))
+        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do), argnums=(0, 1, 2)))
+        try:
+            cells = [flops / time_call(jax.jit(fn), q, k, v) / 1e12, 3.5 * flops / time_call(grad, q, k, v) / 1e12]
+        except Exception as err:  # a shape that does not fit shared memory or registers: report, go on
+            rows.append(f"| {block_q} | {block_k} | fails: {str(err).splitlines()[0][:80]} | |")
+            continue
+        rows.append(f"| {block_q} | {block_k} | {cells[0]:.0f} | {cells[1]:.0f} |")
+    return ["| block_q | block_k | fwd | fwd+bwd |", "|---:|---:|---:|---:|", *rows]
+
+
 def _speed_header(baselines):
     names = ["ours", *baselines]
     cols = [f"{n} {kind}" for n in names for kind in ("fwd", "fwd+bwd")]
@@ -91,9 +114,18 @@ def _speed_header(baselines):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--sweep", type=int, metavar="LENGTH", default=None,
+                        help="time our kernels over block shapes at this length instead (GPU/TPU)")
     args = parser.parse_args()
     platform = jax.devices()[0].platform
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
+    if args.sweep and platform != "cpu":
+        table = "\n".join(sweep_rows(args.sweep, platform))
+        note = f"Block shapes of our kernels on {jax.devices()[0].device_kind}, length {args.sweep}, TFLOP/s."
+        print(note + "\n" + table)
+        update_section("attention-sweep", "Flash-attention block shapes (`benchmarks/attention.py --sweep`)",
+                       provenance(command.strip()) + "\n" + note + "\n\n" + table + "\n")
+        return
     if platform == "cpu":
         lengths = args.lengths or [17, 129, 384]  # length 1 has exactly-zero dq/dk: no relative error
         rows = ["| kernels | dtype | length | out | dq | dk | dv |", "|---|---|---:|---:|---:|---:|---:|",

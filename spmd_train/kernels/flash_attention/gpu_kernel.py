@@ -13,9 +13,10 @@ Same layout and masking rules as the TPU kernels (`kernel.py`): [batch, heads, l
 head_dim] with lengths padded to whole blocks, padded keys carry segment id -1, masked scores
 take a large finite negative value and masked probabilities are zeroed explicitly, so rows with
 nothing to attend to give zeros and never NaN. Softmax runs in base 2 (exp2 is the hardware
-instruction); the saved log-sum-exp is natural-log, as the TPU kernels save it. Causal
-programs skip the compute of blocks that are entirely masked; the producer still streams
-them (the pipeline's trip count is static), which costs bandwidth, not matmul time.
+instruction); the saved log-sum-exp is natural-log, as the TPU kernels save it. Under
+causality the pipelines' trip counts are dynamic: tiles wholly above the diagonal of a
+program's rows are never streamed, and a compute warpgroup skips the matmuls of a tile that
+is fully masked for its own 64 rows.
 """
 
 from __future__ import annotations
@@ -87,6 +88,15 @@ def _scores(ops: HopperOps, s, q_start, k_start, q_seg, k_seg, plan: Plan, *, tr
     return s, keep
 
 
+def _kv_steps(block, n_kv: int, plan: Plan):
+    """K/V tiles a row block streams: all, or under causality those up to its last row (so fully
+    masked tiles are never even copied in; the pipeline's trip count is dynamic)."""
+    if not plan.causal:
+        return n_kv
+    last_row = (block + 1) * plan.block_q - 1
+    return jnp.minimum(lax.div(last_row, jnp.int32(plan.block_k)) + 1, n_kv)
+
+
 def _masked(p, keep):
     return p if keep is None else jnp.where(keep, p, 0.0)
 
@@ -151,8 +161,8 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
 
             kv_spec = _tile_spec((bk, d), dtype, lambda j: (j, 0))
             pipeline = plgpu.emit_pipeline_warp_specialized(
-                step, grid=(n_kv,), memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
-                max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
+                step, grid=(_kv_steps(block, n_kv, plan),), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
+                num_compute_wgs=wgs, max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
                 in_specs=[kv_spec, kv_spec, plgpu.BlockSpec(block_shape=(bk,), index_map=lambda j: (j,))])
             pipeline(k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
 
@@ -232,8 +242,8 @@ def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
 
             kv_spec = _tile_spec((bk, d), dtype, lambda j: (j, 0))
             pipeline = plgpu.emit_pipeline_warp_specialized(
-                step, grid=(n_kv,), memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
-                max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
+                step, grid=(_kv_steps(block, n_kv, plan),), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
+                num_compute_wgs=wgs, max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
                 in_specs=[kv_spec, kv_spec, plgpu.BlockSpec(block_shape=(bk,), index_map=lambda j: (j,))])
             pipeline(k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
 
@@ -287,7 +297,7 @@ def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
 
             def step(indices, q_smem, do_smem, lse_smem, delta_smem, qseg_smem, carry):
                 dk, dv, k_start, k_seg_rows = carry
-                q_start = lax.rem(indices[0], jnp.int32(n_q)) * step_q
+                q_start = (first + indices[1]) * step_q
                 wg = lax.axis_index("wg")
                 k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
 
@@ -307,12 +317,14 @@ def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
                     dk, dv = compute(dk, dv)
                 return dk, dv, k_start, k_seg_rows
 
-            q_spec = _tile_spec((step_q, d), dtype, lambda i: (i, 0))
-            vec = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda i: (i,))
-            seg = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda i: (lax.rem(i, jnp.int32(n_q)),))
+            # Under causality query tiles wholly before this block's first key are never streamed.
+            first = lax.div(block * bk, jnp.int32(step_q)) if plan.causal else 0
+            q_spec = _tile_spec((step_q, d), dtype, lambda gi, i: (gi * n_q + first + i, 0))
+            vec = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda gi, i: (gi * n_q + first + i,))
+            seg = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda gi, i: (first + i,))
             pipeline = plgpu.emit_pipeline_warp_specialized(
-                step, grid=(g * n_q,), memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
-                max_concurrent_steps=min(PIPELINE_STAGES, g * n_q), compute_context=context,
+                step, grid=(g, n_q - first), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
+                num_compute_wgs=wgs, max_concurrent_steps=min(PIPELINE_STAGES, g * n_q), compute_context=context,
                 in_specs=[q_spec, q_spec, vec, vec, seg])
             pipeline(q_ref.at[batch, kv_head], do_ref.at[batch, kv_head], lse_ref.at[batch, kv_head],
                      delta_ref.at[batch, kv_head], qseg_ref.at[batch])

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# What a session with a GPU should check, in few calls (device time is short and a fresh machine
+# costs minutes). Part `attention`: the compiled Hopper kernels against float64, speed against
+# cuDNN and XLA, block shapes. Part `training`: the MoE layer and training-step MFU by attention.
+# Usage, from the repository root: bash benchmarks/gpu_session.sh attention|training|all
+# Packages the GPU image lacks (pydantic, tensorboardX) travel as wheels in .whl/ (see
+# docs/benchmarks.md); results land in docs/benchmarks.md and, when $OUT is set, it and the log there.
+set -uo pipefail
+part="${1:-all}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$(pwd)"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+log="${OUT:-/tmp}/gpu_session_${part}.log"
+status=0
+run() { echo "=== $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log" || status=1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$log"
+if [ "$part" = attention ] || [ "$part" = all ]; then
+  run python3 -m pytest -q -p no:cacheprovider tests/test_flash_attention_gpu.py -k compiled
+  run python3 benchmarks/attention.py
+  run python3 benchmarks/attention.py --sweep 8192
+fi
+if [ "$part" = training ] || [ "$part" = all ]; then
+  run python3 benchmarks/moe.py --rounds 3
+  run python3 benchmarks/mfu.py
+fi
+if [ -n "${OUT:-}" ]; then cp docs/benchmarks.md "$OUT/"; fi
+exit $status

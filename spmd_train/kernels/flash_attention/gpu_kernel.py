@@ -21,7 +21,6 @@ is fully masked for its own 64 rows.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -40,17 +39,17 @@ PRODUCER_REGISTERS = 40
 """Registers per thread left to the producer warpgroup; the compute warpgroups get the rest."""
 
 
+def _swizzled(dtype):
+    # 128-byte rows swizzled over (8, 128 bytes) tiles: what TMA writes and wgmma reads without bank conflicts.
+    return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
+
+
 def _smem_tile(shape, dtype):
-    # 128-byte swizzle over (8, 64) tiles: the layout wgmma and TMA both read without bank conflicts.
-    swizzle = 128 if 64 * jnp.dtype(dtype).itemsize >= 128 else 64 * jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
+    return plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype))
 
 
 def _tile_spec(block, dtype, index_map):
-    size = jnp.dtype(dtype).itemsize
-    return plgpu.BlockSpec(block_shape=block, index_map=index_map,
-                           transforms=(plgpu.TilingTransform((8, 128 // size)), plgpu.SwizzleTransform(128)))
+    return plgpu.BlockSpec(block_shape=block, index_map=index_map, transforms=_swizzled(dtype))
 
 
 def _kernel(body, *, plan: Plan, out_type, grid, names, wgs: int, name: str, args):
@@ -64,6 +63,10 @@ def _kernel(body, *, plan: Plan, out_type, grid, names, wgs: int, name: str, arg
 
 
 def _interpret_params():
+    """Mosaic GPU's interpreter settings (buffers start as NaN). jax 0.10 exports them only privately."""
+    public = getattr(plgpu, "InterpretParams", None)
+    if public is not None:
+        return public()
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
@@ -97,8 +100,32 @@ def _kv_steps(block, n_kv: int, plan: Plan):
     return jnp.minimum(lax.div(last_row, jnp.int32(plan.block_k)) + 1, n_kv)
 
 
+def _load_all(loads, barriers, wg):
+    """Start every gmem -> smem copy (one barrier each), then wait for all: one round trip, not several."""
+    for (src, dst), barrier in zip(loads, barriers, strict=False):
+        plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
+    for _, barrier in zip(loads, barriers, strict=False):
+        plgpu.barrier_wait(barrier.at[wg])
+
+
 def _masked(p, keep):
     return p if keep is None else jnp.where(keep, p, 0.0)
+
+
+def _stream_kv(step, context, block, n_kv: int, wgs: int, plan: Plan, dtype, d: int, k, v, k_seg):
+    """Run `step` over the K/V tiles a row block needs, the producer warpgroup streaming them (and
+    the key segment ids, when they can mask anything) through the shared-memory ring."""
+    bk = plan.block_k
+    kv_spec = _tile_spec((bk, d), dtype, lambda j: (j, 0))
+    specs, refs = [kv_spec, kv_spec], [k, v]
+    if plan.segments:
+        specs.append(plgpu.BlockSpec(block_shape=(bk,), index_map=lambda j: (j,)))
+        refs.append(k_seg)
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        step, grid=(_kv_steps(block, n_kv, plan),), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
+        num_compute_wgs=wgs, max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
+        in_specs=specs)
+    pipeline(*refs)
 
 
 def forward(q, k, v, q_seg, kv_seg, plan: Plan):
@@ -119,13 +146,11 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
                 wg = lax.axis_index("wg")
                 q_smem, lse_smem, seg_smem = q_smem2.at[wg], lse_smem2.at[wg], seg_smem2.at[wg]
                 q_start = block * bq + wg * r
-                plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(q_start, r)], q_smem, barriers.at[wg])
-                plgpu.barrier_wait(barriers.at[wg])
-                q_seg_rows = None
+                loads = [(q_ref.at[batch, head, pl.ds(q_start, r)], q_smem)]
                 if plan.segments:
-                    plgpu.copy_gmem_to_smem(qseg_ref.at[batch, pl.ds(q_start, r)], seg_smem, barriers.at[wg])
-                    plgpu.barrier_wait(barriers.at[wg])
-                    q_seg_rows = ops.load_rows(seg_smem)
+                    loads.append((qseg_ref.at[batch, pl.ds(q_start, r)], seg_smem))
+                _load_all(loads, barriers, wg)
+                q_seg_rows = ops.load_rows(seg_smem) if plan.segments else None
                 carry = (ops.zeros((r, d)), ops.row_vector(MASK, r), ops.row_vector(0.0, r), q_start, q_seg_rows)
                 acc, m, l, _, _ = pipeline(carry)
                 safe = jnp.where(l == 0.0, 1.0, l)
@@ -137,13 +162,13 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
                 plgpu.commit_smem_to_gmem_group()
                 plgpu.wait_smem_to_gmem(0)
 
-            def step(indices, k_smem, v_smem, kseg_smem, carry):
-                acc, m, l, q_start, q_seg_rows = carry
+            def step(indices, k_smem, v_smem, *rest):
+                *kseg_smem, (acc, m, l, q_start, q_seg_rows) = rest
                 k_start = indices[0] * bk
                 q_smem = q_smem2.at[lax.axis_index("wg")]
 
                 def compute(acc, m, l):
-                    k_seg = ops.load_cols(kseg_smem) if plan.segments else None
+                    k_seg = ops.load_cols(kseg_smem[0]) if plan.segments else None
                     s, keep = _scores(ops, ops.matmul(q_smem, k_smem, (r, bk), transpose_b=True),
                                       q_start, k_start, q_seg_rows, k_seg, plan, transposed=False)
                     m_new = jnp.maximum(m, s.max(axis=1))
@@ -159,15 +184,11 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
                     acc, m, l = compute(acc, m, l)
                 return acc, m, l, q_start, q_seg_rows
 
-            kv_spec = _tile_spec((bk, d), dtype, lambda j: (j, 0))
-            pipeline = plgpu.emit_pipeline_warp_specialized(
-                step, grid=(_kv_steps(block, n_kv, plan),), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
-                num_compute_wgs=wgs, max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
-                in_specs=[kv_spec, kv_spec, plgpu.BlockSpec(block_shape=(bk,), index_map=lambda j: (j,))])
-            pipeline(k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
+            _stream_kv(step, context, block, n_kv, wgs, plan, dtype, d,
+                       k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
 
         pl.run_scoped(with_scratch, _smem_tile((wgs, r, d), dtype), plgpu.SMEM((wgs, r), jnp.float32),
-                      plgpu.SMEM((wgs, r), jnp.int32), plgpu.Barrier(num_barriers=wgs), collective_axes="wg")
+                      plgpu.SMEM((wgs, r), jnp.int32), [plgpu.Barrier(num_barriers=wgs)] * 2, collective_axes="wg")
 
     out, lse = _kernel(
         body, plan=plan, wgs=wgs, grid=(lq // bq, h, b), names=("rows", "heads", "batch"),
@@ -208,9 +229,7 @@ def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
                          (delta_ref.at[batch, head, rows_of], delta_smem2.at[wg])]
                 if plan.segments:
                     loads.append((qseg_ref.at[batch, rows_of], seg_smem2.at[wg]))
-                for src, dst in loads:
-                    plgpu.copy_gmem_to_smem(src, dst, barriers.at[wg])
-                    plgpu.barrier_wait(barriers.at[wg])
+                _load_all(loads, barriers, wg)
                 q_seg_rows = ops.load_rows(seg_smem2.at[wg]) if plan.segments else None
                 stats = (ops.load_rows(lse_smem2.at[wg]), ops.load_rows(delta_smem2.at[wg]))
                 dq, *_ = pipeline((ops.zeros((r, d)), q_start, q_seg_rows, stats))
@@ -219,14 +238,14 @@ def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
                 plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, head, rows_of])
                 plgpu.wait_smem_to_gmem(0)
 
-            def step(indices, k_smem, v_smem, kseg_smem, carry):
-                dq, q_start, q_seg_rows, (lse_rows, delta_rows) = carry
+            def step(indices, k_smem, v_smem, *rest):
+                *kseg_smem, (dq, q_start, q_seg_rows, (lse_rows, delta_rows)) = rest
                 k_start = indices[0] * bk
                 wg = lax.axis_index("wg")
                 q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
 
                 def compute(dq):
-                    k_seg = ops.load_cols(kseg_smem) if plan.segments else None
+                    k_seg = ops.load_cols(kseg_smem[0]) if plan.segments else None
                     s, keep = _scores(ops, ops.matmul(q_smem, k_smem, (r, bk), transpose_b=True),
                                       q_start, k_start, q_seg_rows, k_seg, plan, transposed=False)
                     p = _masked(jnp.exp2(s - rows(lse_rows, s.shape)), keep)
@@ -240,16 +259,12 @@ def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
                     dq = compute(dq)
                 return dq, q_start, q_seg_rows, (lse_rows, delta_rows)
 
-            kv_spec = _tile_spec((bk, d), dtype, lambda j: (j, 0))
-            pipeline = plgpu.emit_pipeline_warp_specialized(
-                step, grid=(_kv_steps(block, n_kv, plan),), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
-                num_compute_wgs=wgs, max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
-                in_specs=[kv_spec, kv_spec, plgpu.BlockSpec(block_shape=(bk,), index_map=lambda j: (j,))])
-            pipeline(k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
+            _stream_kv(step, context, block, n_kv, wgs, plan, dtype, d,
+                       k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
 
         tile = _smem_tile((wgs, r, d), dtype)
         pl.run_scoped(with_scratch, tile, tile, plgpu.SMEM((wgs, r), jnp.float32), plgpu.SMEM((wgs, r), jnp.float32),
-                      plgpu.SMEM((wgs, r), jnp.int32), plgpu.Barrier(num_barriers=wgs), collective_axes="wg")
+                      plgpu.SMEM((wgs, r), jnp.int32), [plgpu.Barrier(num_barriers=wgs)] * 5, collective_axes="wg")
 
     return _kernel(body, plan=plan, wgs=wgs, grid=(lq // bq, h, b), names=("rows", "heads", "batch"),
                    out_type=jax.ShapeDtypeStruct(q.shape, dtype), name=kernel_name("dq", plan),
@@ -282,9 +297,7 @@ def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
                 loads = [(k_ref.at[batch, kv_head, rows_of], k_smem), (v_ref.at[batch, kv_head, rows_of], v_smem)]
                 if plan.segments:
                     loads.append((kseg_ref.at[batch, rows_of], seg_smem2.at[wg]))
-                for src, dst in loads:
-                    plgpu.copy_gmem_to_smem(src, dst, barriers.at[wg])
-                    plgpu.barrier_wait(barriers.at[wg])
+                _load_all(loads, barriers, wg)
                 k_seg_rows = ops.load_rows(seg_smem2.at[wg]) if plan.segments else None
                 dk, dv, *_ = pipeline((ops.zeros((r, d)), ops.zeros((r, d)), k_start, k_seg_rows))
                 k_smem[...] = (dk * plan.scale).astype(dtype)
@@ -295,14 +308,14 @@ def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
                 plgpu.commit_smem_to_gmem_group()
                 plgpu.wait_smem_to_gmem(0)
 
-            def step(indices, q_smem, do_smem, lse_smem, delta_smem, qseg_smem, carry):
-                dk, dv, k_start, k_seg_rows = carry
+            def step(indices, q_smem, do_smem, lse_smem, delta_smem, *rest):
+                *qseg_smem, (dk, dv, k_start, k_seg_rows) = rest
                 q_start = (first + indices[1]) * step_q
                 wg = lax.axis_index("wg")
                 k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
 
                 def compute(dk, dv):
-                    q_seg = ops.load_cols(qseg_smem) if plan.segments else None
+                    q_seg = ops.load_cols(qseg_smem[0]) if plan.segments else None
                     s, keep = _scores(ops, ops.matmul(k_smem, q_smem, (r, step_q), transpose_b=True),
                                       q_start, k_start, q_seg, k_seg_rows, plan, transposed=True)
                     p = _masked(jnp.exp2(s - cols(ops.load_cols(lse_smem), s.shape)), keep)
@@ -322,15 +335,20 @@ def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
             q_spec = _tile_spec((step_q, d), dtype, lambda gi, i: (gi * n_q + first + i, 0))
             vec = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda gi, i: (gi * n_q + first + i,))
             seg = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda gi, i: (first + i,))
+            specs = [q_spec, q_spec, vec, vec]
+            refs = [q_ref.at[batch, kv_head], do_ref.at[batch, kv_head], lse_ref.at[batch, kv_head],
+                    delta_ref.at[batch, kv_head]]
+            if plan.segments:
+                specs.append(seg)
+                refs.append(qseg_ref.at[batch])
             pipeline = plgpu.emit_pipeline_warp_specialized(
                 step, grid=(g, n_q - first), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
                 num_compute_wgs=wgs, max_concurrent_steps=min(PIPELINE_STAGES, g * n_q), compute_context=context,
-                in_specs=[q_spec, q_spec, vec, vec, seg])
-            pipeline(q_ref.at[batch, kv_head], do_ref.at[batch, kv_head], lse_ref.at[batch, kv_head],
-                     delta_ref.at[batch, kv_head], qseg_ref.at[batch])
+                in_specs=specs)
+            pipeline(*refs)
 
         tile = _smem_tile((wgs, r, d), dtype)
-        pl.run_scoped(with_scratch, tile, tile, plgpu.SMEM((wgs, r), jnp.int32), plgpu.Barrier(num_barriers=wgs),
+        pl.run_scoped(with_scratch, tile, tile, plgpu.SMEM((wgs, r), jnp.int32), [plgpu.Barrier(num_barriers=wgs)] * 3,
                       collective_axes="wg")
 
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
+from spmd_train.kernels.flash_attention import BlockSizes, flash_attention, reference_attention
 from spmd_train.kernels.flash_attention.kernel import poisoned_outputs
 
 
@@ -84,6 +84,29 @@ def test_non_causal_with_different_lengths_and_lse():
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     s = np.einsum("blhd,bmhd->bhlm", np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 2, 2)) / 8.0
     np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), rtol=1e-5)
+
+
+def lse_loss(attend, q, k, v, w, u):
+    """A loss through both the output and the log-sum-exp, as merging blockwise results has."""
+    out, lse = attend(q, k, v)
+    return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(lse * u)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gradients_flow_through_the_log_sum_exp(causal):
+    keys = jax.random.split(jax.random.key(7), 5)
+    q = jax.random.normal(keys[0], (2, 45, 4, 64))
+    k = jax.random.normal(keys[1], (2, 45, 2, 64))
+    v = jax.random.normal(keys[2], (2, 45, 2, 64))
+    w = jax.random.normal(keys[3], q.shape)
+    u = jax.random.normal(keys[4], (2, 4, 45))
+    ours = jax.grad(lse_loss, argnums=(1, 2, 3))(
+        lambda q, k, v: flash_attention(q, k, v, causal=causal, return_lse=True, block_sizes=BlockSizes(16, 32)),
+        q, k, v, w, u)
+    ref = jax.grad(lse_loss, argnums=(1, 2, 3))(
+        lambda q, k, v: reference_attention(q, k, v, causal=causal, return_lse=True), q, k, v, w, u)
+    for got, want in zip(ours, ref, strict=True):
+        assert np.linalg.norm(np.asarray(got) - np.asarray(want)) <= 1e-5 * np.linalg.norm(np.asarray(want))
 
 
 def test_rows_with_nothing_to_attend_give_zeros_not_nan():

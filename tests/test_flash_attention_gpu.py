@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
-from tests.test_flash_attention import reference64
+from spmd_train.kernels.flash_attention import BlockSizes, flash_attention, reference_attention
+from tests.test_flash_attention import lse_loss, reference64
 
 # The interpreter simulates every warpgroup, barrier and copy: a handful of cases, chosen to cover
 # odd lengths, both head sizes, GQA 1/2/4, causal and not, segments, one and two compute warpgroups.
@@ -61,6 +61,19 @@ def test_non_causal_with_different_lengths_and_lse_and_empty_rows():
     s = np.einsum("blhd,bmhd->bhlm", np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 2, 2)) / 8.0
     np.testing.assert_allclose(np.asarray(lse)[:, :, :30], np.log(np.exp(s).sum(-1))[:, :, :30], rtol=1e-4)
     assert np.all(np.isfinite(np.asarray(lse)))
+
+
+def test_gradients_flow_through_the_log_sum_exp():
+    keys = jax.random.split(jax.random.key(8), 5)
+    q, k, v = (jax.random.normal(keys[i], (1, 70, 2, 64), jnp.bfloat16) for i in range(3))
+    w = jax.random.normal(keys[3], q.shape)
+    u = jax.random.normal(keys[4], (1, 2, 70))
+    grads = [jax.grad(lse_loss, argnums=(1, 2, 3))(attend, q, k, v, w, u) for attend in (
+        lambda q, k, v: _gpu(q, k, v, causal=True, return_lse=True, block_sizes=BlockSizes(64, 64)),
+        lambda q, k, v: reference_attention(q, k, v, causal=True, return_lse=True))]
+    for got, want in zip(*grads, strict=True):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
 
 
 @pytest.mark.parametrize(

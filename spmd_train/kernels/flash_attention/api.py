@@ -139,8 +139,9 @@ def _attention_fwd(q, k, v, q_seg, kv_seg, plan):
 
 def _attention_bwd(plan, residuals, cotangents):
     q, k, v, q_seg, kv_seg, out, lse = residuals
-    d_out, _ = cotangents  # the log-sum-exp is returned for merging, not differentiated through
-    dq, dk, dv = _kernels(plan).backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan)
+    # The log-sum-exp's cotangent matters whenever blockwise results are merged (ring attention).
+    d_out, d_lse = cotangents
+    dq, dk, dv = _kernels(plan).backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, plan)
     no_grad = [np.zeros(x.shape, jax.dtypes.float0) for x in (q_seg, kv_seg)]
     return dq, dk, dv, *no_grad
 

@@ -197,10 +197,10 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
     return out, lse[..., None]
 
 
-def backward(q, k, v, q_seg, kv_seg, o, lse, do, plan: Plan):
-    """Gradients (dq, dk, dv) given the output, its log-sum-exp [b, h, Lq, 1] and the output cotangent."""
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: Plan):
+    """Gradients (dq, dk, dv) given the output, its log-sum-exp [b, h, Lq, 1] and the cotangents of both."""
     lse2 = lse[..., 0] * LOG2E  # base-2, as the kernels exponentiate
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse[..., 0]
     dq = _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan)
     dk, dv = _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan)
     return dq, dk, dv

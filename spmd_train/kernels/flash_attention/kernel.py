@@ -218,13 +218,15 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
     )
 
 
-def backward(q, k, v, q_seg, kv_seg, o, lse, do, plan: Plan):
-    """Gradients (dq, dk, dv) given the output, its log-sum-exp and the output cotangent."""
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: Plan):
+    """Gradients (dq, dk, dv) given the output, its log-sum-exp and the cotangents of both.
+
+    d lse_i / d s_ij = P_ij, so the log-sum-exp's cotangent enters as delta_i - dlse_i."""
     b, h, lq, d = q.shape
     kvh, lk = k.shape[1], k.shape[2]
     sq, bq, bk, g = pl.squeezed, plan.block_q, plan.block_k, plan.groups
     f32 = jnp.float32
-    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1, keepdims=True)
+    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1, keepdims=True) - dlse
     kv_at = _kv_index(plan)
     row = pl.BlockSpec((sq, sq, bq, d), lambda b_, h_, i, j: (b_, h_, i, 0))
     row_stat = pl.BlockSpec((sq, sq, bq, 1), lambda b_, h_, i, j: (b_, h_, i, 0))

@@ -280,8 +280,8 @@ def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
     wgs, r, step_q = bk // ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP
     n_q = lq // step_q
     ops = HopperOps(plan.interpret)
-    # The query heads of one K/V head are contiguous: view them as one [groups * Lq] sequence so the
-    # pipeline walks every head of the group and every row tile in one static grid.
+    # The query heads of one K/V head are contiguous: view them as one [groups * Lq] sequence, which
+    # the pipeline walks as (head of the group, row tile), so K/V are read once per program.
     q_g, do_g = (x.reshape(b, kvh, g * lq, d) for x in (q, do))
     lse_g, delta_g = (x.reshape(b, kvh, g * lq) for x in (lse2, delta))
 

@@ -9,13 +9,13 @@ import pytest
 from spmd_train.kernels.flash_attention import BlockSizes, flash_attention, reference_attention
 from tests.test_flash_attention import lse_loss, reference64
 
-# The interpreter simulates every warpgroup, barrier and copy: a handful of cases, chosen to cover
-# odd lengths, both head sizes, GQA 1/2/4, causal and not, segments, one and two compute warpgroups.
+# The interpreter simulates every warpgroup, barrier and copy, slowly: a handful of cases, chosen to
+# cover odd lengths, both head sizes, GQA 1/2/4, causal and not, segments, multi-tile accumulation
+# and two compute warpgroups (forward and dq here, dk/dv in the log-sum-exp test below).
 CASES = [  # length, head_dim, causal, groups, segmented, blocks
     (17, 64, True, 2, False, None),
     (129, 128, True, 1, False, BlockSizes(64, 64)),
     (100, 64, False, 4, True, BlockSizes(128, 64)),
-    pytest.param(256, 128, True, 4, True, BlockSizes(64, 128), marks=pytest.mark.heavy),
 ]
 
 
@@ -27,7 +27,7 @@ def _gpu(q, k, v, **kwargs):
                          ids=lambda v: str(v))
 def test_forward_and_gradients_match_float64(length, head_dim, causal, groups, segmented, blocks):
     keys = jax.random.split(jax.random.key(length + head_dim + groups), 5)
-    b, kvh = 1, 2
+    b, kvh = 1, 1
     q = jax.random.normal(keys[0], (b, length, kvh * groups, head_dim), jnp.bfloat16)
     k = jax.random.normal(keys[1], (b, length, kvh, head_dim), jnp.bfloat16)
     v = jax.random.normal(keys[2], (b, length, kvh, head_dim), jnp.bfloat16)
@@ -69,7 +69,7 @@ def test_gradients_flow_through_the_log_sum_exp():
     w = jax.random.normal(keys[3], q.shape)
     u = jax.random.normal(keys[4], (1, 2, 70))
     grads = [jax.grad(lse_loss, argnums=(1, 2, 3))(attend, q, k, v, w, u) for attend in (
-        lambda q, k, v: _gpu(q, k, v, causal=True, return_lse=True, block_sizes=BlockSizes(64, 64)),
+        lambda q, k, v: _gpu(q, k, v, causal=True, return_lse=True, block_sizes=BlockSizes(64, 128)),
         lambda q, k, v: reference_attention(q, k, v, causal=True, return_lse=True))]
     for got, want in zip(*grads, strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

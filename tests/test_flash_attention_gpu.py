@@ -1,11 +1,14 @@
 """The Mosaic GPU (Hopper) flash-attention kernels: run by Mosaic GPU's interpreter on CPU against a
 float64 reference, and lowered for CUDA (wgmma, TMA) on the CPU host."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spmd_train import load_config
 from spmd_train.kernels.flash_attention import BlockSizes, flash_attention, reference_attention
 from tests.test_flash_attention import lse_loss, reference64
 
@@ -92,6 +95,23 @@ def test_gpu_limits_are_clear_errors(shape, dtype, blocks, needle):
     assert needle in str(err.value)
     with pytest.raises(ValueError, match="backend='cuda' is not a flash-attention backend"):
         flash_attention(x, x, x, backend="cuda")
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["model.compute_dtype=float32"], "needs model.compute_dtype=bfloat16 (the kernels feed wgmma bfloat16 "
+                                      "operands); got float32"),
+    (["model.compute_dtype=bfloat16", "model.head_dim=32"], "head_dim that is a multiple of 64; got 32"),
+], ids=["dtype", "head-dim"])
+def test_the_model_config_is_checked_for_the_gpu_kernels(overrides, needle):
+    from spmd_train.config.checks import check_attention
+    from spmd_train.errors import ConfigError
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+                      ["model.attention=pallas", *overrides])
+    with pytest.raises(ConfigError) as err:
+        check_attention(cfg, "gpu")
+    assert needle in str(err.value) and "model.attention=cudnn or xla" in str(err.value)
+    check_attention(cfg, "tpu")  # the TPU kernels take any dtype and head_dim
 
 
 @pytest.mark.parametrize(("causal", "segmented", "head_dim"), [(True, False, 128), (False, True, 64)])

@@ -143,6 +143,7 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
     if sizes["pipeline"] > 1:
         check_pipeline(cfg, sizes)
     check_moe(cfg, sizes, platform or "cpu")
+    check_attention(cfg, platform or "cpu")
     # Until context-parallel attention lands, `sequence` must stay 1; `expert` is already valid
     # because outside MoE layers it is one more batch axis.
     if sizes["sequence"] != 1:
@@ -202,6 +203,19 @@ def resolved_microbatches(cfg: Config, stages: int, rows: int) -> int:
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_attention(cfg: Config, platform: str) -> None:
+    """model.attention=pallas on a GPU: the Mosaic GPU kernels' limits, before anything is traced."""
+    m = cfg.model
+    if m.attention != "pallas" or platform != "gpu":
+        return
+    if m.compute_dtype != "bfloat16":
+        raise ConfigError(f"model.attention=pallas on GPU needs model.compute_dtype=bfloat16 (the kernels feed "
+                          f"wgmma bfloat16 operands); got {m.compute_dtype}: set it, or use model.attention=cudnn or xla")
+    if m.resolved_head_dim % 64:
+        raise ConfigError(f"model.attention=pallas on GPU needs a head_dim that is a multiple of 64; got "
+                          f"{m.resolved_head_dim}: use model.attention=cudnn or xla")
 
 
 def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:

@@ -62,6 +62,8 @@ def test_overrides_parse_yaml_scalars_and_lists():
         (["mesh.data=4", "mesh.dcn.data=3"], ["mesh.dcn.data=3", "1, 2, 4"]),
         (["model.preset=nonexistent"], ["model.preset='nonexistent'", "tiny", "llama3-8b"]),
         (["train.steps=0"], ["train.steps=0", "positive"]),
+        (["model.attention_blocks=[12,64]"], ["model.attention_blocks=[12, 64]", "positive multiples of 8"]),
+        (["model.attention_blocks=[64]"], ["model.attention_blocks", "[64]"]),
         (["nonsense"], ["'nonsense'", "section.key=value"]),
         (["bogus.key=1"], ["unknown key 'bogus'", "model"]),
     ],

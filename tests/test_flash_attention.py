@@ -152,6 +152,24 @@ def test_inside_the_model_pallas_matches_xla(devices):
     assert relative_error(pallas_params, xla_params) <= 1e-5
 
 
+def test_model_attention_blocks_reach_the_kernels(devices, monkeypatch):
+    import spmd_train.parallel.attention as module
+    from tests.runs import run_steps
+
+    seen = []
+
+    def spy(q, k, v, **kwargs):
+        seen.append(kwargs["block_sizes"])
+        return flash_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(module, "flash_attention", spy)
+    xla, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.attention=xla"], devices, steps=2)
+    pallas, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.attention=pallas",
+                                 "model.attention_blocks=[8,16]"], devices, steps=2)
+    assert seen and set(seen) == {BlockSizes(8, 16)}  # 16 tokens: two row blocks, one K/V block each
+    assert np.max(np.abs(pallas - xla) / np.abs(xla)) <= 1e-5
+
+
 def test_inside_the_model_under_grad_accumulation_shard_map(devices):
     from tests.runs import run_steps
 

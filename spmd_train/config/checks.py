@@ -37,6 +37,9 @@ def check_config(cfg: Config) -> None:
             f"model.num_kv_heads={m.num_kv_heads} is invalid: it must divide model.num_heads={m.num_heads} "
             f"(valid: {_divisors(m.num_heads)})"
         )
+    if m.attention_blocks is not None and any(b < 8 or b % 8 for b in m.attention_blocks):
+        raise ConfigError(f"model.attention_blocks={list(m.attention_blocks)} is invalid: block_q and block_k must "
+                          "be positive multiples of 8 (e.g. [512, 512] on TPU, [128, 128] on GPU)")
     if m.resolved_head_dim < 2 or m.resolved_head_dim % 2:
         raise ConfigError(
             f"model.head_dim={m.resolved_head_dim} is invalid: rotary embeddings need an even head_dim >= 2 "
@@ -216,6 +219,9 @@ def check_attention(cfg: Config, platform: str) -> None:
     if m.resolved_head_dim % 64:
         raise ConfigError(f"model.attention=pallas on GPU needs a head_dim that is a multiple of 64; got "
                           f"{m.resolved_head_dim}: use model.attention=cudnn or xla")
+    if m.attention_blocks is not None and any(b % 64 or b > 256 for b in m.attention_blocks):
+        raise ConfigError(f"model.attention_blocks={list(m.attention_blocks)} does not suit the GPU kernels: each "
+                          "must be 64, 128, 192 or 256 (64-row warpgroups, at most 4 per program)")
 
 
 def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:

@@ -44,6 +44,8 @@ class ModelConfig:
     param_dtype: DType = "float32"
     attention: Literal["auto", "pallas", "cudnn", "xla"] = "auto"
     """auto: Pallas kernel on TPU, cuDNN on GPU, plain XLA on CPU (where Pallas runs only in interpret mode)."""
+    attention_blocks: tuple[int, int] | None = None
+    """(block_q, block_k) of the Pallas kernels; None: per-backend defaults (TPU 512 x 512, GPU 128 x 128)."""
     moe_every: int = 0
     """Mixture of experts: 0 = none; k = every k-th layer's MLP is an MoE layer."""
     num_experts: int = 8

@@ -48,6 +48,7 @@ class Attention(nnx.Module):
         self.wo = param(rngs.params(), (cfg.num_heads, hd, d), ("heads", "head_dim", "embed"), std=out_std, **kw)
         self.compute_dtype = cfg.compute_dtype
         self.attention_impl = cfg.attention
+        self.attention_blocks = cfg.attention_blocks
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         dt = self.compute_dtype
@@ -55,7 +56,7 @@ class Attention(nnx.Module):
         k = constrain(dense("bld,dhk->blhk", x, self.wk, dt), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(dense("bld,dhk->blhk", x, self.wv, dt), ("batch", "length", "kv_heads", "head_dim"))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = constrain(attention(q, k, v, impl=self.attention_impl), ("batch", "length", "heads", "head_dim"))
+        out = constrain(attention(q, k, v, impl=self.attention_impl, blocks=self.attention_blocks), ("batch", "length", "heads", "head_dim"))
         return constrain(dense("blhk,hkd->bld", out, self.wo, dt), RESIDUAL)
 
 

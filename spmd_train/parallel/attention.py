@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, flash_attention, tpu_vmem_bytes
+from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, flash_attention, tpu_vmem_bytes
 from spmd_train.models.layers import dot_product_attention
 from spmd_train.sharding.constrain import active_layout
 
@@ -33,8 +33,11 @@ def resolve(impl: str, platform: str, fits_kernel: bool = True) -> str:
     return {"gpu": "cudnn"}.get(platform, "xla")
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "auto") -> jax.Array:
-    """Causal grouped-query attention, q [b, l, h, d] and k/v [b, l, kvh, d] -> [b, l, h, d]."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "auto",
+              blocks: tuple[int, int] | None = None) -> jax.Array:
+    """Causal grouped-query attention, q [b, l, h, d] and k/v [b, l, kvh, d] -> [b, l, h, d].
+
+    `blocks`: (block_q, block_k) for the Pallas kernels, None for their per-backend defaults."""
     layout = active_layout()
     platform = layout.mesh.devices.flat[0].platform if layout is not None else jax.devices()[0].platform
     abstract = jax.sharding.get_abstract_mesh()
@@ -46,11 +49,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "auto") -
         local_q, local_kv = _local(q.shape, q_spec, mesh), _local(k.shape, kv_spec, mesh)
     else:
         local_q, local_kv = q.shape, k.shape
-    impl = resolve(impl, platform, tpu_vmem_bytes(local_q, local_kv, q.dtype) <= TPU_VMEM_BUDGET)
+    block_sizes = BlockSizes(*blocks) if blocks is not None else None
+    impl = resolve(impl, platform, tpu_vmem_bytes(local_q, local_kv, q.dtype, block_sizes) <= TPU_VMEM_BUDGET)
     if impl == "xla":
         return dot_product_attention(q, k, v, causal=True)
     if impl == "pallas":
-        kernel = lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=platform == "cpu")  # noqa: E731
+        kernel = lambda q, k, v: flash_attention(q, k, v, causal=True, block_sizes=block_sizes,  # noqa: E731
+                                                 interpret=platform == "cpu")
     elif impl == "cudnn":
         kernel = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,  # noqa: E731
                                                               implementation="cudnn")

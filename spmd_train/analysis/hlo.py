@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd_train.kernels.flash_attention.kernel import KERNEL_MATMULS
+from spmd_train.kernels.flash_attention.kernel import KERNEL_MATMULS, last_kv_block
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -359,7 +359,7 @@ def _flash_attention_flops(ins: _Instruction, shapes: dict[str, str]) -> float:
         return 0.0
     (b, h, lq, d), lk = q, k[2]
     nq, nk = lq // bq, lk // bk
-    pairs = sum(min(nk, (i * bq + bq - 1) // bk + 1) for i in range(nq)) if causal else nq * nk
+    pairs = sum(min(nk, last_kv_block(i, bq, bk) + 1) for i in range(nq)) if causal else nq * nk
     return KERNEL_MATMULS[kind] * 2.0 * b * h * pairs * bq * bk * d
 
 

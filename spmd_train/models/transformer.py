@@ -56,7 +56,8 @@ class Attention(nnx.Module):
         k = constrain(dense("bld,dhk->blhk", x, self.wk, dt), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(dense("bld,dhk->blhk", x, self.wv, dt), ("batch", "length", "kv_heads", "head_dim"))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = constrain(attention(q, k, v, impl=self.attention_impl, blocks=self.attention_blocks), ("batch", "length", "heads", "head_dim"))
+        out = attention(q, k, v, impl=self.attention_impl, blocks=self.attention_blocks)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return constrain(dense("blhk,hkd->bld", out, self.wo, dt), RESIDUAL)
 
 

@@ -94,8 +94,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
 
 
 def _tpu_blocks(q, k, blocks: BlockSizes, interpret: bool) -> tuple[int, int]:
-    if not interpret and tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks) > TPU_VMEM_BUDGET:
-        need = tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks)
+    need = 0 if interpret else tpu_vmem_bytes(q.shape, k.shape, q.dtype, blocks)
+    if need > TPU_VMEM_BUDGET:
         raise ValueError(f"q {q.shape} / k {k.shape} with {blocks} need {need / 2**20:.0f} MiB of TPU VMEM "
                          f"(budget {TPU_VMEM_BUDGET / 2**20:.0f} MiB): use smaller block_sizes")
     lq, lk = q.shape[1], k.shape[1]
@@ -139,9 +139,13 @@ def _attention_fwd(q, k, v, q_seg, kv_seg, plan):
 
 def _attention_bwd(plan, residuals, cotangents):
     q, k, v, q_seg, kv_seg, out, lse = residuals
-    # The log-sum-exp's cotangent matters whenever blockwise results are merged (ring attention).
     d_out, d_lse = cotangents
-    dq, dk, dv = _kernels(plan).backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, plan)
+    # delta_i = sum_d dO_i O_i enters dS = P (dP - delta). The log-sum-exp's cotangent (it matters
+    # whenever blockwise results are merged, as in ring attention) adds d lse_i / d s_ij = P_ij,
+    # i.e. it enters as delta_i - dlse_i. [b, h, Lq, 1] like the saved log-sum-exp, for both backends.
+    f32 = jnp.float32
+    delta = jnp.sum(out.astype(f32) * d_out.astype(f32), axis=-1, keepdims=True) - d_lse
+    dq, dk, dv = _kernels(plan).backward(q, k, v, q_seg, kv_seg, lse, d_out, delta, plan)
     no_grad = [np.zeros(x.shape, jax.dtypes.float0) for x in (q_seg, kv_seg)]
     return dq, dk, dv, *no_grad
 

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from spmd_train.kernels.flash_attention.gpu_ops import ROWS_PER_WARPGROUP, HopperOps, cols, rows
-from spmd_train.kernels.flash_attention.kernel import MASK, Plan, kernel_name
+from spmd_train.kernels.flash_attention.kernel import MASK, Plan, kernel_name, last_kv_block
 
 LOG2E = math.log2(math.e)
 PIPELINE_STAGES = 2
@@ -96,8 +96,7 @@ def _kv_steps(block, n_kv: int, plan: Plan):
     masked tiles are never even copied in; the pipeline's trip count is dynamic)."""
     if not plan.causal:
         return n_kv
-    last_row = (block + 1) * plan.block_q - 1
-    return jnp.minimum(lax.div(last_row, jnp.int32(plan.block_k)) + 1, n_kv)
+    return jnp.minimum(last_kv_block(block, plan.block_q, plan.block_k) + 1, n_kv)
 
 
 def _load_all(loads, barriers, wg):
@@ -197,10 +196,10 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
     return out, lse[..., None]
 
 
-def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: Plan):
-    """Gradients (dq, dk, dv) given the output, its log-sum-exp [b, h, Lq, 1] and the cotangents of both."""
+def backward(q, k, v, q_seg, kv_seg, lse, do, delta, plan: Plan):
+    """Gradients (dq, dk, dv) from the log-sum-exp, the output cotangent and delta, both [b, h, Lq, 1]."""
     lse2 = lse[..., 0] * LOG2E  # base-2, as the kernels exponentiate
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse[..., 0]
+    delta = delta[..., 0]
     dq = _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan)
     dk, dv = _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan)
     return dq, dk, dv

@@ -103,9 +103,12 @@ def _visible(q_start, k_start, plan: Plan):
     return k_start < q_start + plan.block_q
 
 
-def _last_kv_block(i, plan: Plan):
-    """Index of the last K/V block row block i attends to (causal), for clamped index maps."""
-    return (i * plan.block_q + plan.block_q - 1) // plan.block_k
+def last_kv_block(i, block_q: int, block_k: int):
+    """Index of the last K/V block that row block i sees under causality (Python or traced ints).
+
+    The one rule every consumer shares: the TPU index maps clamp to it, the GPU pipelines stream
+    up to it, and `analysis.hlo` counts the visible block pairs the kernels compute with it."""
+    return (i * block_q + block_q - 1) // block_k
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: Plan):
@@ -218,15 +221,13 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
     )
 
 
-def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: Plan):
-    """Gradients (dq, dk, dv) given the output, its log-sum-exp and the cotangents of both.
-
-    d lse_i / d s_ij = P_ij, so the log-sum-exp's cotangent enters as delta_i - dlse_i."""
+def backward(q, k, v, q_seg, kv_seg, lse, do, delta, plan: Plan):
+    """Gradients (dq, dk, dv) from the log-sum-exp, the output cotangent and delta [b, h, Lq, 1]
+    (rowsum(dO * O) less the log-sum-exp's cotangent; see `api._attention_bwd`)."""
     b, h, lq, d = q.shape
     kvh, lk = k.shape[1], k.shape[2]
     sq, bq, bk, g = pl.squeezed, plan.block_q, plan.block_k, plan.groups
     f32 = jnp.float32
-    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1, keepdims=True) - dlse
     kv_at = _kv_index(plan)
     row = pl.BlockSpec((sq, sq, bq, d), lambda b_, h_, i, j: (b_, h_, i, 0))
     row_stat = pl.BlockSpec((sq, sq, bq, 1), lambda b_, h_, i, j: (b_, h_, i, 0))
@@ -284,7 +285,7 @@ def _kv_index(plan: Plan):
     """K/V block to copy in for (row block i, step j): causal steps past the diagonal repeat the last."""
     if not plan.causal:
         return lambda i, j: j
-    return lambda i, j: jnp.minimum(j, _last_kv_block(i, plan))
+    return lambda i, j: jnp.minimum(j, last_kv_block(i, plan.block_q, plan.block_k))
 
 
 def _q_index(plan: Plan):

@@ -10,6 +10,7 @@ plain-array form of each; everything else in the kernels is the same code in bot
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import jax
@@ -20,6 +21,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 ROWS_PER_WARPGROUP = 64
 """Rows one warpgroup owns: wgmma's M is 64 per warpgroup."""
+
+# jax 0.10's `plgpu.load(ref, idx, ...)` requires the index; 0.11 deprecates passing it (the
+# reference is indexed with `ref.at[...]` instead) and our tests turn deprecations into errors.
+_LOAD_TAKES_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def _load(ref, layout):
+    return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
 
 
 @dataclass(frozen=True)
@@ -32,7 +41,7 @@ class HopperOps:
         """a @ b (or a @ b^T) into a fresh fp32 [m, n] array; a and b are shared-memory refs."""
         if self.interpret:
             return _dot(a[...], b[...], transpose_b)
-        rhs = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+        rhs = b.transpose((1, 0)) if transpose_b else b
 
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a, rhs)
@@ -45,7 +54,7 @@ class HopperOps:
         a = a.astype(b.dtype)
         if self.interpret:
             return acc + _dot(a, b[...], transpose_b)
-        rhs = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+        rhs = b.transpose((1, 0)) if transpose_b else b
 
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a, rhs)
@@ -64,11 +73,11 @@ class HopperOps:
 
     def load_rows(self, ref):
         """A [rows] shared-memory vector as one value per accumulator row."""
-        return ref[...] if self.interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        return ref[...] if self.interpret else _load(ref, plgpu.Layout.WGMMA.reduce(1))
 
     def load_cols(self, ref):
         """A [cols] shared-memory vector as one value per accumulator column."""
-        return ref[...] if self.interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        return ref[...] if self.interpret else _load(ref, plgpu.Layout.WGMMA.reduce(0))
 
     def iota(self, shape, dim: int):
         """int32 indices along `dim` of an accumulator-shaped array."""

@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine with only Python 3.11+:
 #   make train   install what the main job needs, then train the tiny model on 8 simulated devices
-#   make test    install the package with its test tools, then run the whole test suite
+#   make test    install the package with its test tools, then lint (ruff) and run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,4 +21,11 @@ train: $(VENV)/.installed
 	$(PY) -m spmd_train train configs/tiny.yaml
 
 test: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n auto
+
+# make golden              rewrite tests/golden/*.json (per-config parameter specs, collectives, memory;
+# make golden CONFIG=tiny  see docs/describe.md "Golden layouts") after an intended layout change
+.PHONY: golden
+golden: $(VENV)/.installed-dev
+	$(PY) -m tests.golden_layouts --write $(if $(CONFIG),--config $(CONFIG))

@@ -20,11 +20,11 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
+import jax
 
-from benchmarks.report import provenance, update_section  # noqa: E402
-from spmd_train import Engine, load_config  # noqa: E402
-from spmd_train.train.checkpoint import Checkpointer  # noqa: E402
+from benchmarks.report import provenance, update_section
+from spmd_train import Engine, load_config
+from spmd_train.train.checkpoint import Checkpointer
 
 
 def main() -> None:

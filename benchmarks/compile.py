@@ -18,7 +18,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -31,7 +31,8 @@ def compile_seconds(layers: int) -> float:
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", [f"model.num_layers={layers}"])
     engine = Engine.build(cfg)
     state = jax.eval_shape(engine.init_fn)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, engine.state_shardings)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
+                         engine.state_shardings)
     tokens = jax.ShapeDtypeStruct((cfg.train.global_batch_size, cfg.train.seq_len + 1), "int32",
                                   sharding=engine.batch_sharding)
     start = time.perf_counter()
@@ -52,7 +53,7 @@ def main() -> None:
         for n in args.layers:
             times[n].append(compile_seconds(n))
     base = statistics.median(times[args.layers[0]])
-    rows = ["| layers | compile time (s, median) | ratio to %d layers |" % args.layers[0], "|---:|---:|---:|"]
+    rows = [f"| layers | compile time (s, median) | ratio to {args.layers[0]} layers |", "|---:|---:|---:|"]
     for n in args.layers:
         med = statistics.median(times[n])
         rows.append(f"| {n} | {med:.2f} | {med / base:.2f} |")

@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
+import jax
 
-from benchmarks.report import provenance, update_section  # noqa: E402
-from spmd_train import load_config  # noqa: E402
-from spmd_train.train.trainer import Trainer  # noqa: E402
+from benchmarks.report import provenance, update_section
+from spmd_train import load_config
+from spmd_train.train.trainer import Trainer
 
 
 def measure(impl: str, args, run_dir: str) -> dict:

@@ -20,15 +20,17 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
 
-from benchmarks.report import provenance, update_section  # noqa: E402
-from spmd_train import Engine, load_config  # noqa: E402
-from spmd_train.models.layers import dot_product_attention  # noqa: E402
-from spmd_train.data import make_source  # noqa: E402
-from spmd_train.train.loss import cross_entropy  # noqa: E402
+from benchmarks.report import provenance, update_section
+from spmd_train import Engine, load_config
+from spmd_train.data import make_source
+from spmd_train.ops import (
+    cross_entropy,
+    dot_product_attention,
+)
 
 
 def minimal_step_fn(cfg, tx):

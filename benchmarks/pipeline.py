@@ -86,7 +86,7 @@ def measure(overrides: list[str], steps: int) -> dict:
 
 def memory_comparison(include_tpu: bool) -> tuple[str, str]:
     """GPipe vs 1F1B at m = 8p (pipeline 4 x fsdp 2): compiled temporaries and totals per device."""
-    common = ["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1", "mesh.data=1", "parallel.microbatches=32",
+    common = ["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1", "mesh.data=1", "parallel.pipeline_microbatches=32",
               "parallel.remat=none", "run.simulate_devices=null"]
     llama = ["model.preset=llama-1b", "train.global_batch_size=64", "train.seq_len=512"]
     rows = [("tiny, 8 layers, 64 x 128 tokens", "8 x CPU", None,

@@ -48,10 +48,11 @@ def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None
     if math.prod(dcn) > 1 and granules > 1:
         if math.prod(dcn) != granules:
             raise ConfigError(
-                f"mesh.dcn factors {dict(zip(MESH_AXES, dcn))} multiply to {math.prod(dcn)}, but the devices "
+                f"mesh.dcn factors {dict(zip(MESH_AXES, dcn, strict=True))} multiply to {math.prod(dcn)}, "
+                f"but the devices "
                 f"form {granules} slices/hosts (valid: factors whose product is {granules})"
             )
-        ici = tuple(s // f for s, f in zip(shape, dcn))
+        ici = tuple(s // f for s, f in zip(shape, dcn, strict=True))
         device_array = mesh_utils.create_hybrid_device_mesh(
             ici, dcn, devices, process_is_granule=not hasattr(devices[0], "slice_index")
         )

@@ -5,8 +5,8 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -1,11 +1,14 @@
-"""Shared helper: run a few optimizer steps of a config through the public API."""
+"""Shared test helpers: run a few optimizer steps through the public API, run the CLI, abstract state."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
-
-from pathlib import Path
 
 from spmd_train import Engine, load_config
 from spmd_train.data import make_source
@@ -41,6 +44,23 @@ def run_steps(overrides: list[str], devices, steps: int = 3, config: str | None 
 def relative_error(a, b) -> float:
     """Largest ||a - b|| / ||b|| over the leaves of two matching trees."""
     return max(
-        float(np.linalg.norm(np.asarray(x, np.float64) - np.asarray(y, np.float64)) / np.linalg.norm(np.asarray(y, np.float64)))
+        float(np.linalg.norm(np.asarray(x, np.float64) - np.asarray(y, np.float64))
+              / np.linalg.norm(np.asarray(y, np.float64)))
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
+
+
+def cli_env() -> dict[str, str]:
+    """The environment a CLI subprocess gets: ours, minus the test process's simulated-device settings."""
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+
+
+def cli(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m spmd_train ARGS` in a fresh process, output captured as text."""
+    return subprocess.run([sys.executable, "-m", "spmd_train", *args], cwd=cwd, env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def abstract_like(shapes, shardings):
+    """ShapeDtypeStructs of a tree of shapes, each carrying its sharding (for lowering without arrays)."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)

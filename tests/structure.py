@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from spmd_train import Layout, build_mesh, load_config, use_layout
 from spmd_train.analysis import collectives_of
 from spmd_train.models.transformer import MLP, RESIDUAL
+from tests.runs import abstract_like
 
 
 def mlp_forward_collectives(devices, overrides, batch=8, length=16):
@@ -30,7 +31,7 @@ def mlp_forward_collectives(devices, overrides, batch=8, length=16):
         with use_layout(layout):
             return nnx.merge(graphdef, params)(x)
 
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, param_sh)
+    params = abstract_like(shapes, param_sh)
     x = jax.ShapeDtypeStruct((batch, length, cfg.model.d_model), jnp.float32, sharding=x_sh)
     compiled = jax.jit(forward, out_shardings=x_sh).lower(params, x).compile()
     return collectives_of(compiled.as_text(), mesh)

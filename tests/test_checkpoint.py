@@ -144,5 +144,6 @@ def test_architecture_check_covers_moe_keys_and_accepts_older_records():
     meta = {"config": asdict(dense)}
     with pytest.raises(ConfigError, match="model.moe_every: checkpoint 0, this run 2"):
         check_architecture(meta, load_config(None, [*BASE, "model.preset=moe-tiny"]), "here")
-    older = {"config": {"model": {k: v for k, v in asdict(dense.model).items() if "moe" not in k and "expert" not in k}}}
+    older = {"config": {"model": {k: v for k, v in asdict(dense.model).items()
+                                  if "moe" not in k and "expert" not in k}}}
     check_architecture(older, dense, "here")  # saved before the MoE keys existed: the defaults apply

@@ -1,26 +1,19 @@
 """The command line as a user meets it: a real run, and bad input that exits 2 without a traceback."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from spmd_train import load_config
+from tests.runs import cli
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _cli(*args, cwd=ROOT):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run(
-        [sys.executable, "-m", "spmd_train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
 
 
 def test_train_writes_metrics_and_learns(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _cli("train", "configs/tiny.yaml", "train.steps=40", f"run.dir={run_dir}")
+    proc = cli("train", "configs/tiny.yaml", "train.steps=40", f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
@@ -36,6 +29,16 @@ def test_train_writes_metrics_and_learns(tmp_path):
     assert "compiled the train step" in proc.stderr and "best achievable loss" in proc.stderr
     assert "done: step 40" in proc.stdout and str(run_dir / "checkpoints") in proc.stdout
     assert (run_dir / "checkpoints" / "40").is_dir() and list((run_dir / "tensorboard").glob("events.*"))
+    # The backends are chosen once and said at start; config.json keeps them and the effective rules,
+    # and loads back as the same config.
+    assert "backends: attention xla, experts capacity on cpu; auto: xla on cpu" in proc.stderr
+    record = json.loads((run_dir / "config.json").read_text())
+    assert record["resolved"]["backends"]["attention"] == "xla"
+    assert record["resolved"]["rules"]["params"]["embed"] == ["fsdp"]
+    hlo = (run_dir / "compiled" / "train_step.hlo.txt").read_text()  # the program the run ran
+    assert hlo.startswith("HloModule") and "all-reduce" in hlo
+    assert load_config(run_dir / "config.json") == load_config(ROOT / "configs" / "tiny.yaml",
+                                                               ["train.steps=40", f"run.dir={run_dir}"])
 
 
 @pytest.mark.parametrize(
@@ -53,15 +56,16 @@ def test_train_writes_metrics_and_learns(tmp_path):
         (["parallel.zero_stage=5"], ["parallel.zero_stage=5", "0, 1, 2 or 3"]),
         (["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1"],
          ["model.num_layers=2", "mesh.pipeline=4", "preset 'tiny'"]),
-        (["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1", "model.num_layers=8", "parallel.microbatches=2"],
-         ["parallel.microbatches=2", "1f1b", "mesh.pipeline=4", ">= 4"]),
+        (["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1", "model.num_layers=8", "parallel.pipeline_microbatches=2"],
+         ["parallel.pipeline_microbatches=2", "1f1b", "mesh.pipeline=4", ">= 4"]),
+        (["mesh.rules.params.embed=[tensor]"], ["mesh axis 'tensor'", "'embed'", "'kv_heads'", "--rules"]),
     ],
     ids=["mesh-product", "heads-vs-tensor", "batch-vs-accum", "seq-vs-sp", "unknown-key", "wrong-type", "zero-stage",
-         "pipeline-too-shallow", "microbatches-below-stages"],
+         "pipeline-too-shallow", "microbatches-below-stages", "mesh-axis-twice"],
 )
 def test_bad_input_exits_2_with_a_message(tmp_path, overrides, needles):
     run_dir = tmp_path / "run"
-    proc = _cli("train", "configs/tiny.yaml", f"run.dir={run_dir}", *overrides)
+    proc = cli("train", "configs/tiny.yaml", f"run.dir={run_dir}", *overrides)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("spmd-train: error:") or "spmd-train: error:" in proc.stderr
@@ -70,19 +74,32 @@ def test_bad_input_exits_2_with_a_message(tmp_path, overrides, needles):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+def test_describe_rules_prints_the_effective_rules_with_those_the_code_adds():
+    proc = cli("describe", "configs/tiny.yaml", "--rules", "parallel.sequence_parallel=true",
+               "mesh.rules.params.vocab=[]")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+            for line in proc.stdout.splitlines() if line.startswith("│")}
+    assert rows["batch"][0] == "data, fsdp, expert" and rows["embed"] == ["-", "fsdp"]
+    assert rows["norm_length"][0] == "sequence, tensor" and rows["vocab"] == ["tensor", "-"]
+    assert "added by the code: activations.norm_length += tensor (parallel.sequence_parallel=true" in proc.stdout
+    as_json = json.loads(cli("describe", "configs/pipeline.yaml", "--rules", "--json").stdout)
+    assert as_json["params"]["layers"] == ["pipeline"] and "mesh.pipeline=4" in as_json["added_by_code"][0]
+
+
 def test_missing_config_file_exits_2():
-    proc = _cli("train", "configs/no_such.yaml")
+    proc = cli("train", "configs/no_such.yaml")
     assert proc.returncode == 2 and "configs/no_such.yaml" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_prepare_data_then_train_on_it(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    prep = _cli("prepare-data", str(corpus), "--out", str(tmp_path / "data"))
+    prep = cli("prepare-data", str(corpus), "--out", str(tmp_path / "data"))
     assert prep.returncode == 0, prep.stderr
     assert "wrote 18,000 tokens" in prep.stdout
     run_dir = tmp_path / "run"
-    proc = _cli("train", "configs/tiny.yaml", "data.source=tokens", f"data.paths=[{tmp_path / 'data' / 'data.bin'}]",
+    proc = cli("train", "configs/tiny.yaml", "data.source=tokens", f"data.paths=[{tmp_path / 'data' / 'data.bin'}]",
                 "train.steps=30", f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -102,13 +119,13 @@ def test_prepare_data_then_train_on_it(tmp_path):
 )
 def test_bad_data_through_the_cli(tmp_path, setup, args, needle):
     setup(tmp_path)
-    proc = _cli("train", "configs/tiny.yaml", f"run.dir={tmp_path / 'run'}", *(a.format(d=tmp_path) for a in args))
+    proc = cli("train", "configs/tiny.yaml", f"run.dir={tmp_path / 'run'}", *(a.format(d=tmp_path) for a in args))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert needle in proc.stderr
 
 
 def test_profile_steps_write_a_trace(tmp_path):
-    proc = _cli("train", "configs/tiny.yaml", "train.steps=6", "run.profile_steps=[3,4]", f"run.dir={tmp_path}")
+    proc = cli("train", "configs/tiny.yaml", "train.steps=6", "run.profile_steps=[3,4]", f"run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
@@ -116,7 +133,7 @@ def test_profile_steps_write_a_trace(tmp_path):
 
 @pytest.mark.heavy
 def test_main_job_ends_within_ten_percent_of_the_floor(tmp_path):
-    proc = _cli("train", "configs/tiny.yaml", f"run.dir={tmp_path}")
+    proc = cli("train", "configs/tiny.yaml", f"run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     final = sum(r["loss"] for r in records[-20:]) / 20

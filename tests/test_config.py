@@ -1,10 +1,14 @@
 """Config loading: presets, precedence, overrides, and the errors a user sees."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
 from spmd_train.config import Config, load_config, parse_overrides
+from spmd_train.config.rules import resolve_rules
+from spmd_train.config.schema import RulesConfig
 from spmd_train.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +35,31 @@ def test_presets_fill_in_and_explicit_values_win(tmp_path):
 
 def test_defaults_without_a_file():
     cfg = load_config(None)
-    assert cfg == Config()
+    # Everything is the schema's default except the rules, which come from the default rules preset.
+    assert dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules=RulesConfig())) == Config()
+    preset = yaml.safe_load((ROOT / "meshes" / "rules" / "default.yaml").read_text())
+    assert {k: list(v) for k, v in cfg.mesh.rules.activations.items()} == preset["activations"]
+    assert {k: list(v) for k, v in cfg.mesh.rules.params.items()} == preset["params"]
+
+
+def test_rules_are_a_preset_with_overrides_and_the_code_added_rules_are_named(tmp_path):
+    cfg = load_config(None, ["mesh.rules.params.vocab=[]", "mesh.rules.activations.heads=[]",
+                             "parallel.sequence_parallel=true", "mesh.pipeline=2"])
+    rules = resolve_rules(cfg)
+    assert rules.params["vocab"] == () and rules.params["embed"] == ("fsdp",)  # override, preset
+    assert rules.params["mlp"] == ("tensor",)  # inherited from the activation rules
+    assert rules.activations["heads"] == () and rules.params["heads"] == ()
+    assert rules.activations["norm_length"] == ("sequence", "tensor") and rules.params["layers"] == ("pipeline",)
+    assert len(rules.added) == 2 and "parallel.sequence_parallel" in rules.added[0]
+    assert "mesh.pipeline=2" in rules.added[1]
+    assert rules.batch_axes == ("data", "fsdp", "expert")
+    custom = tmp_path / "meshes" / "rules" / "dp_only.yaml"
+    custom.parent.mkdir(parents=True)
+    custom.write_text("activations:\n  batch: [data]\nparams: {}\n")
+    cfg = load_config(None, [f"mesh.rules.preset={custom}"])
+    assert cfg.mesh.rules.activations == {"batch": ("data",)} and resolve_rules(cfg).params == {"batch": ("data",)}
+    with pytest.raises(ConfigError, match="mesh.rules.preset='nope' is not a known preset; valid presets: default"):
+        load_config(None, ["mesh.rules.preset=nope"])
 
 
 def test_overrides_parse_yaml_scalars_and_lists():
@@ -43,7 +71,7 @@ def test_overrides_parse_yaml_scalars_and_lists():
     }
     cfg = load_config(None, ["mesh.rules.params.embed=[]", "optim.lr=2e-4"])
     assert cfg.mesh.rules.params["embed"] == () and cfg.optim.lr == 2e-4
-    assert cfg.mesh.rules.params["mlp"] == ("tensor",)  # untouched entries keep their defaults
+    assert resolve_rules(cfg).params["mlp"] == ("tensor",)  # untouched entries keep their defaults
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,8 @@ def test_markov_order_two_floor_accounts_for_the_first_target():
     nll = []
     for step in range(40):
         t = chain.global_batch_array(step)
-        first = -np.log(chain.stationary.reshape(8, 8)[t[:, 0], t[:, 1]] / chain.stationary.reshape(8, 8)[t[:, 0]].sum(1))
+        stationary = chain.stationary.reshape(8, 8)
+        first = -np.log(stationary[t[:, 0], t[:, 1]] / stationary[t[:, 0]].sum(1))
         rest = -np.log(chain.transitions[t[:, :-2] * 8 + t[:, 1:-1], t[:, 2:]])
         nll.append((first.sum() + rest.sum()) / (t.shape[0] * 15))
     assert np.mean(nll) == pytest.approx(chain.loss_floor, rel=0.02)
@@ -50,7 +51,8 @@ def test_each_host_reads_a_disjoint_share_that_makes_the_global_batch(devices):
     per_host = []
     for host in range(4):
         host_devices = set(mesh.devices[host])
-        spans = {idx[0].indices(32)[:2] for d, idx in sharding.devices_indices_map((32, 9)).items() if d in host_devices}
+        spans = {idx[0].indices(32)[:2] for d, idx in sharding.devices_indices_map((32, 9)).items()
+                 if d in host_devices}
         per_host.append(np.concatenate([np.arange(a, b) for a, b in sorted(spans)]))
     assert sorted(np.concatenate(per_host).tolist()) == list(range(32))  # disjoint and complete
     assert all(len(rows) == 8 for rows in per_host)

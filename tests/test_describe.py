@@ -13,6 +13,7 @@ import pytest
 from spmd_train import load_config
 from spmd_train.analysis import describe, tpu_topology_devices
 from spmd_train.analysis.topology import has_libtpu
+from tests.runs import cli
 from tests.structure import mlp_forward_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,14 +116,8 @@ def test_flops_count_every_layer(devices):
     assert eight.per_device["flops"] > 3 * two.per_device["flops"]
 
 
-def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run([sys.executable, "-m", "spmd_train", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
 def test_cli_json_has_the_public_keys():
-    proc = _cli("describe", "configs/tiny.yaml", "--json")
+    proc = cli("describe", "configs/tiny.yaml", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert {"mesh", "devices", "param_count", "per_device", "collectives"} <= set(report)
@@ -134,7 +129,7 @@ def test_cli_json_has_the_public_keys():
 
 
 def test_cli_tables():
-    proc = _cli("describe", "configs/tiny.yaml", "mesh.fsdp=8", "mesh.tensor=1")
+    proc = cli("describe", "configs/tiny.yaml", "mesh.fsdp=8", "mesh.tensor=1")
     assert proc.returncode == 0, proc.stderr
     for needle in ("Parameters", "Memory per device", "Collectives per step", "all-gather", "fsdp",
                    "blocks.attn.wq", "peak = arg + out + temp - alias"):
@@ -154,7 +149,7 @@ def test_cli_tables():
 def test_cli_bad_input_exits_2(args, needles):
     if "--topology" in args and not has_libtpu():
         pytest.skip("needs the tpu-aot extra")
-    proc = _cli("describe", "configs/tiny.yaml", *args)
+    proc = cli("describe", "configs/tiny.yaml", *args)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     for needle in needles:

@@ -1,5 +1,6 @@
 """Pallas flash attention (interpret mode on CPU) against a float64 reference, and its TPU compile."""
 
+import importlib
 import itertools
 import random
 
@@ -8,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmd_train.kernels.flash_attention import BlockSizes, flash_attention, reference_attention
+from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
 from spmd_train.kernels.flash_attention.kernel import poisoned_outputs
+from spmd_train.ops import dot_product_attention as reference_attention
 
 
 def reference64(q, k, v, do, causal, segments):
@@ -153,7 +155,7 @@ def test_inside_the_model_pallas_matches_xla(devices):
 
 
 def test_model_attention_blocks_reach_the_kernels(devices, monkeypatch):
-    import spmd_train.parallel.attention as module
+    module = importlib.import_module("spmd_train.parallel.attention")  # the package exports a function of that name
     from tests.runs import run_steps
 
     seen = []
@@ -211,16 +213,24 @@ def test_kernels_compile_for_tpu_inside_shard_map(length):
 
 
 def test_vmem_does_not_grow_with_length_and_oversized_blocks_fall_back_clearly():
+    from spmd_train.config.schema import ModelConfig
     from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
-    from spmd_train.parallel.attention import resolve
+    from spmd_train.parallel import resolve_backends
 
     short = tpu_vmem_bytes((1, 2048, 4, 128), (1, 2048, 1, 128), jnp.bfloat16)
     long = tpu_vmem_bytes((1, 131072, 4, 128), (1, 131072, 1, 128), jnp.bfloat16)
     assert short == long <= TPU_VMEM_BUDGET // 4
     huge = BlockSizes(8192, 8192)
     assert tpu_vmem_bytes((1, 65536, 4, 128), (1, 65536, 1, 128), jnp.bfloat16, huge) > TPU_VMEM_BUDGET
-    assert resolve("auto", "tpu", True) == "pallas" and resolve("auto", "tpu", False) == "xla"
-    assert resolve("auto", "cpu") == "xla" and resolve("auto", "gpu") == "cudnn" and resolve("pallas", "cpu") == "pallas"
+    model = ModelConfig(num_heads=4, num_kv_heads=1, head_dim=128, compute_dtype="bfloat16")
+    fits = resolve_backends(model, "tpu", (1, 65536, 4, 128), (1, 65536, 1, 128))
+    assert (fits.attention, fits.kernels, fits.blocks, fits.interpret) == ("pallas", "tpu", (512, 512), False)
+    falls_back = resolve_backends(ModelConfig(**{**model.__dict__, "attention_blocks": (8192, 8192)}), "tpu",
+                                  (1, 65536, 4, 128), (1, 65536, 1, 128))
+    assert falls_back.attention == "xla" and "over the 32 MiB budget" in falls_back.reason
+    assert resolve_backends(model, "cpu").attention == "xla" and resolve_backends(model, "gpu").attention == "cudnn"
+    forced = resolve_backends(ModelConfig(**{**model.__dict__, "attention": "pallas"}), "cpu")
+    assert (forced.attention, forced.interpret, forced.blocks) == ("pallas", True, (128, 128))
     x = jnp.zeros((1, 65536, 4, 128), jnp.bfloat16)
     kv = jnp.zeros((1, 65536, 1, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="MiB of TPU VMEM.*smaller block_sizes"):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from spmd_train import load_config
-from spmd_train.kernels.flash_attention import BlockSizes, flash_attention, reference_attention
+from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
+from spmd_train.ops import dot_product_attention as reference_attention
 from tests.test_flash_attention import lse_loss, reference64
 
 # The interpreter simulates every warpgroup, barrier and copy, slowly: a handful of cases, chosen to

@@ -8,13 +8,14 @@ from tests.runs import run_steps
 
 def _bytes_on(device, tree) -> int:
     return sum(
-        shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards if shard.device == device
+        shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
+        if shard.device == device
     )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_memory_per_device(devices, stage):
-    _, params_np, engine, state = run_steps(["mesh.fsdp=8", f"parallel.zero_stage={stage}"], devices, steps=1)
+    _, params_np, _engine, state = run_steps(["mesh.fsdp=8", f"parallel.zero_stage={stage}"], devices, steps=1)
     full_params = sum(x.nbytes for x in jax.tree.leaves(params_np))
     full_opt = 2 * full_params  # AdamW: first and second moments, fp32
     param_ways = 8 if stage >= 3 else 1
@@ -25,7 +26,8 @@ def test_zero_stage_memory_per_device(devices, stage):
 
 
 def test_initialisation_never_materialises_the_full_model(devices):
-    _, params_np, engine, _ = run_steps(["mesh.fsdp=8", "parallel.zero_stage=3", "model.vocab_size=4096"], devices, steps=0)
+    _, params_np, engine, _ = run_steps(["mesh.fsdp=8", "parallel.zero_stage=3", "model.vocab_size=4096"], devices,
+                                        steps=0)
     full_params = sum(x.nbytes for x in jax.tree.leaves(params_np))
     largest = max(x.nbytes for x in jax.tree.leaves(params_np))
     mem = engine.init_fn.lower().compile().memory_analysis()

@@ -59,7 +59,7 @@ def test_zero_stage_chooses_which_trees_are_split_over_fsdp(devices):
             layout.grad_shardings(tree, shapes)["wq"].spec,
             layout.opt_shardings(tree, shapes)["wq"].spec,
         ]
-        for spec, split in zip(got, (params, grads, opt)):
+        for spec, split in zip(got, (params, grads, opt), strict=False):
             assert spec == (P(None, "fsdp", "tensor") if split else P(None, None, "tensor")), (stage, got)
 
 
@@ -72,9 +72,12 @@ def test_activation_rules_and_sequence_parallel(devices):
     assert sp.activation_spec(P("batch", "length", "embed")) == P(("data", "fsdp"))
 
 
-def test_a_mesh_axis_is_used_once_per_array(devices):
+def test_a_mesh_axis_mapped_to_two_dimensions_of_one_array_is_a_clear_error(devices):
     layout = _layout(devices, "mesh.tensor=8", "mesh.fsdp=1", "mesh.rules.params.embed=[tensor]")
-    assert layout.param_spec(P("embed", "mlp"), (64, 128), fsdp=True) == P("tensor")
+    with pytest.raises(ConfigError) as err:
+        layout.param_spec(P("embed", "mlp"), (64, 128), fsdp=True, what="['w_gate']")
+    for needle in ("['w_gate']", "'tensor'", "'embed'", "'mlp'", "--rules"):
+        assert needle in str(err.value)
 
 
 def test_indivisible_dimension_is_a_clear_error(devices):

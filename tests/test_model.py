@@ -7,9 +7,8 @@ import pytest
 from flax import nnx
 
 from spmd_train import load_config
-from spmd_train.models.layers import dot_product_attention
 from spmd_train.models.transformer import Transformer
-from spmd_train.train.loss import cross_entropy
+from spmd_train.ops import cross_entropy, dot_product_attention
 from tests.runs import relative_error, run_steps
 
 

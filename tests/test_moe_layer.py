@@ -14,17 +14,25 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+# Imported by file name (tests/ is on sys.path under plain `pytest` as well as `python -m pytest`).
+from moe_reference import (
+    emulated_ragged_all_to_all,
+    reference_experts,
+    reference_kept,
+    reference_moe,
+    reference_router_losses,
+    reference_routing,
+)
+
 from spmd_train import ConfigError, Layout, build_mesh, load_config, use_layout
 from spmd_train.analysis import collectives_of
 from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
 from spmd_train.config.checks import check_moe
-from spmd_train.models.experts import ExpertWeights
-from spmd_train.models.moe import MoE, aux_loss, capacity, route, slot_positions, z_loss
+from spmd_train.models.moe import MoE
+from spmd_train.ops.experts import ExpertWeights
+from spmd_train.ops.routing import aux_loss, capacity, route, slot_positions, z_loss
 from spmd_train.parallel.expert_dispatch import moe_ffn
-
-# Imported by file name (tests/ is on sys.path under plain `pytest` as well as `python -m pytest`).
-from moe_reference import (emulated_ragged_all_to_all, reference_experts, reference_kept,  # noqa: I001
-                           reference_moe, reference_router_losses, reference_routing)
+from tests.runs import abstract_like
 
 BATCH, LENGTH, D = 8, 16, 64
 AUX, Z = 0.3, 0.1  # weights of the router losses in the test objective, large enough to matter
@@ -181,7 +189,7 @@ def _crafted_routing(num_experts, k, seed=0):
 def test_dropped_assignments_match_first_choices_first_in_token_order(devices, mesh, groups):
     cfg, layout = _setup(devices, *(mesh or []))
     layout = layout if mesh else None
-    graphdef, state = _layer(cfg)
+    _graphdef, state = _layer(cfg)
     p = nnx.to_pure_dict(state)
     x, _ = _inputs()
     idx, gates = _crafted_routing(8, 2)
@@ -281,7 +289,7 @@ def _compiled_collectives(devices, overrides, *, backward):
             return forward(params, x)[0]
         return jax.grad(lambda p, x: jnp.sum(forward(p, x)[0]), argnums=(0, 1))(params, x)
 
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    params = abstract_like(shapes, shardings)
     x = jax.ShapeDtypeStruct((BATCH, LENGTH, D), jnp.float32, sharding=x_sh)
     compiled = jax.jit(fn).lower(params, x).compile()
     return cfg, collectives_of(compiled.as_text(), layout.mesh)
@@ -326,7 +334,7 @@ def test_dropless_exchange_equals_the_dense_loop_with_an_emulated_ragged_all_to_
     cfg, layout = _setup(devices, "model.moe_impl=dropless", *mesh)
     graphdef, state = _layer(cfg)
     x, cot = _inputs()
-    y, stats, (grads, dx) = _layer_value_and_grads(layout, graphdef, state, x, cot)
+    y, _stats, (grads, dx) = _layer_value_and_grads(layout, graphdef, state, x, cot)
     y_ref, (grads_ref, dx_ref) = _reference_value_and_grads(nnx.to_pure_dict(state), x, cot, 2)
     _assert_close(y, y_ref, what="output")
     _assert_close(dx, dx_ref, what="d input")
@@ -347,7 +355,7 @@ def test_dropless_compiles_for_tpu_with_ragged_all_to_all(mesh):
         with use_layout(layout):
             return jnp.sum(_bind(graphdef, state, params)(x)[0])
 
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    params = abstract_like(shapes, shardings)
     x = jax.ShapeDtypeStruct((BATCH, LENGTH, D), jnp.float32, sharding=NamedSharding(
         layout.mesh, layout.activation_spec(P("batch", "length", "embed"))))
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text()

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -16,10 +13,10 @@ from spmd_train import Engine, Trainer, load_config
 from spmd_train.analysis import collectives_of
 from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
-from spmd_train.config.schema import RulesConfig
+from spmd_train.config.rules import resolve_rules
 from spmd_train.data import make_source
-from spmd_train.models.routing import capacity
-from tests.runs import ROOT, relative_error
+from spmd_train.ops.routing import capacity
+from tests.runs import ROOT, abstract_like, cli, relative_error
 
 CONFIG = ROOT / "configs" / "moe.yaml"
 NO_DROPS = "model.capacity_factor=8.0"  # >= num_experts / k: an expert can take every token of its group
@@ -111,8 +108,7 @@ def test_trainer_writes_moe_metrics_to_metrics_jsonl(tmp_path, devices):
 
 
 def _compiled_collectives(engine):
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         jax.eval_shape(engine.init_fn), engine.state_shardings)
+    state = abstract_like(jax.eval_shape(engine.init_fn), engine.state_shardings)
     t = engine.cfg.train
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1), "int32", sharding=engine.batch_sharding)
     return collectives_of(engine.train_step.lower(state, tokens).compile().as_text(), engine.mesh)
@@ -239,12 +235,6 @@ def test_training_without_the_aux_loss_is_visibly_less_balanced(devices):
 # --- (e) bad input on the command line ---------------------------------------------------------------
 
 
-def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run([sys.executable, "-m", "spmd_train", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
 @pytest.mark.parametrize(("overrides", "needles"), [
     (["model.num_experts=6"], ["model.num_experts=6", "mesh.expert=4", "1, 2, 3, 6"]),
     (["model.experts_per_token=9"], ["model.experts_per_token=9", "model.num_experts=8", "1 to 8"]),
@@ -253,7 +243,7 @@ def _cli(*args):
     (["model.moe_impl=dropless"], ["model.moe_impl=dropless", "XLA:CPU", "moe_impl=capacity"]),
 ], ids=["experts-vs-mesh", "top-k-above-experts", "capacity-zero", "capacity-negative", "dropless-on-cpu"])
 def test_bad_moe_input_exits_2_with_a_message(tmp_path, overrides, needles):
-    proc = _cli("train", "configs/moe.yaml", f"run.dir={tmp_path / 'run'}", *overrides)
+    proc = cli("train", "configs/moe.yaml", f"run.dir={tmp_path / 'run'}", *overrides)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "spmd-train: error:" in proc.stderr
     for needle in needles:
@@ -262,16 +252,12 @@ def test_bad_moe_input_exits_2_with_a_message(tmp_path, overrides, needles):
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "meshes").glob("*.yaml")))
-def test_every_mesh_preset_maps_the_moe_axes_like_the_defaults(preset):
-    # A preset's rules replace the defaults wholesale: without these, experts would be replicated.
-    rules, defaults = load_config(None, [f"mesh.preset={preset}"]).mesh.rules, RulesConfig()
-    for table in ("params", "activations"):
-        mine, default = getattr(rules, table), getattr(defaults, table)
-        assert {n: tuple(mine[n]) for n in ("experts", "expert_mlp")} == {"experts": ("expert",),
-                                                                           "expert_mlp": ("tensor",)}
-        assert {n: tuple(mine[n]) for n in ("experts", "expert_mlp")} == {n: default[n] for n in ("experts",
-                                                                                                  "expert_mlp")}
-        assert "router_experts" not in mine and "sublayers" not in mine
+def test_every_mesh_preset_maps_the_moe_axes(preset):
+    # Without these rules experts would be replicated (and the all-to-all would move nothing).
+    rules = resolve_rules(load_config(None, [f"mesh.preset={preset}"]))
+    for table in (rules.params, rules.activations):
+        assert {n: table[n] for n in ("experts", "expert_mlp")} == {"experts": ("expert",), "expert_mlp": ("tensor",)}
+        assert "router_experts" not in table and "sublayers" not in table
 
 
 def test_shipped_moe_presets_load():

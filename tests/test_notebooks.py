@@ -22,7 +22,8 @@ def test_notebook_executes(path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    resources = {"metadata": {"path": str(path.parent)}}
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources=resources).execute()
     outputs = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
     for needle in EXPECTED[path.stem]:
         assert needle in outputs, (path.stem, needle)

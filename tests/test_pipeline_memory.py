@@ -12,9 +12,6 @@ At m = 8p microbatches the theory is m = 32 residual sets on every stage for GPi
 """
 
 import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
@@ -24,20 +21,21 @@ import pytest
 from spmd_train import load_config
 from spmd_train.analysis import describe, tpu_topology_devices
 from spmd_train.analysis.topology import has_libtpu
+from tests.runs import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 P, FSDP = 4, 2
 M = 8 * P
 # 8 layers, 2 per stage; 64 rows of 128 tokens: 32 rows per device (fsdp 2), microbatches of one row.
 CPU = ["model.preset=tiny", "model.num_layers=8", f"mesh.pipeline={P}", f"mesh.fsdp={FSDP}", "mesh.tensor=1",
-       "mesh.data=1", "train.global_batch_size=64", "train.seq_len=128", f"parallel.microbatches={M}",
+       "mesh.data=1", "train.global_batch_size=64", "train.seq_len=128", f"parallel.pipeline_microbatches={M}",
        "parallel.remat=none", "run.simulate_devices=null"]
 # llama-1b (16 layers, 4 per stage) on a v5e:2x4 slice: microbatches of one 512-token row. Long
 # enough rows that the stash, not the schedule-independent temporaries (the tied 128k-vocabulary
 # embedding's gradients and logits), decides the comparison; GPipe's program does not fit v5e's
 # 16 GiB whole (XLA:TPU rematerialises to fit its temporaries), 1F1B's does.
 TPU = ["model.preset=llama-1b", f"mesh.pipeline={P}", f"mesh.fsdp={FSDP}", "mesh.tensor=1", "mesh.data=1",
-       "train.global_batch_size=64", "train.seq_len=512", f"parallel.microbatches={M}", "parallel.remat=none"]
+       "train.global_batch_size=64", "train.seq_len=512", f"parallel.pipeline_microbatches={M}", "parallel.remat=none"]
 
 
 def _memory(report) -> dict[str, int]:
@@ -80,26 +78,20 @@ def test_1f1b_needs_at_most_half_the_activation_memory_of_gpipe_on_a_v5e_slice()
     with ThreadPoolExecutor(2) as pool:
         found = pool.map(lambda s: describe(load_config(None, [*TPU, f"parallel.pipeline_schedule={s}"]),
                                             topology="v5e:2x4"), ("gpipe", "1f1b"))
-        reports = dict(zip(("gpipe", "1f1b"), found))
+        reports = dict(zip(("gpipe", "1f1b"), found, strict=False))
     for r in reports.values():
         assert r.device_kind.startswith("TPU v5") and r.per_device["temp_bytes"] is not None
     mem = _check_half(reports)
     assert reports["1f1b"].fits is True and mem["1f1b"]["total"] <= reports["1f1b"].hbm_bytes
 
 
-def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run([sys.executable, "-m", "spmd_train", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
 DESCRIBE = ["describe", "configs/tiny.yaml", "run.simulate_devices=8", f"mesh.pipeline={P}", f"mesh.fsdp={FSDP}",
-            "mesh.tensor=1", "model.num_layers=8", "parallel.pipeline_schedule=1f1b", f"parallel.microbatches={M}",
-            "train.global_batch_size=64", "train.seq_len=32"]
+            "mesh.tensor=1", "model.num_layers=8", "parallel.pipeline_schedule=1f1b",
+            f"parallel.pipeline_microbatches={M}", "train.global_batch_size=64", "train.seq_len=32"]
 
 
 def test_describe_json_has_the_pipeline_section():
-    proc = _cli(*DESCRIBE, "--json")
+    proc = cli(*DESCRIBE, "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     pipe = report["pipeline"]
@@ -124,13 +116,13 @@ def test_describe_json_has_the_pipeline_section():
 
 
 def test_describe_json_has_no_pipeline_section_without_a_pipeline():
-    proc = _cli("describe", "configs/tiny.yaml", "train.seq_len=16", "--json")
+    proc = cli("describe", "configs/tiny.yaml", "train.seq_len=16", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["pipeline"] is None
 
 
 def test_describe_tables_show_the_schedule():
-    proc = _cli(*DESCRIBE)
+    proc = cli(*DESCRIBE)
     assert proc.returncode == 0, proc.stderr
     for needle in ("Pipeline schedule 1f1b", f"{P} stages", f"{M} microbatches", f"{2 * (M + P - 1)} ticks",
                    f"bubble fraction {(P - 1) / (M + P - 1):.4f}", "Pipeline stages", "peak in flight",

@@ -1,7 +1,6 @@
 """Runs that survive: kill -9 and SIGTERM mid-run, then resume to bitwise the same losses."""
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -11,17 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.runs import cli, cli_env
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["train", "configs/tiny.yaml", "train.steps=120", "checkpoint.every=10", "run.log_every=1000"]
-
-
-def _env():
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-
-
-def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "spmd_train", *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -31,7 +23,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _start_and_interrupt(run_dir: Path, sig: int, after_steps: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "spmd_train", *RUN, f"run.dir={run_dir}"], cwd=ROOT, env=_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "spmd_train", *RUN, f"run.dir={run_dir}"], cwd=ROOT, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 240
@@ -48,7 +40,7 @@ def _start_and_interrupt(run_dir: Path, sig: int, after_steps: int) -> subproces
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight")
-    proc = _cli(*RUN, f"run.dir={run_dir}")
+    proc = cli(*RUN, f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
     return _losses(run_dir)
 
@@ -56,7 +48,7 @@ def straight(tmp_path_factory):
 def test_kill_9_then_resume_gives_identical_losses(straight, tmp_path):
     proc = _start_and_interrupt(tmp_path, signal.SIGKILL, after_steps=random.Random(0).randint(25, 60))
     assert proc.returncode == -signal.SIGKILL
-    resumed = _cli(*RUN, f"run.dir={tmp_path}")
+    resumed = cli(*RUN, f"run.dir={tmp_path}")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr
     assert _losses(tmp_path) == straight  # bitwise: same data order, same state
@@ -69,18 +61,18 @@ def test_sigterm_saves_exits_cleanly_and_resumes_identically(straight, tmp_path)
     assert "stopped by SIGTERM" in out + err and "Traceback" not in err
     stopped_at = len(_losses(tmp_path))
     assert (tmp_path / "checkpoints" / str(stopped_at)).is_dir()  # saved exactly where it stopped
-    resumed = _cli(*RUN, f"run.dir={tmp_path}")
+    resumed = cli(*RUN, f"run.dir={tmp_path}")
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {stopped_at}" in resumed.stderr
     assert _losses(tmp_path) == straight
 
 
 def test_restoring_another_architecture_exits_2_and_leaves_the_run_intact(tmp_path):
-    first = _cli("train", "configs/tiny.yaml", "train.steps=5", f"run.dir={tmp_path}")
+    first = cli("train", "configs/tiny.yaml", "train.steps=5", f"run.dir={tmp_path}")
     assert first.returncode == 0, first.stderr
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     metrics = (tmp_path / "metrics.jsonl").read_text()
-    proc = _cli("train", "configs/tiny.yaml", "train.steps=10", "model.num_layers=3", f"run.dir={tmp_path}")
+    proc = cli("train", "configs/tiny.yaml", "train.steps=10", "model.num_layers=3", f"run.dir={tmp_path}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "model.num_layers: checkpoint 2, this run 3" in proc.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
@@ -98,7 +90,7 @@ def test_restoring_another_architecture_exits_2_and_leaves_the_run_intact(tmp_pa
 )
 def test_bad_run_input_exits_2(tmp_path, args, needle):
     if "train.resume=never" in args:
-        assert _cli("train", "configs/tiny.yaml", "train.steps=3", f"run.dir={tmp_path}").returncode == 0
-    proc = _cli("train", "configs/tiny.yaml", "train.steps=20", f"run.dir={tmp_path}", *args)
+        assert cli("train", "configs/tiny.yaml", "train.steps=3", f"run.dir={tmp_path}").returncode == 0
+    proc = cli("train", "configs/tiny.yaml", "train.steps=20", f"run.dir={tmp_path}", *args)
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr

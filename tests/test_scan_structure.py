@@ -5,14 +5,14 @@ import re
 import jax
 
 from spmd_train import Engine, load_config
+from tests.runs import abstract_like
 
 
 def _compiled_text(devices, layers):
     cfg = load_config(None, ["model.preset=tiny", "mesh.fsdp=4", "mesh.tensor=2", f"model.num_layers={layers}",
                              "train.global_batch_size=8", "train.seq_len=16"])
     engine = Engine.build(cfg, devices)
-    state = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), jax.eval_shape(engine.init_fn),
+    state = abstract_like(jax.eval_shape(engine.init_fn),
         engine.state_shardings,
     )
     tokens = jax.ShapeDtypeStruct((8, 17), "int32", sharding=engine.batch_sharding)
@@ -21,7 +21,7 @@ def _compiled_text(devices, layers):
 
 def test_program_size_is_independent_of_depth(devices):
     shallow, deep = _compiled_text(devices, 2), _compiled_text(devices, 12)
-    count = lambda text: len(re.findall(r"^\s+\S+ = ", text, re.M))  # noqa: E731 - HLO instructions
+    count = lambda text: len(re.findall(r"^\s+\S+ = ", text, re.M))
     # 6x the layers, the same program (a few fusion decisions may differ).
     assert abs(count(deep) - count(shallow)) <= 0.02 * count(shallow), (count(deep), count(shallow))
     # One loop over the 12 layers forward and one backward.

@@ -29,7 +29,9 @@ _DTYPE_BYTES = {
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLEE = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_CALLEE = re.compile(
+    r"\b(calls|to_apply|body|condition|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
@@ -152,7 +154,7 @@ def _parse_computations(text: str) -> tuple[dict[str, list[_Instruction]], str]:
 def _split_instruction(name: str, body: str) -> _Instruction:
     if body.startswith("("):
         depth = 0
-        for i, ch in enumerate(body):
+        for i, ch in enumerate(body):  # noqa: B007 - `i` (where the shape ends) is read after the loop
             depth += ch == "("
             depth -= ch == ")"
             if depth == 0:
@@ -162,7 +164,7 @@ def _split_instruction(name: str, body: str) -> _Instruction:
         shape, _, after = body.partition(" ")
     opcode, _, args = after.partition("(")
     depth, end = 1, 0
-    for end, ch in enumerate(args):
+    for end, ch in enumerate(args):  # noqa: B007 - `end` is read after the loop
         depth += ch == "("
         depth -= ch == ")"
         if depth == 0:
@@ -191,8 +193,8 @@ def _executions(computations, entry) -> tuple[dict[str, int], dict[str, bool]]:
     for comp in computations:
         for callee, _, _ in edges[comp]:
             indegree[callee] += 1
-    executions = {c: 0 for c in computations}
-    known = {c: True for c in computations}
+    executions = dict.fromkeys(computations, 0)
+    known = dict.fromkeys(computations, True)
     executions[entry] = 1
     ready = [c for c in computations if indegree[c] == 0]
     while ready:
@@ -266,7 +268,8 @@ def _groups(rest: str, kind: str, num_devices: int) -> tuple[tuple[int, ...], ..
         iota = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
         if iota:
             shape = [int(x) for x in iota.group(1).split(",")]
-            return tuple(tuple(int(x) for x in row) for row in _iota(iota.group(2), iota.group(3)).reshape(shape[0], -1))
+            rows = _iota(iota.group(2), iota.group(3)).reshape(shape[0], -1)
+            return tuple(tuple(int(x) for x in row) for row in rows)
     if spec.startswith("mesh["):
         return _mesh_groups(spec)
     return None
@@ -337,7 +340,8 @@ def matmul_flops(hlo_text: str) -> float:
             if ins.opcode == "dot":
                 lhs = _dims(shapes.get(ins.operands[0], ""))
                 contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
-                size = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 0
+                dims = contracting.group(1).split(",") if contracting and lhs else []
+                size = math.prod(lhs[int(d)] for d in dims if d) if contracting and lhs else 0
             else:
                 size = _conv_macs_per_output(ins, shapes, out)
             total += times * 2.0 * math.prod(out) * size
@@ -381,10 +385,11 @@ def _conv_macs_per_output(ins: _Instruction, shapes: dict[str, str], out: list[i
     spatial = [c for c in ker_l if c.isdigit()]
     pairs = 1.0
     for n, digit in enumerate(spatial):
-        def attr(key, default):
+        def attr(key, default, n=n):
             return int(attrs[key].split("x")[n]) if key in attrs else default
 
-        k, stride, lhs_dil, rhs_dil = kernel[ker_l.index(digit)], attr("stride", 1), attr("lhs_dilate", 1), attr("rhs_dilate", 1)
+        k = kernel[ker_l.index(digit)]
+        stride, lhs_dil, rhs_dil = attr("stride", 1), attr("lhs_dilate", 1), attr("rhs_dilate", 1)
         lo = int(attrs["pad"].split("x")[n].split("_")[0]) if "pad" in attrs else 0
         size, positions = lhs[lhs_l.index(digit)], out[out_l.index(digit)]
         dilated = (size - 1) * lhs_dil + 1

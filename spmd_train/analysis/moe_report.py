@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.models.flops import active_moe_mlp_params, matmul_params, moe_layer_count
-from spmd_train.models.routing import capacity
+from spmd_train.ops.routing import capacity
+from spmd_train.sharding.arithmetic import entry_axes
 
 AXIS = "expert"
 
@@ -43,7 +44,7 @@ def moe_section(engine) -> dict[str, Any] | None:
         return None
     mesh, layout = engine.mesh, engine.layout
     ways = mesh.shape[AXIS]
-    batch_axes = [a for a in _entry(layout.activation_spec(P("batch")), 0) if mesh.shape[a] > 1]
+    batch_axes = [a for a in entry_axes(layout.activation_spec(P("batch")), 0) if mesh.shape[a] > 1]
     groups = math.prod(mesh.shape[a] for a in batch_axes)
     rows = t.global_batch_size // (t.grad_accum * groups)
     tokens = rows * t.seq_len
@@ -88,7 +89,8 @@ def _all_to_all(cfg, layers: int, ways: int, slots: int | None, tokens: int, dty
         # (N-1)/N of the k x tokens assignments leaves the device each way.
         exchange = m.experts_per_token * tokens * m.d_model * dtype_bytes * share
         formula = (f"{layers} layers x {t.grad_accum} microbatches x {per_layer} ragged exchanges "
-                   f"x k={m.experts_per_token} x {tokens} tokens x d_model={m.d_model} x {dtype_bytes} B x ({ways}-1)/{ways} "
+                   f"x k={m.experts_per_token} x {tokens} tokens x d_model={m.d_model} x {dtype_bytes} B "
+                   f"x ({ways}-1)/{ways} "
                    "(balanced routing; the real figure depends on the routing)")
         return {"count": count, "per_layer_per_microbatch": per_layer, "bytes_per_exchange": exchange,
                 "bytes_per_device": count * exchange, "exact": False, "formula": formula}
@@ -108,11 +110,6 @@ def _expert_params(engine) -> list[dict[str, Any]]:
             out.append({"path": ".".join(str(getattr(k, "key", k)) for k in path),
                         "spec": [list(e) if isinstance(e, tuple) else e for e in spec]})
     return out
-
-
-def _entry(spec: P, dim: int) -> tuple[str, ...]:
-    entry = spec[dim] if dim < len(spec) else None
-    return _names(entry)
 
 
 def _names(entry) -> tuple[str, ...]:

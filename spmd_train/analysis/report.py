@@ -11,16 +11,17 @@ import jax
 from jax.sharding import NamedSharding
 
 from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
-from spmd_train.models.flops import flops_per_token
 from spmd_train.analysis.hlo import matmul_flops
+from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.topology import tpu_topology_devices
-from spmd_train.config.checks import rows_per_device
 from spmd_train.config.schema import Config
+from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
+from spmd_train.models.flops import flops_per_token
 from spmd_train.parallel.schedules import simulate
+from spmd_train.sharding.arithmetic import rows_per_device
 from spmd_train.train.engine import Engine
-from spmd_train.analysis.moe_report import moe_section
 from spmd_train.train.pipelined import stash_bytes_per_microbatch
 
 
@@ -128,6 +129,8 @@ class StepReport:
     """The schedule and its activation memory, when mesh.pipeline > 1 (else None)."""
     moe: dict[str, Any] | None = None
     """Expert placement, capacity and expected all-to-all traffic, with MoE layers (else None)."""
+    resolved: dict[str, Any] = field(default_factory=dict)
+    """The effective sharding rules and the backends the engine chose (`Engine.resolved`)."""
 
     def to_json(self) -> dict[str, Any]:
         """The public JSON form (keys mesh, devices, param_count, per_device, collectives, pipeline, ...)."""
@@ -144,12 +147,14 @@ class StepReport:
             "compile_seconds": self.compile_seconds,
             "params": [
                 {"path": p.path, "shape": list(p.shape), "dtype": p.dtype, "logical": list(p.logical),
-                 "spec": [list(e) if isinstance(e, tuple) else e for e in p.spec], "bytes_per_device": p.bytes_per_device}
+                 "spec": [list(e) if isinstance(e, tuple) else e for e in p.spec],
+                 "bytes_per_device": p.bytes_per_device}
                 for p in self.params
             ],
             "notes": self.notes,
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
             "moe": self.moe,
+            "resolved": self.resolved,
         }
 
 
@@ -157,6 +162,8 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     """Lower and compile one train step for `cfg` (nothing is allocated or run) and account for it."""
     if topology is not None:
         devices = tpu_topology_devices(topology)
+    elif devices is None:
+        simulate_devices(cfg.run.simulate_devices)  # called from a notebook before jax started
     try:
         engine = Engine.build(cfg, devices)
     except ConfigError as err:
@@ -198,6 +205,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
             notes=["does not fit: " + str(err).split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0]],
             pipeline=pipeline,
             moe=moe,
+            resolved=engine.resolved(),
         )
     compile_seconds = time.perf_counter() - start
     hlo = compiled.as_text()
@@ -244,6 +252,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         notes=notes,
         pipeline=pipeline,
         moe=moe,
+        resolved=engine.resolved(),
     )
 
 

@@ -10,9 +10,10 @@ import sys
 import jax
 
 from spmd_train.analysis import describe
-from spmd_train.cli.render import render
+from spmd_train.cli.render import render, render_rules
 from spmd_train.cli.schedule import schedule_report
 from spmd_train.config import load_config
+from spmd_train.config.rules import resolve_rules
 from spmd_train.data import prepare_data
 from spmd_train.devices import simulate_devices, start_distributed
 from spmd_train.errors import ConfigError
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
             print(schedule_report(args.schedule, args.stages, args.microbatches, args.virtual))
             return 0
         cfg = load_config(args.config, args.overrides)
+        if args.command == "describe" and args.rules:
+            rules = resolve_rules(cfg)
+            print(json.dumps(rules.to_json(), indent=2)) if args.json else render_rules(rules.to_json())
+            return 0
         if args.command == "describe" and args.topology:
             _host_compiles_for_tpu()
         else:
@@ -96,7 +101,8 @@ def _host_compiles_for_tpu() -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spmd-train", description="Train transformers on any mesh with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model from a run config", description="Train a model from a run config.")
+    train = sub.add_parser("train", help="train a model from a run config",
+                           description="Train a model from a run config.")
     train.add_argument("config", help="run config YAML (e.g. configs/tiny.yaml)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. mesh.tensor=2")
     describe_cmd = sub.add_parser(
@@ -108,8 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     describe_cmd.add_argument("config", help="run config YAML")
     describe_cmd.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     describe_cmd.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    describe_cmd.add_argument("--rules", action="store_true",
+                              help="print only the effective sharding rules (the preset, the config's entries and "
+                              "the rules the code adds); compiles nothing")
     describe_cmd.add_argument("--topology", metavar="NAME",
-                              help="compile for a TPU slice from this host, e.g. v5e:2x4, v5p:4x4x4 (needs the tpu-aot extra)")
+                              help="compile for a TPU slice from this host, e.g. v5e:2x4, v5p:4x4x4 "
+                              "(needs the tpu-aot extra)")
     prep = sub.add_parser("prepare-data", help="tokenize text files into a .bin token file",
                           description="Tokenize UTF-8 text files (one document each) into OUT/NAME.bin with sidecars.")
     prep.add_argument("inputs", nargs="+", metavar="INPUT", help="UTF-8 text files")

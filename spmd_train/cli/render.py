@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spmd_train.analysis.report import PIPELINE_FLOPS_NOTE, PipelineReport, StepReport
+from spmd_train.parallel import Backends
 
 
 def human_bytes(n: float | None) -> str:
@@ -28,6 +29,9 @@ def render(report: StepReport, console: Console | None = None) -> None:
     mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items() if s > 1) or "1 device"
     console.print(f"[bold]{report.devices} x {report.device_kind}[/bold] on {where}; mesh {mesh}; "
                   f"{report.param_count:,} parameters; step compiled in {report.compile_seconds:.1f} s")
+    backends = report.resolved.get("backends")
+    if backends:
+        console.print("backends: " + Backends(**backends).describe())
 
     params = Table(title="Parameters", title_justify="left")
     for col in ("name", "shape", "logical axes", "partition spec", "bytes / device"):
@@ -45,7 +49,8 @@ def render(report: StepReport, console: Console | None = None) -> None:
     for label, key in (("parameters (from shardings)", "param_bytes"), ("optimizer state", "opt_state_bytes"),
                        ("batch", "batch_bytes"), ("compiled: arguments", "argument_bytes"),
                        ("compiled: outputs", "output_bytes"), ("compiled: temporaries", "temp_bytes"),
-                       ("compiled: aliased (donated)", "alias_bytes"), ("peak = arg + out + temp - alias", "peak_bytes")):
+                       ("compiled: aliased (donated)", "alias_bytes"),
+                       ("peak = arg + out + temp - alias", "peak_bytes")):
         memory.add_row(label, human_bytes(d[key]))
     fits = "unknown device" if report.fits is None else ("yes" if report.fits else "[red]NO[/red]")
     memory.add_row("device memory (HBM)", f"{human_bytes(report.hbm_bytes)}  fits: {fits}")
@@ -77,6 +82,23 @@ def render(report: StepReport, console: Console | None = None) -> None:
     for note in report.notes:
         if note != PIPELINE_FLOPS_NOTE:  # said in the FLOPs line already
             console.print(f"[dim]note: {note}[/dim]")
+    if report.resolved.get("rules"):
+        render_rules(report.resolved["rules"], console)
+
+
+def render_rules(rules: dict, console: Console | None = None) -> None:
+    """The effective rules (`ResolvedRules.to_json()`): one row per logical axis, then the rules the code added."""
+    console = console or Console(width=None if sys.stdout.isatty() else 140)
+    table = Table(title="Sharding rules (logical axis -> mesh axes)", title_justify="left")
+    for col in ("logical axis", "activations", "parameters"):
+        table.add_column(col)
+    acts, params = rules["activations"], rules["params"]
+    for name in [*acts, *(n for n in params if n not in acts)]:
+        show = lambda axes: ", ".join(axes) if axes else "-" if axes is not None else ""
+        table.add_row(name, show(acts.get(name)), show(params.get(name)))
+    console.print(table)
+    for line in rules["added_by_code"]:
+        console.print(f"added by the code: {line}")
 
 
 def render_pipeline(pipe: PipelineReport, console: Console) -> None:

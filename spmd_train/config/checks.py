@@ -5,11 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from spmd_train.config.rules import resolve_rules
 from spmd_train.config.schema import MESH_AXES, Config
 from spmd_train.errors import ConfigError
-
-BATCH_AXES = ("data", "fsdp", "expert")
-"""Mesh axes the global batch is split over (every axis that is not model-parallel)."""
 
 
 def check_config(cfg: Config) -> None:
@@ -35,7 +33,7 @@ def check_config(cfg: Config) -> None:
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_kv_heads={m.num_kv_heads} is invalid: it must divide model.num_heads={m.num_heads} "
-            f"(valid: {_divisors(m.num_heads)})"
+            f"(valid: {divisors(m.num_heads)})"
         )
     if m.attention_blocks is not None and any(b < 8 or b % 8 for b in m.attention_blocks):
         raise ConfigError(f"model.attention_blocks={list(m.attention_blocks)} is invalid: block_q and block_k must "
@@ -97,7 +95,7 @@ def check_config(cfg: Config) -> None:
         if factor < 1 or (size != -1 and size % factor):
             raise ConfigError(
                 f"mesh.dcn.{axis}={factor} is invalid: a slow-link factor must be >= 1 and divide "
-                f"mesh.{axis}={size} (valid: {_divisors(size) if size > 0 else 'a divisor of the filled size'})"
+                f"mesh.{axis}={size} (valid: {divisors(size) if size > 0 else 'a divisor of the filled size'})"
             )
     for table in ("params", "activations"):
         for name, axes in getattr(cfg.mesh.rules, table).items():
@@ -110,7 +108,10 @@ def check_config(cfg: Config) -> None:
 
 
 def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = None) -> None:
-    """Checks that need the resolved mesh axis sizes (after -1 is filled) and the platform compiled for."""
+    """Checks that need the resolved mesh axis sizes (after -1 is filled) and the platform compiled for.
+
+    The pipeline keys are checked beside the schedules (`parallel.schedules.check_pipeline`).
+    """
     m, t = cfg.model, cfg.train
     tensor = sizes["tensor"]
     for key, value in (
@@ -122,29 +123,25 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
         if value % tensor:
             raise ConfigError(
                 f"{key}={value} is not divisible by mesh.tensor={tensor}: tensor parallelism splits it "
-                f"across {tensor} devices (valid mesh.tensor: {_divisors(value)})"
+                f"across {tensor} devices (valid mesh.tensor: {divisors(value)})"
             )
-    batch_ways = 1
-    for axis in BATCH_AXES:
-        batch_ways *= sizes[axis]
-    need = batch_ways * t.grad_accum
+    batch_axes = resolve_rules(cfg).batch_axes
+    need = math.prod(sizes[a] for a in batch_axes) * t.grad_accum
     if t.global_batch_size % need:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "
-            f"{' x '.join(f'mesh.{a}={sizes[a]}' for a in BATCH_AXES)} x train.grad_accum={t.grad_accum} = {need}: "
+            f"{' x '.join(f'mesh.{a}={sizes[a]}' for a in batch_axes)} x train.grad_accum={t.grad_accum} = {need}: "
             f"each device needs a whole share of every microbatch (valid: a multiple of {need})"
         )
     length_ways = sizes["sequence"] * (tensor if cfg.parallel.sequence_parallel else 1)
     if t.seq_len % length_ways:
-        why = "mesh.sequence=%d" % sizes["sequence"]
+        why = f"mesh.sequence={sizes['sequence']}"
         if cfg.parallel.sequence_parallel:
             why += f" x mesh.tensor={tensor} (parallel.sequence_parallel=true)"
         raise ConfigError(
             f"train.seq_len={t.seq_len} is not divisible by {why} = {length_ways}: "
             f"tokens are split over these axes (valid: a multiple of {length_ways})"
         )
-    if sizes["pipeline"] > 1:
-        check_pipeline(cfg, sizes)
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
     # Until context-parallel attention lands, `sequence` must stay 1; `expert` is already valid
@@ -156,55 +153,8 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
         )
 
 
-def check_pipeline(cfg: Config, sizes: Mapping[str, int]) -> None:
-    """Pipeline keys against the model depth and the batch (the schedule checks its own numbers)."""
-    from spmd_train.parallel.schedules import build_schedule  # pure Python; imported late to keep config light
-
-    p, par, m, t = sizes["pipeline"], cfg.parallel, cfg.model, cfg.train
-    v = par.virtual_stages
-    if par.pipeline_schedule != "interleaved_1f1b" and v != 1:
-        raise ConfigError(f"parallel.virtual_stages={v} is invalid for parallel.pipeline_schedule="
-                          f"{par.pipeline_schedule} (valid: 1; use interleaved_1f1b for virtual stages)")
-    if par.pipeline_schedule == "interleaved_1f1b" and v < 2:
-        raise ConfigError(f"parallel.virtual_stages={v} is invalid for interleaved_1f1b (valid: >= 2)")
-    if m.num_layers % (p * v):
-        preset = "" if m.preset is None else f", not preset {m.preset!r} as is"
-        raise ConfigError(
-            f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} x parallel.virtual_stages={v} "
-            f"= {p * v}: every stage{' chunk' if v > 1 else ''} gets the same number of layers "
-            f"(valid: a model with a multiple of {p * v} layers{preset}, "
-            f"or mesh.pipeline x virtual_stages in {_divisors(m.num_layers)})"
-        )
-    rows = rows_per_device(cfg, sizes)
-    micro = resolved_microbatches(cfg, p, rows)
-    if micro < 1 or rows % micro:
-        raise ConfigError(
-            f"parallel.microbatches={micro} does not divide the {rows} rows each device gets per step "
-            f"(train.global_batch_size={t.global_batch_size} / train.grad_accum={t.grad_accum} / batch axes): "
-            f"microbatches must be equal (valid: a divisor of {rows}: {_divisors(rows)})"
-        )
-    build_schedule(par.pipeline_schedule, p, micro, v)
-    if m.moe_every:
-        raise ConfigError(f"model.moe_every={m.moe_every} with mesh.pipeline={p}: MoE layers inside pipeline "
-                          "stages are not supported yet (valid: mesh.pipeline=1 for MoE models)")
-
-
-def rows_per_device(cfg: Config, sizes: Mapping[str, int]) -> int:
-    """Rows of the global batch each device gets per accumulation step (split over BATCH_AXES)."""
-    return cfg.train.global_batch_size // (cfg.train.grad_accum * math.prod(sizes[a] for a in BATCH_AXES))
-
-
-def resolved_microbatches(cfg: Config, stages: int, rows: int) -> int:
-    """parallel.microbatches, or by default the largest of 4p, 2p, p that divides a device's rows per step."""
-    if cfg.parallel.microbatches is not None:
-        return cfg.parallel.microbatches
-    for m in (4 * stages, 2 * stages):
-        if rows % m == 0:
-            return m
-    return stages
-
-
-def _divisors(n: int) -> str:
+def divisors(n: int) -> str:
+    """The divisors of n, as a 'valid values' list for error messages."""
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
@@ -215,7 +165,8 @@ def check_attention(cfg: Config, platform: str) -> None:
         return
     if m.compute_dtype != "bfloat16":
         raise ConfigError(f"model.attention=pallas on GPU needs model.compute_dtype=bfloat16 (the kernels feed "
-                          f"wgmma bfloat16 operands); got {m.compute_dtype}: set it, or use model.attention=cudnn or xla")
+                          f"wgmma bfloat16 operands); got {m.compute_dtype}: set it, or use model.attention=cudnn "
+                          "or xla")
     if m.resolved_head_dim % 64:
         raise ConfigError(f"model.attention=pallas on GPU needs a head_dim that is a multiple of 64; got "
                           f"{m.resolved_head_dim}: use model.attention=cudnn or xla")
@@ -232,7 +183,7 @@ def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
     if m.moe_every < 0 or m.num_layers % m.moe_every:
         raise ConfigError(
             f"model.moe_every={m.moe_every} is invalid for model.num_layers={m.num_layers}: it must be 0 (no MoE) "
-            f"or divide num_layers (valid: 0, {_divisors(m.num_layers)})"
+            f"or divide num_layers (valid: 0, {divisors(m.num_layers)})"
         )
     if m.num_experts < 1:
         raise ConfigError(f"model.num_experts={m.num_experts} is invalid: it must be a positive integer")
@@ -251,13 +202,13 @@ def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
     if m.num_experts % expert:
         raise ConfigError(
             f"model.num_experts={m.num_experts} is not divisible by mesh.expert={expert}: each device of the "
-            f"expert axis holds num_experts / mesh.expert experts (valid mesh.expert: {_divisors(m.num_experts)})"
+            f"expert axis holds num_experts / mesh.expert experts (valid mesh.expert: {divisors(m.num_experts)})"
         )
     tensor = sizes["tensor"]
     if m.resolved_moe_d_ff % tensor:
         raise ConfigError(
             f"model.moe_d_ff={m.resolved_moe_d_ff} is not divisible by mesh.tensor={tensor}: tensor parallelism "
-            f"splits each expert's hidden width (valid mesh.tensor: {_divisors(m.resolved_moe_d_ff)})"
+            f"splits each expert's hidden width (valid mesh.tensor: {divisors(m.resolved_moe_d_ff)})"
         )
     if m.moe_impl == "dropless" and platform == "cpu":
         raise ConfigError(

@@ -47,7 +47,7 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
@@ -59,6 +59,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         raw = _read_yaml(path, what="config file")
         base_dir = path.resolve().parent
     _deep_update(raw, parse_overrides(overrides))
+    raw.pop("resolved", None)  # a run's config.json: what the engine derived, not settings
     return config_from_dict(raw, base_dir=base_dir)
 
 
@@ -131,7 +132,27 @@ def _resolve_presets(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
             )
         _deep_update(merged, fragment)
     _deep_update(merged, raw)
+    _resolve_rules_preset(merged, base_dir)
     return merged
+
+
+def _resolve_rules_preset(merged: dict[str, Any], base_dir: Path) -> None:
+    """Put the rules preset's tables under the config's own entries (`mesh.rules.preset`)."""
+    rules = merged.get("mesh", {}).get("rules")
+    if not isinstance(rules, dict):
+        return  # not a mapping: validation names the key
+    name = rules.get("preset")
+    if not isinstance(name, str):
+        raise ConfigError(f"mesh.rules.preset={name!r} must be a rules preset name or a path to a YAML file")
+    fragment = _read_yaml(_find_preset("meshes/rules", name, base_dir, "mesh.rules"), what="rules preset")
+    extra = sorted(set(fragment) - {"activations", "params"})
+    if extra:
+        raise ConfigError(f"rules preset {name!r} holds {extra}; a rules preset may hold only activations and params")
+    for table in ("activations", "params"):
+        own = rules.get(table) or {}
+        if not isinstance(own, dict):
+            raise ConfigError(f"mesh.rules.{table}={own!r} must map logical axis names to lists of mesh axes")
+        rules[table] = {**(fragment.get(table) or {}), **own}
 
 
 def _find_preset(folder: str, name: str, base_dir: Path, section: str) -> Path:
@@ -149,7 +170,8 @@ def _find_preset(folder: str, name: str, base_dir: Path, section: str) -> Path:
         if (d / f"{name}.yaml").is_file():
             return d / f"{name}.yaml"
     known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
-    raise ConfigError(f"{section}.preset={name!r} is not a known preset; valid presets: {', '.join(known) or 'none found'}")
+    raise ConfigError(f"{section}.preset={name!r} is not a known preset; "
+                      f"valid presets: {', '.join(known) or 'none found'}")
 
 
 def _deep_update(target: dict[str, Any], update: Mapping[str, Any]) -> None:

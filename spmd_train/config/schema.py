@@ -94,38 +94,18 @@ class AxisFactors:
 
 @dataclass(frozen=True)
 class RulesConfig:
-    """Logical axis name -> mesh axes, separately for parameters and activations."""
+    """Logical axis name -> mesh axes: a named preset (`meshes/rules/NAME.yaml`) with per-entry overrides.
+
+    Once loaded, `activations` is the preset's activation table with the config's entries on top,
+    and `params` the entries where parameters differ from it (the preset's, then the config's).
+    The effective tables, with the rules the code adds, come from `config.rules.resolve_rules`.
+    """
 
     __pydantic_config__ = _STRICT
 
-    params: dict[str, tuple[str, ...]] = field(
-        default_factory=lambda: {
-            "layers": (),
-            "embed": ("fsdp",),
-            "vocab": ("tensor",),
-            "heads": ("tensor",),
-            "kv_heads": ("tensor",),
-            "head_dim": (),
-            "mlp": ("tensor",),
-            "experts": ("expert",),
-            "expert_mlp": ("tensor",),
-        }
-    )
-    activations: dict[str, tuple[str, ...]] = field(
-        default_factory=lambda: {
-            "batch": ("data", "fsdp", "expert"),
-            "norm_length": ("sequence",),
-            "length": ("sequence",),
-            "embed": (),
-            "heads": ("tensor",),
-            "kv_heads": ("tensor",),
-            "head_dim": (),
-            "mlp": ("tensor",),
-            "vocab": ("tensor",),
-            "experts": ("expert",),
-            "expert_mlp": ("tensor",),
-        }
-    )
+    preset: str = "default"
+    activations: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    params: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -160,7 +140,7 @@ class ParallelConfig:
     remat: RematPolicy = "none"
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """Microbatch schedule of the pipeline stages (used when mesh.pipeline > 1)."""
-    microbatches: int | None = None
+    pipeline_microbatches: int | None = None
     """Microbatches per pipeline flush; default 4 x mesh.pipeline (fewer if the batch does not divide)."""
     virtual_stages: int = 1
     """Chunks of layers per device for interleaved_1f1b (>= 2 there, 1 otherwise)."""

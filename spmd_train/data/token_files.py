@@ -12,6 +12,7 @@ than seq_len are packed together; without it every window lies inside one docume
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 from pathlib import Path
 
@@ -68,7 +69,7 @@ class TokenFiles(TokenSource):
         rng = np.random.default_rng([self.seed, step, 0 if split == "train" else 1])
         window = self.seq_len + 1
         candidates = []  # (file, start, stop) spans usable for this split
-        for f, ((_, tokens, _, _), (train_end, spans)) in enumerate(zip(self.streams, self.ranges)):
+        for f, ((_, tokens, _, _), (train_end, spans)) in enumerate(zip(self.streams, self.ranges, strict=False)):
             lo, hi = (0, train_end) if split == "train" else (train_end, len(tokens))
             for a, b in spans:
                 a, b = max(a, lo), min(b, hi)
@@ -123,4 +124,4 @@ def _open(path: Path, token_dtype: str):
 
 def _doc_spans(starts: np.ndarray, total: int) -> list[tuple[int, int]]:
     bounds = [int(s) for s in starts] + [total]
-    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]

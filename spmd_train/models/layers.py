@@ -1,4 +1,4 @@
-"""Transformer building blocks that are pure functions of arrays: rotary embeddings and attention."""
+"""Parameters with logical axes, and the matmul that uses a stored (possibly sharded) weight."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.sharding.constrain import constrain, stored_param
+
+STACKING_AXES = ("layers", "sublayers")
+"""Logical axes that stack copies of a layer's parameters (`param(stack=...)`): not a matrix's axes."""
 
 
 def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std: float | None, dtype,
@@ -19,7 +22,7 @@ def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std:
     """
     if stack is not None:
         stack = (stack,) if isinstance(stack, int) else tuple(stack)
-        shape, axes = (*stack, *shape), ("layers", *("sublayers",) * (len(stack) - 1), *axes)
+        shape, axes = (*stack, *shape), (*STACKING_AXES[: len(stack)], *axes)
     value = jnp.ones(shape, jnp.float32) if std is None else std * jax.random.normal(key, shape, jnp.float32)
     return nnx.Param(value.astype(dtype), logical_axes=P(*axes))
 
@@ -56,38 +59,3 @@ def _names(p: nnx.Param) -> tuple[str, ...]:
 
 def _compute_layout(value: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
     return constrain(stored_param(value, names).astype(dtype), names)
-
-
-def rope_tables(length: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables, [length, head_dim // 2], for rotary position embeddings (fp32)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate [batch, length, heads, head_dim] by position (rotate-half convention, as in Llama)."""
-    x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> jax.Array:
-    """Plain XLA grouped-query attention: q [b, l, h, d], k/v [b, m, kv, d] -> [b, l, h, d].
-
-    Softmax runs in fp32. K/V are never repeated: query heads are grouped per K/V head.
-    """
-    b, l, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, l, kv, h // kv, d)
-    scores = jnp.einsum("blkgd,bmkd->bkglm", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(d).astype(
-        jnp.float32
-    )
-    if causal:
-        mask = jnp.arange(l)[:, None] >= jnp.arange(k.shape[1])[None, :]
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkglm,bmkd->blkgd", probs, v)
-    return out.reshape(b, l, h, d)

@@ -23,13 +23,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd_train.config.schema import ModelConfig
-from spmd_train.models.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights
 from spmd_train.models.layers import dense, param, weight
-from spmd_train.models.routing import aux_loss, capacity, expert_counts, route, slot_positions, z_loss
-from spmd_train.parallel.expert_dispatch import moe_ffn, replica_mean
+from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights
+from spmd_train.ops.routing import aux_loss, expert_counts, route, z_loss
+from spmd_train.parallel import moe_ffn, replica_mean
 from spmd_train.sharding.constrain import constrain
-
-__all__ = ["MoE", "aux_loss", "capacity", "route", "slot_positions", "z_loss"]
 
 INPUT = ("batch", "length", "embed")
 OUTPUT = ("batch", "norm_length", "embed")
@@ -45,10 +43,10 @@ class MoE(nnx.Module):
     replica: averaged over the replicas of an enclosing gradient step).
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, impl: str | None = None, stack: int | None = None):
         d, f, e = cfg.d_model, cfg.resolved_moe_d_ff, cfg.num_experts
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        kw = dict(dtype=cfg.param_dtype, stack=stack)
+        kw = {"dtype": cfg.param_dtype, "stack": stack}
         self.router = param(rngs.params(), (d, e), ROUTER_AXES, std=cfg.init_std, **kw)
         self.w_gate = param(rngs.params(), (e, d, f), GATE_UP_AXES, std=cfg.init_std, **kw)
         self.w_up = param(rngs.params(), (e, d, f), GATE_UP_AXES, std=cfg.init_std, **kw)
@@ -59,7 +57,7 @@ class MoE(nnx.Module):
             self.shared_up = param(rngs.params(), (d, shared), ("embed", "mlp"), std=cfg.init_std, **kw)
             self.shared_down = param(rngs.params(), (shared, d), ("mlp", "embed"), std=out_std, **kw)
         self.num_experts, self.k = e, cfg.experts_per_token
-        self.capacity_factor, self.score, self.impl = cfg.capacity_factor, cfg.router_score, cfg.moe_impl
+        self.capacity_factor, self.score, self.impl = cfg.capacity_factor, cfg.router_score, impl or cfg.moe_impl
         self.num_shared = cfg.num_shared_experts
         self.compute_dtype = cfg.compute_dtype
 

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd_train.config.schema import ModelConfig
-from spmd_train.models.layers import apply_rope, dense, param, rope_tables, weight
-from spmd_train.parallel.attention import attention
+from spmd_train.models.layers import dense, param, weight
 from spmd_train.models.moe import MoE
 from spmd_train.models.remat import apply_remat
+from spmd_train.ops.rope import apply_rope, rope_tables
+from spmd_train.parallel import Backends, attention, resolve_backends
 from spmd_train.sharding.constrain import constrain
 
 RESIDUAL = ("batch", "norm_length", "embed")
@@ -38,17 +39,17 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention; Q/K/V column-parallel and the output row-parallel over heads."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack: int | None = None):
         d, hd = cfg.d_model, cfg.resolved_head_dim
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        kw = dict(dtype=cfg.param_dtype, stack=stack)
-        self.wq = param(rngs.params(), (d, cfg.num_heads, hd), ("embed", "heads", "head_dim"), std=cfg.init_std, **kw)
-        self.wk = param(rngs.params(), (d, cfg.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, **kw)
-        self.wv = param(rngs.params(), (d, cfg.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, **kw)
+        kw = {"dtype": cfg.param_dtype, "stack": stack}
+        q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        self.wq = param(rngs.params(), (d, cfg.num_heads, hd), q_axes, std=cfg.init_std, **kw)
+        self.wk = param(rngs.params(), (d, cfg.num_kv_heads, hd), kv_axes, std=cfg.init_std, **kw)
+        self.wv = param(rngs.params(), (d, cfg.num_kv_heads, hd), kv_axes, std=cfg.init_std, **kw)
         self.wo = param(rngs.params(), (cfg.num_heads, hd, d), ("heads", "head_dim", "embed"), std=out_std, **kw)
         self.compute_dtype = cfg.compute_dtype
-        self.attention_impl = cfg.attention
-        self.attention_blocks = cfg.attention_blocks
+        self.backends = backends
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         dt = self.compute_dtype
@@ -56,7 +57,7 @@ class Attention(nnx.Module):
         k = constrain(dense("bld,dhk->blhk", x, self.wk, dt), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(dense("bld,dhk->blhk", x, self.wv, dt), ("batch", "length", "kv_heads", "head_dim"))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, impl=self.attention_impl, blocks=self.attention_blocks)
+        out = attention(q, k, v, backends=self.backends)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return constrain(dense("blhk,hkd->bld", out, self.wo, dt), RESIDUAL)
 
@@ -67,7 +68,7 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
         d, f = cfg.d_model, cfg.d_ff
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        kw = dict(dtype=cfg.param_dtype, stack=stack)
+        kw = {"dtype": cfg.param_dtype, "stack": stack}
         self.w_gate = param(rngs.params(), (d, f), ("embed", "mlp"), std=cfg.init_std, **kw)
         self.w_up = param(rngs.params(), (d, f), ("embed", "mlp"), std=cfg.init_std, **kw)
         self.w_down = param(rngs.params(), (f, d), ("mlp", "embed"), std=out_std, **kw)
@@ -87,11 +88,11 @@ class Block(nnx.Module):
     Returns (x, stats): the MoE layer's router statistics, or an empty dict.
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack=None, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack=None, moe: bool = False):
         self.attn_norm = RMSNorm(cfg, stack=stack)
-        self.attn = Attention(cfg, rngs, stack=stack)
+        self.attn = Attention(cfg, rngs, backends, stack=stack)
         self.mlp_norm = RMSNorm(cfg, stack=stack)
-        self.mlp = MoE(cfg, rngs, stack=stack) if moe else MLP(cfg, rngs, stack=stack)
+        self.mlp = MoE(cfg, rngs, impl=backends.moe, stack=stack) if moe else MLP(cfg, rngs, stack=stack)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         with jax.named_scope("attention"):
@@ -105,9 +106,9 @@ class Block(nnx.Module):
 class MoEGroup(nnx.Module):
     """moe_every = k > 1: k - 1 dense layers (stacked on `sublayers`), then one MoE layer."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int):
-        self.dense = Block(cfg, rngs, stack=(stack, cfg.moe_every - 1))
-        self.moe = Block(cfg, rngs, stack=stack, moe=True)
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack: int):
+        self.dense = Block(cfg, rngs, backends, stack=(stack, cfg.moe_every - 1))
+        self.moe = Block(cfg, rngs, backends, stack=stack, moe=True)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         graphdef, stacked = nnx.split(self.dense)
@@ -115,24 +116,29 @@ class MoEGroup(nnx.Module):
         return self.moe(x, cos, sin)
 
 
-def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends) -> nnx.Module:
     """The layer stack: L dense layers, L MoE layers (moe_every=1), or L/k groups ending in an MoE layer."""
     k = cfg.moe_every
     if k == 0:
-        return Block(cfg, rngs, stack=cfg.num_layers)
+        return Block(cfg, rngs, backends, stack=cfg.num_layers)
     if k == 1:
-        return Block(cfg, rngs, stack=cfg.num_layers, moe=True)
-    return MoEGroup(cfg, rngs, stack=cfg.num_layers // k)
+        return Block(cfg, rngs, backends, stack=cfg.num_layers, moe=True)
+    return MoEGroup(cfg, rngs, backends, stack=cfg.num_layers // k)
 
 
 class Transformer(nnx.Module):
-    """The decoder: tokens [batch, length] -> logits [batch, length, vocab] in the compute dtype."""
+    """The decoder: tokens [batch, length] -> logits [batch, length, vocab] in the compute dtype.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    `backends` is the engine's choice of implementations; built alone, the model resolves them for
+    the default jax platform (without per-device shapes).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, backends: Backends | None = None):
         self.cfg = cfg
+        backends = backends or resolve_backends(cfg, jax.default_backend())
         self.embedding = param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.init_std,
                                dtype=cfg.param_dtype)
-        self.blocks = make_blocks(cfg, rngs)
+        self.blocks = make_blocks(cfg, rngs, backends)
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std,

@@ -34,10 +34,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.errors import ConfigError
-from spmd_train.models.experts import (DOWN_AXES, GATE_UP_AXES, ExpertWeights, Manual, batched_swiglu,
-                                      ragged_swiglu)
-from spmd_train.models.routing import capacity, expert_counts, slot_positions
-from spmd_train.sharding.constrain import active_layout
+from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights, Prepare, batched_swiglu, ragged_swiglu
+from spmd_train.ops.routing import capacity, expert_counts, slot_positions
+from spmd_train.sharding.arithmetic import entry_axes, manual_axes
+from spmd_train.sharding.constrain import active_layout, constrain, stored_param
 
 AXIS = "expert"
 IMPLEMENTATIONS = ("capacity", "dropless")
@@ -51,7 +51,7 @@ def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: Expe
     assignments dropped for lack of capacity (always True when dropless).
     """
     layout = active_layout()
-    manual = _manual_axes()
+    manual = manual_axes()
     mesh = None if layout is None else jax.sharding.get_abstract_mesh() if manual else layout.mesh
     if AXIS in manual:
         raise NotImplementedError("an MoE layer inside a shard_map that is already manual over `expert`")
@@ -77,10 +77,10 @@ def replica_mean(x: jax.Array) -> jax.Array:
     global batch. Outside any manual region the statistic is already global.
     """
     layout = active_layout()
-    manual = _manual_axes()
+    manual = manual_axes()
     if layout is None or not manual:
         return x
-    axes = tuple(a for a in _entry(layout.activation_spec(P("batch")), 0) if a in manual)
+    axes = tuple(a for a in entry_axes(layout.activation_spec(P("batch")), 0) if a in manual)
     return jax.lax.pmean(x, axes) if axes else x
 
 
@@ -94,12 +94,12 @@ def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype
     rows = b // groups
     slots = capacity(k, rows * l, capacity_factor, num_experts)
 
-    def local(xs, idx, gs, w, manual=None):
+    def local(xs, idx, gs, w, prepare=None):
         held = xs.shape[0] // rows  # every group outside a region; one inside
         pin = (lambda a: _pin(a, P(axes, P.UNCONSTRAINED, None), mesh)) if axes and ways == 1 else (lambda a: a)
         y, kept = _slots_and_experts(pin(xs.reshape(held, rows * l, d)), pin(idx.reshape(held, rows * l, k)),
                                      pin(gs.reshape(held, rows * l, k)), w, num_experts, slots, dtype,
-                                     AXIS if ways > 1 else None, manual)
+                                     AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED)
         return y.reshape(xs.shape), kept.reshape(idx.shape)
 
     if ways == 1:  # no exchange: the compiler partitions the groups like any batch dimension
@@ -107,7 +107,7 @@ def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype
     return _in_region(local, layout, mesh, axes, (x, expert_idx, gates), weights, outputs=2)
 
 
-def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype, axis, manual):
+def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype, axis, prepare):
     """Groups [G, T, d] (+ [G, T, k] routing) -> ([G, T, d], kept [G, T, k]) through [E, C, d] slots."""
     groups, tokens, d = x.shape
     k = expert_idx.shape[-1]
@@ -119,13 +119,13 @@ def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype,
     buf = jax.vmap(lambda s, v: jnp.zeros((num_experts * slots, d), dtype).at[s].add(v, mode="drop"))(slot, src)
     buf = buf.reshape(groups, num_experts, slots, d)
     if axis is None:
-        out = batched_swiglu(buf, weights, dtype, manual)
+        out = batched_swiglu(buf, weights, dtype, prepare)
     else:
         ways = jax.lax.axis_size(axis)
         buf = buf.reshape(groups, ways, num_experts // ways, slots, d)
         # [G, destination device, local expert, C, d] -> [G, source device, local expert, C, d] and back.
         buf = jax.lax.all_to_all(buf, axis, 1, 1, tiled=True)
-        out = jax.lax.all_to_all(batched_swiglu(buf, weights, dtype, manual), axis, 1, 1, tiled=True)
+        out = jax.lax.all_to_all(batched_swiglu(buf, weights, dtype, prepare), axis, 1, 1, tiled=True)
     out = out.reshape(groups, num_experts * slots, d)
     back = jax.vmap(lambda o, s: o.at[s].get(mode="fill", fill_value=0))(out, slot).reshape(groups, tokens, k, d)
     y = jnp.einsum("gtkd,gtk->gtd", back.astype(jnp.float32), jnp.where(kept, gates, 0.0).astype(jnp.float32))
@@ -136,13 +136,13 @@ def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype,
 
 
 def _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, ways):
-    b, l, d = x.shape
+    _b, _l, d = x.shape
     k = expert_idx.shape[-1]
 
-    def local(xs, idx, gs, w, manual=None):
+    def local(xs, idx, gs, w, prepare=None):
         n = xs.shape[0] * xs.shape[1]
         y = _ragged_experts(xs.reshape(n, d), idx.reshape(n, k), gs.reshape(n, k), w, num_experts, dtype,
-                            AXIS if ways > 1 else None, manual, axes)
+                            AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED, axes)
         return (y.reshape(xs.shape),)
 
     if not axes:
@@ -152,7 +152,7 @@ def _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, a
     return y, jnp.ones(expert_idx.shape, bool)
 
 
-def _ragged_experts(x, expert_idx, gates, weights, num_experts, dtype, axis, manual, token_axes):
+def _ragged_experts(x, expert_idx, gates, weights, num_experts, dtype, axis, prepare, token_axes):
     """One device's tokens x [T, d] -> [T, d]: sort assignments by expert, (exchange,) ragged_dot, undo."""
     tokens, k = expert_idx.shape
     n = tokens * k
@@ -160,15 +160,15 @@ def _ragged_experts(x, expert_idx, gates, weights, num_experts, dtype, axis, man
     xs = jnp.take(x, order // k, axis=0).astype(dtype)
     counts = expert_counts(expert_idx, num_experts)
     if axis is None:
-        out = ragged_swiglu(xs, counts, weights, dtype, manual)
+        out = ragged_swiglu(xs, counts, weights, dtype, prepare)
     else:
-        out = _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, manual, token_axes)
+        out = _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, prepare, token_axes)
     per_assignment = jnp.zeros_like(out).at[order].set(out)
     y = jnp.einsum("tkd,tk->td", per_assignment.reshape(tokens, k, -1).astype(jnp.float32), gates)
     return y.astype(x.dtype)
 
 
-def _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, manual, token_axes):
+def _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, prepare, token_axes):
     """Sorted assignments [n, d] -> expert outputs in the same order, via the devices owning the experts.
 
     ragged_all_to_all's result takes the type of its `output` buffer, so the zero buffers are
@@ -194,7 +194,7 @@ def _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, manual, tok
     segment = jnp.cumsum(jnp.zeros((ways * n,), jnp.int32).at[ends].add(1, mode="drop"))
     label = jnp.where(segment < ways * local_experts, segment % local_experts, local_experts)
     regroup = jnp.argsort(label, stable=True)
-    out = ragged_swiglu(got[regroup], mine.sum(0), weights, dtype, manual)
+    out = ragged_swiglu(got[regroup], mine.sum(0), weights, dtype, prepare)
     out = jnp.zeros_like(out).at[regroup].set(out)
     home = jax.lax.pcast(jnp.zeros((n, d), out.dtype), token_axes, to="varying")
     return jax.lax.ragged_all_to_all(out, home, _exclusive_cumsum(recv), recv, _exclusive_cumsum(sizes, 1)[:, me],
@@ -217,8 +217,9 @@ def _in_region(local, layout, mesh, axes, activations, weights: ExpertWeights, o
     gradient, as ZeRO-3 does). Any other axis (`sequence`, which must be 1 for now) only
     replicates the work.
     """
-    outer = _manual_axes()
-    hidden = tuple(a for a in _entry(layout.activation_spec(P("expert_mlp")), 0) if a not in axes and a not in outer)
+    outer = manual_axes()
+    hidden = tuple(a for a in entry_axes(layout.activation_spec(P("expert_mlp")), 0)
+                   if a not in axes and a not in outer)
     manual = set(axes) | set(hidden)
 
     def weight_spec(names):
@@ -230,7 +231,7 @@ def _in_region(local, layout, mesh, axes, activations, weights: ExpertWeights, o
             elif name == "expert_mlp":
                 entries.append(hidden or None)
             else:
-                kept = tuple(a for a in _entry(stored, dim) if a in manual and a != AXIS and a not in hidden)
+                kept = tuple(a for a in entry_axes(stored, dim) if a in manual and a != AXIS and a not in hidden)
                 entries.append(kept or None)
         return P(*entries)
 
@@ -242,7 +243,8 @@ def _in_region(local, layout, mesh, axes, activations, weights: ExpertWeights, o
                 w = jax.lax.all_gather(w, specs[names][dim], axis=dim, tiled=True)
         return w
 
-    by_hand = Manual(gather, (lambda y: jax.lax.psum(y, hidden)) if hidden else (lambda y: y))
+    by_hand = Prepare(lambda w, names, dtype: constrain(gather(stored_param(w, names).astype(dtype), names), names),
+                      (lambda y: jax.lax.psum(y, hidden)) if hidden else (lambda y: y))
     spec = P(axes)
     w_specs = ExpertWeights(specs[GATE_UP_AXES], specs[GATE_UP_AXES], specs[DOWN_AXES])
     # Every other axis is manual too (replicated: size 1 today): XLA:CPU aborts on a bf16 psum or
@@ -252,32 +254,27 @@ def _in_region(local, layout, mesh, axes, activations, weights: ExpertWeights, o
                          axis_names=set(mesh.axis_names) - outer, check_vma=True)(*activations, weights)
 
 
-def _entry(spec: P, dim: int) -> tuple[str, ...]:
-    """The mesh axes a PartitionSpec puts on one dimension."""
-    entry = spec[dim] if dim < len(spec) else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 # --- helpers ---------------------------------------------------------------------------------------
+
+
+# Outside a region: the weight pinned to its stored layout (and its gradient to the gradient
+# layout), cast (bf16 compute gathers bf16), then laid out for compute by the compiler.
+_COMPILER_PARTITIONED = Prepare(lambda w, names, dtype: constrain(stored_param(w, names).astype(dtype), names),
+                                lambda y: y)
 
 
 def _exclusive_cumsum(a: jax.Array, axis: int = 0) -> jax.Array:
     return jnp.cumsum(a, axis=axis) - a
 
 
-def _manual_axes() -> set[str]:
-    abstract = jax.sharding.get_abstract_mesh()
-    return set(abstract.manual_axes) if not abstract.empty else set()
-
-
 def _batch_axes(layout, manual: set[str]) -> tuple[str, ...]:
     """Mesh axes (size > 1, not already manual) that split the batch, outermost first."""
     if layout is None:
         return ()
-    return tuple(a for a in _entry(layout.activation_spec(P("batch")), 0) if a not in manual)
+    return tuple(a for a in entry_axes(layout.activation_spec(P("batch")), 0) if a not in manual)
 
 
 def _pin(x: jax.Array, spec: P, mesh) -> jax.Array:
-    if _manual_axes():  # inside a shard_map: the context mesh applies, minus its manual axes
+    if manual_axes():  # inside a shard_map: the context mesh applies, minus its manual axes
         return jax.lax.with_sharding_constraint(x, spec)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

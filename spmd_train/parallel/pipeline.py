@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.parallel.pipeline_plan import BACKWARD, FIELDS, FORWARD, Plan
+from spmd_train.parallel.pipeline_plan import FIELDS, PipelinePlan
 
 AXIS = "pipeline"
 
@@ -36,7 +36,7 @@ HeadFn = Callable[[Any, jax.Array, Any], jax.Array]
 """(head parameters, last chunk's output, the microbatch's targets) -> scalar loss of that microbatch."""
 
 
-def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: Plan, blocks: Any, head: Any, inputs: jax.Array,
+def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks: Any, head: Any, inputs: jax.Array,
                  targets: Any, *, mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, Any, Any, jax.Array]:
     """Loss and gradients of the mean over microbatches of head_fn(stages(inputs[i]), targets[i]).
 
@@ -58,7 +58,7 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: Plan, blocks: Any, he
         stage = jax.lax.axis_index(AXIS)
         # Device d holds rows [d*L/p, (d+1)*L/p) of the stack: its v chunks, in order.
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks)
-        chunk_params = lambda k: jax.tree.map(lambda a: a[k], chunks)  # noqa: E731
+        chunk_params = lambda k: jax.tree.map(lambda a: a[k], chunks)
         x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
         vjp_layout = _VjpLayout.of(stage_fn, chunk_params(0), x_like)
 
@@ -82,7 +82,7 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: Plan, blocks: Any, he
 
             def with_head(y):
                 loss_mb, (g_head, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, target)
-                return loss_mb / m, jax.tree.map(lambda g: g / m, g_head), dy / m
+                return (loss_mb / m).astype(jnp.float32), jax.tree.map(lambda g: g / m, g_head), dy / m
 
             def without_head(y):
                 return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(y)
@@ -127,7 +127,7 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: Plan, blocks: Any, he
         return loss, grads, head_grads, d_inputs
 
     block_spec = jax.tree.map(lambda _: P(AXIS), blocks)
-    rest_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    rest_spec = lambda tree: jax.tree.map(lambda _: P(), tree)
     abstract = jax.sharding.get_abstract_mesh()
     if not abstract.empty and (abstract.manual_axes or mesh is None):
         mesh = abstract

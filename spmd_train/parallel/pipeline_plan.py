@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd_train.parallel.schedules import Schedule, simulate
+from spmd_train.parallel.schedules import FORWARD, Schedule, simulate
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+IDLE_CODE, FORWARD_CODE, BACKWARD_CODE = 0, 1, 2
+"""A plan row's `kind` column: the integer index of the executor's `lax.switch` branch (the schedule
+table names the same ops "F" and "B")."""
 
 FIELDS = ("kind", "microbatch", "chunk", "read", "stash", "write_ct", "recv_act", "recv_ct")
 """Columns of a plan row. `chunk` is the local chunk index (global chunk // stages). `read`:
@@ -31,7 +33,7 @@ spare slot, one past the real ones, when nothing useful arrives)."""
 
 
 @dataclass(frozen=True)
-class Plan:
+class PipelinePlan:
     """The executor's program: `rows[t, s]` holds FIELDS for stage s at tick t."""
 
     rows: np.ndarray  # int32 [ticks, stages, len(FIELDS)]
@@ -67,7 +69,7 @@ class _Slots:
         return max((len(s) for s in self.free_at), default=0)
 
 
-def build_plan(schedule: Schedule) -> Plan:
+def build_plan(schedule: Schedule) -> PipelinePlan:
     """Validate the schedule and compile it into buffer-slot assignments per tick and stage."""
     simulate(schedule)  # raises on an invalid table
     p, last = schedule.stages, schedule.stages * schedule.virtual - 1
@@ -122,7 +124,7 @@ def build_plan(schedule: Schedule) -> Plan:
             if op is None:
                 continue
             mb, c = op.microbatch, op.chunk
-            r[col["kind"]] = FORWARD if op.kind == "F" else BACKWARD
+            r[col["kind"]] = FORWARD_CODE if op.kind == FORWARD else BACKWARD_CODE
             r[col["microbatch"]] = mb
             r[col["chunk"]] = c // p
             r[col["stash"]] = stash_of[(mb, c)]
@@ -131,4 +133,4 @@ def build_plan(schedule: Schedule) -> Plan:
                 r[col["write_ct"]] = write_ct.get((mb, c), ct_slots)
             else:
                 r[col["read"]] = read[("B", mb, c)]
-    return Plan(rows=rows, act_slots=act_slots, ct_slots=ct_slots, stash_slots=stash_slots, schedule=schedule)
+    return PipelinePlan(rows=rows, act_slots=act_slots, ct_slots=ct_slots, stash_slots=stash_slots, schedule=schedule)

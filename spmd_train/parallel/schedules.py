@@ -17,10 +17,12 @@ timing model alone; the tests prove the resulting tick counts equal the closed-f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from spmd_train.config.checks import divisors
+from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -123,9 +125,9 @@ def _list_schedule(orders: Sequence[Sequence[Op]], last_chunk: int) -> tuple[tup
     done: dict[Op, int] = {}
     position = [0] * len(orders)
     ticks: list[tuple[Op | None, ...]] = []
-    while any(pos < len(order) for pos, order in zip(position, orders)):
+    while any(pos < len(order) for pos, order in zip(position, orders, strict=False)):
         tick = len(ticks)
-        nexts = [order[pos] if pos < len(order) else None for pos, order in zip(position, orders)]
+        nexts = [order[pos] if pos < len(order) else None for pos, order in zip(position, orders, strict=False)]
         row = tuple(op if op is not None and all(done.get(dep, tick) < tick for dep in _inputs(op, last_chunk))
                     else None for op in nexts)
         if not any(row):  # cannot happen for the orders above; guards against an order that deadlocks
@@ -147,7 +149,7 @@ def _inputs(op: Op, last_chunk: int) -> tuple[Op, ...]:
     return Op(FORWARD, op.microbatch, op.chunk), Op(BACKWARD, op.microbatch, op.chunk + 1)
 
 
-_COUNTS = {"mesh.pipeline": "pipeline stages", "parallel.microbatches": "microbatches per step",
+_COUNTS = {"mesh.pipeline": "pipeline stages", "parallel.pipeline_microbatches": "microbatches per step",
            "parallel.virtual_stages": "model chunks per stage"}
 
 
@@ -155,7 +157,7 @@ def _check_request(name: str, stages: int, microbatches: int, virtual: int) -> N
     if name not in SCHEDULES:
         raise ConfigError(f"parallel.pipeline_schedule={name!r} is not a pipeline schedule "
                           f"(valid: {', '.join(SCHEDULES)})")
-    for key, value in (("mesh.pipeline", stages), ("parallel.microbatches", microbatches),
+    for key, value in (("mesh.pipeline", stages), ("parallel.pipeline_microbatches", microbatches),
                        ("parallel.virtual_stages", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{key}={value!r} is invalid: it counts {_COUNTS[key]} (valid: an integer >= 1)")
@@ -164,16 +166,16 @@ def _check_request(name: str, stages: int, microbatches: int, virtual: int) -> N
         raise ConfigError(f"parallel.virtual_stages={virtual} is invalid for parallel.pipeline_schedule={name}: "
                           f"only interleaved_1f1b runs several chunks per stage (valid: 1)")
     if name == "1f1b" and microbatches < stages:
-        raise ConfigError(f"parallel.microbatches={microbatches} is invalid {where}: 1F1B needs at least as many "
-                          f"microbatches as stages (valid: >= {stages})")
+        raise ConfigError(f"parallel.pipeline_microbatches={microbatches} is invalid {where}: 1F1B needs at least "
+                          f"as many microbatches as stages (valid: >= {stages})")
     if name == "interleaved_1f1b":
         if virtual < 2:
             raise ConfigError(f"parallel.virtual_stages={virtual} is invalid for parallel.pipeline_schedule="
                               f"interleaved_1f1b: interleaving needs at least 2 chunks per stage "
                               f"(valid: >= 2; for one chunk use 1f1b)")
         if microbatches % stages:
-            raise ConfigError(f"parallel.microbatches={microbatches} is not divisible by mesh.pipeline={stages}: "
-                              f"interleaved_1f1b runs microbatches in groups of {stages} "
+            raise ConfigError(f"parallel.pipeline_microbatches={microbatches} is not divisible by "
+                              f"mesh.pipeline={stages}: interleaved_1f1b runs microbatches in groups of {stages} "
                               f"(valid: a multiple of {stages})")
 
 
@@ -204,7 +206,7 @@ def simulate(schedule: Schedule) -> ScheduleStats:
             busy[stage] += 1
             in_flight[stage] += 1 if op.kind == FORWARD else -1
             transfers.extend(_sends(op, tick, p, last_chunk))
-        peak = [max(a, b) for a, b in zip(peak, in_flight)]  # counted at the end of each tick
+        peak = [max(a, b) for a, b in zip(peak, in_flight, strict=False)]  # counted at the end of each tick
     missing = [op for op in _all_ops(p, m, v) if op not in done]
     if missing:
         listed = ", ".join(f"{_label(op)} on stage {op.chunk % p}" for op in missing[:5])
@@ -269,10 +271,55 @@ def render_timeline(schedule: Schedule) -> str:
             return "."
         return f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if schedule.virtual > 1 else "")
 
-    rows = [[cell(op) for op in column] for column in zip(*schedule.ticks)] if schedule.ticks else []
+    rows = [[cell(op) for op in column] for column in zip(*schedule.ticks, strict=False)] if schedule.ticks else []
     width = max([len(str(schedule.num_ticks - 1)), *(len(c) for r in rows for c in r)], default=1)
     labels = [f"stage {s}" for s in range(schedule.stages)]
     margin = max(len("tick"), *(len(label) for label in labels))
     header = "tick".ljust(margin) + "".join(f" {t:>{width}}" for t in range(schedule.num_ticks))
-    lines = [header] + [label.ljust(margin) + "".join(f" {c:>{width}}" for c in r) for label, r in zip(labels, rows)]
+    lines = [header] + [label.ljust(margin) + "".join(f" {c:>{width}}" for c in r)
+                        for label, r in zip(labels, rows, strict=False)]
     return "\n".join(line.rstrip() for line in lines)
+
+
+# --- the pipeline keys, checked where the config meets the mesh ------------------------------------
+
+
+def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
+    """Pipeline keys against the model depth and the `rows` of the batch each device holds per step
+    (`sharding.arithmetic.rows_per_device`); the schedule checks its own numbers."""
+    p, par, m, t = sizes["pipeline"], cfg.parallel, cfg.model, cfg.train
+    v = par.virtual_stages
+    if par.pipeline_schedule != "interleaved_1f1b" and v != 1:
+        raise ConfigError(f"parallel.virtual_stages={v} is invalid for parallel.pipeline_schedule="
+                          f"{par.pipeline_schedule} (valid: 1; use interleaved_1f1b for virtual stages)")
+    if par.pipeline_schedule == "interleaved_1f1b" and v < 2:
+        raise ConfigError(f"parallel.virtual_stages={v} is invalid for interleaved_1f1b (valid: >= 2)")
+    if m.num_layers % (p * v):
+        preset = "" if m.preset is None else f", not preset {m.preset!r} as is"
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} x parallel.virtual_stages={v} "
+            f"= {p * v}: every stage{' chunk' if v > 1 else ''} gets the same number of layers "
+            f"(valid: a model with a multiple of {p * v} layers{preset}, "
+            f"or mesh.pipeline x virtual_stages in {divisors(m.num_layers)})"
+        )
+    micro = resolved_microbatches(cfg, p, rows)
+    if micro < 1 or rows % micro:
+        raise ConfigError(
+            f"parallel.pipeline_microbatches={micro} does not divide the {rows} rows each device gets per step "
+            f"(train.global_batch_size={t.global_batch_size} / train.grad_accum={t.grad_accum} / batch axes): "
+            f"microbatches must be equal (valid: a divisor of {rows}: {divisors(rows)})"
+        )
+    build_schedule(par.pipeline_schedule, p, micro, v)
+    if m.moe_every:
+        raise ConfigError(f"model.moe_every={m.moe_every} with mesh.pipeline={p}: MoE layers inside pipeline "
+                          "stages are not supported yet (valid: mesh.pipeline=1 for MoE models)")
+
+
+def resolved_microbatches(cfg: Config, stages: int, rows: int) -> int:
+    """parallel.pipeline_microbatches, or by default the largest of 4p, 2p, p that divides a device's rows per step."""
+    if cfg.parallel.pipeline_microbatches is not None:
+        return cfg.parallel.pipeline_microbatches
+    for m in (4 * stages, 2 * stages):
+        if rows % m == 0:
+            return m
+    return stages

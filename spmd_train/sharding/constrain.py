@@ -15,6 +15,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.sharding.arithmetic import manual_axes, without_axes
 from spmd_train.sharding.rules import Layout
 
 _ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("spmd_train_layout", default=None)
@@ -73,21 +74,9 @@ def _stored_bwd(names, layout, _, ct):
 _stored.defvjp(_stored_fwd, _stored_bwd)
 
 
-def _manual_axes() -> set[str]:
-    abstract = jax.sharding.get_abstract_mesh()
-    return set(abstract.manual_axes) if not abstract.empty else set()
-
-
 def _apply(x: jax.Array, layout: Layout, spec: P) -> jax.Array:
-    manual = _manual_axes()
+    manual = manual_axes()
     if not manual:
         return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
     # Inside a shard_map region the manual axes are already split by hand; constrain the rest.
-    return jax.lax.with_sharding_constraint(x, P(*(_without(entry, manual) for entry in spec)))
-
-
-def _without(entry, manual: set[str]):
-    if entry is None:
-        return None
-    axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in manual)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+    return jax.lax.with_sharding_constraint(x, without_axes(spec, manual))

@@ -10,6 +10,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.config.rules import ResolvedRules, resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 
@@ -21,30 +22,31 @@ LogicalSpec = P
 class Layout:
     """The resolved sharding rules for one run: which mesh axes each logical name maps to.
 
-    `params` is the table for fully sharded parameters (as written in the rules). The ZeRO
-    stage chooses per tree whether `fsdp` is kept: parameters keep it at stage 3, gradients
-    at stage >= 2, optimizer state at stage >= 1; otherwise that tree is replicated over
-    `fsdp`. Activation rules gain `tensor` on `norm_length` under sequence parallelism, and
-    parameter rules `pipeline` on `layers` when there is more than one pipeline stage.
+    `params` is the table for fully sharded parameters. The ZeRO stage chooses per tree
+    whether `fsdp` is kept: parameters keep it at stage 3, gradients at stage >= 2, optimizer
+    state at stage >= 1; otherwise that tree is replicated over `fsdp`. The tables are the
+    resolved rules (`config.rules.resolve_rules`: the preset, the config's entries and the
+    rules the code adds); a mesh axis may split only one dimension of an array.
     """
 
     mesh: Mesh
     params: Mapping[str, tuple[str, ...]]
     activations: Mapping[str, tuple[str, ...]]
     zero_stage: int
+    rules: ResolvedRules | None = None
+    """The resolved rules the tables came from (None for a layout built from tables by hand)."""
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> Layout:
         """The layout a config asks for, on a given mesh."""
-        acts = {k: tuple(v) for k, v in cfg.mesh.rules.activations.items()}
-        if cfg.parallel.sequence_parallel:
-            norm = acts.get("norm_length", ())
-            acts["norm_length"] = norm if "tensor" in norm else (*norm, "tensor")
-        params = {k: tuple(v) for k, v in cfg.mesh.rules.params.items()}
-        if mesh.shape.get("pipeline", 1) > 1 and "pipeline" not in params.get("layers", ()):
-            # Pipeline stages own contiguous blocks of the layer stack, whatever the preset says.
-            params["layers"] = ("pipeline", *params.get("layers", ()))
-        return cls(mesh=mesh, params=params, activations=acts, zero_stage=cfg.parallel.zero_stage)
+        rules = resolve_rules(cfg)
+        return cls(mesh=mesh, params=rules.params, activations=rules.activations, zero_stage=cfg.parallel.zero_stage,
+                   rules=rules)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the activation rule `batch` splits the batch over (size-1 axes included)."""
+        return self.activations.get("batch", ())
 
     def activation_spec(self, logical: LogicalSpec, shape: tuple[int, ...] | None = None) -> P:
         """Mesh PartitionSpec for an activation with these logical axes."""
@@ -82,12 +84,17 @@ class Layout:
         return NamedSharding(self.mesh, self.activation_spec(P("batch", None)))
 
     def _spec(self, logical: LogicalSpec, table: Mapping[str, tuple[str, ...]], shape, what: str) -> P:
-        used: set[str] = set()
+        used: dict[str, str] = {}
         out = []
         for dim, name in enumerate(logical):
-            axes = tuple(
-                a for a in (table.get(name, ()) if name is not None else ()) if self.mesh.shape[a] > 1 and a not in used
-            )
+            axes = tuple(a for a in (table.get(name, ()) if name is not None else ()) if self.mesh.shape[a] > 1)
+            for a in axes:
+                if a in used:
+                    raise ConfigError(
+                        f"{what} {tuple(logical)}: mesh axis {a!r} is mapped to both logical axes {used[a]!r} and "
+                        f"{name!r}, but it can split only one dimension of an array (change mesh.rules for one "
+                        f"of them; `spmd-train describe CONFIG --rules` shows the effective rules)"
+                    )
             if shape is not None and axes:
                 ways = 1
                 for a in axes:
@@ -98,7 +105,7 @@ class Layout:
                         f"{' x '.join(f'{a}={self.mesh.shape[a]}' for a in axes)} = {ways}: the size must be a "
                         f"multiple of {ways} (change the model dims, the mesh, or mesh.rules for {name!r})"
                     )
-            used.update(axes)
+            used.update(dict.fromkeys(axes, name))
             out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         while out and out[-1] is None:
             out.pop()

@@ -67,14 +67,14 @@ class Checkpointer:
         for step in reversed(self.steps()):
             try:
                 meta = self.read_meta(step)
-            except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is skipped the same way
+            except Exception as err:  # any unreadable checkpoint is skipped the same way
                 log.warning("checkpoint %s/%d is unreadable (%s); trying the one before it", self.directory, step,
                             type(err).__name__)
                 continue
             check(meta)
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:  # Orbax raises many types for a damaged step: fall back to the one before
                 log.warning("checkpoint %s/%d is corrupt (%s: %s); trying the one before it", self.directory, step,
                             type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
                 continue

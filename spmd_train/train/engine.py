@@ -21,16 +21,19 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.checks import check_layout
 from spmd_train.config.schema import Config
-from spmd_train.devices import simulate_devices
 from spmd_train.mesh import build_mesh
 from spmd_train.models.transformer import Transformer
+from spmd_train.ops import cross_entropy
+from spmd_train.parallel import Backends, resolve_backends
+from spmd_train.parallel.gradients import loss_and_grads
+from spmd_train.parallel.pipeline_plan import PipelinePlan
+from spmd_train.parallel.schedules import check_pipeline
+from spmd_train.sharding.arithmetic import local_shape, rows_per_device
 from spmd_train.sharding.constrain import constrain, use_layout
 from spmd_train.sharding.rules import Layout
-from spmd_train.train.gradients import loss_and_grads
-from spmd_train.train.loss import cross_entropy
-from spmd_train.parallel.pipeline_plan import Plan
-from spmd_train.train.pipelined import layer_order, pipeline_plan, pipeline_value_and_grad
+from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.optimizer import lr_schedule, make_optimizer
+from spmd_train.train.pipelined import layer_order, pipeline_plan, pipeline_value_and_grad
 
 
 class TrainState(NamedTuple):
@@ -48,6 +51,8 @@ class Engine:
     cfg: Config
     mesh: Mesh
     layout: Layout
+    backends: Backends
+    """The implementations chosen for this platform and mesh (attention, kernel blocks, experts)."""
     graphdef: nnx.GraphDef
     logical: Any
     """Pure dict of logical PartitionSpecs, one per parameter."""
@@ -57,25 +62,32 @@ class Engine:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     block_graphdef: nnx.GraphDef
-    plan: Plan | None = None
+    plan: PipelinePlan | None = None
     """The pipeline program when mesh.pipeline > 1."""
     layer_order: np.ndarray | None = None
     """Model layer of each stored row of the layer stack, when it is not the identity (interleaved 1F1B)."""
 
     @classmethod
     def build(cls, cfg: Config, devices: list[jax.Device] | None = None) -> Engine:
-        """Resolve the mesh and layout for `cfg` on `devices` (default: all) and prepare the step."""
-        if devices is None:
-            simulate_devices(cfg.run.simulate_devices)
+        """Resolve the mesh and layout for `cfg` on `devices` (default: all) and prepare the step.
+
+        Process set-up (simulated devices, the distributed runtime) is the entry points' job: the
+        CLI, `Trainer` and `describe` do it before the first device is looked at.
+        """
         mesh = build_mesh(cfg.mesh, devices)
-        check_layout(cfg, dict(mesh.shape), mesh.devices.flat[0].platform)
+        sizes = dict(mesh.shape)
+        check_layout(cfg, sizes, mesh.devices.flat[0].platform)
+        if sizes["pipeline"] > 1:
+            check_pipeline(cfg, sizes, rows_per_device(cfg, sizes))
         layout = Layout.from_config(cfg, mesh)
-        abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
+        backends = _backends(cfg, layout)
+        abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed), backends=backends))
         graphdef, abstract_state = nnx.split(abstract)
         block_graphdef = nnx.split(abstract.blocks)[0]
         logical = nnx.to_pure_dict(
             jax.tree.map(
-                lambda v: v.get_metadata()["logical_axes"], abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+                lambda v: v.get_metadata()["logical_axes"], abstract_state,
+                is_leaf=lambda x: isinstance(x, nnx.Variable)
             )
         )
         shapes = nnx.to_pure_dict(abstract_state)
@@ -95,8 +107,10 @@ class Engine:
             order = layer_order(cfg.model.num_layers, mesh.shape["pipeline"], cfg.parallel.virtual_stages)
             if (order == np.arange(order.size)).all():
                 order = None
-        return cls(cfg, mesh, layout, graphdef, logical, shapes, tx, lr_schedule(cfg.optim, cfg.train.steps),
-                   state_sh, layout.batch_sharding(), block_graphdef, plan, order)
+        return cls(cfg=cfg, mesh=mesh, layout=layout, backends=backends, graphdef=graphdef, logical=logical,
+                   param_shapes=shapes, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
+                   state_shardings=state_sh, batch_sharding=layout.batch_sharding(), block_graphdef=block_graphdef,
+                   plan=plan, layer_order=order)
 
     def init_state(self) -> TrainState:
         """Fresh parameters and optimizer state, created directly in their shardings.
@@ -109,17 +123,30 @@ class Engine:
     @functools.cached_property
     def init_fn(self):
         """The jitted initialiser: each device computes only its own shards."""
-        model_cfg, seed = self.cfg.model, self.cfg.train.seed
+        model_cfg, seed, backends = self.cfg.model, self.cfg.train.seed, self.backends
 
         order = self.layer_order
 
         def init():
-            params = nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed))))
+            params = nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed), backends=backends)))
             if order is not None:
                 params = _take_layers(params, order)
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
 
         return jax.jit(init, out_shardings=self.state_shardings)
+
+    def checkpoint_meta(self, step: int) -> dict[str, Any]:
+        """What a checkpoint written at `step` records about this run: config, mesh, rules, shapes, layer order."""
+        layout = self.layout
+        meta = layout_meta(self.cfg, self.mesh, {"params": dict(layout.params), "activations": dict(layout.activations),
+                                                 "zero_stage": layout.zero_stage}, self.param_shapes)
+        meta["data"] = {"source": self.cfg.data.source, "next_step": step}
+        meta["layer_order"] = self.stored_layer_order
+        return meta
+
+    def resolved(self) -> dict[str, Any]:
+        """What the engine derived from the config (effective sharding rules, backends), for config.json."""
+        return {"rules": self.layout.rules.to_json(), "backends": self.backends.to_json()}
 
     @property
     def num_params(self) -> int:
@@ -232,3 +259,15 @@ def _take_layers(tree: Any, index: np.ndarray) -> Any:
         return leaf[index] if in_stack and leaf.ndim and leaf.shape[0] == len(index) else leaf
 
     return jax.tree_util.tree_map_with_path(take, tree)
+
+
+def _backends(cfg: Config, layout: Layout) -> Backends:
+    """The run's implementations, from the platform of its devices and each device's attention shapes."""
+    m, sizes = cfg.model, dict(layout.mesh.shape)
+    rows = cfg.train.global_batch_size // cfg.train.grad_accum
+    hd = m.resolved_head_dim
+    q = local_shape((rows, cfg.train.seq_len, m.num_heads, hd),
+                    layout.activation_spec(P("batch", "length", "heads", "head_dim")), sizes)
+    kv = local_shape((rows, cfg.train.seq_len, m.num_kv_heads, hd),
+                     layout.activation_spec(P("batch", "length", "kv_heads", "head_dim")), sizes)
+    return resolve_backends(m, layout.mesh.devices.flat[0].platform, q, kv)

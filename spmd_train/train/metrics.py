@@ -27,7 +27,7 @@ class MetricsSink:
         self._file = self._tb = self._progress = None
         if not self.active:
             return
-        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._file = open(self.path, "a")  # kept open for the run; closed in close()
         from tensorboardX import SummaryWriter
 
         self._tb = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10)

@@ -9,6 +9,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.schema import OptimConfig
+from spmd_train.models.layers import STACKING_AXES
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -26,9 +27,10 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(logical_tree: Any) -> Any:
-    """Weight decay applies to matrices only: norm scales (one axis besides `layers`) are exempt."""
+    """Weight decay applies to matrices only: norm scales (one axis besides the stacking axes) are exempt."""
     return jax.tree.map(
-        lambda spec: sum(1 for name in spec if name != "layers") >= 2, logical_tree, is_leaf=lambda x: isinstance(x, P)
+        lambda spec: sum(1 for name in spec if name not in STACKING_AXES) >= 2, logical_tree,
+        is_leaf=lambda x: isinstance(x, P),
     )
 
 

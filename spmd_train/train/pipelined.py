@@ -23,17 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spmd_train.config.checks import resolved_microbatches, rows_per_device
 from spmd_train.config.schema import Config
 from spmd_train.models.transformer import RESIDUAL, apply_blocks
+from spmd_train.ops import cross_entropy
 from spmd_train.parallel.pipeline import run_pipeline, stash_layout
-from spmd_train.parallel.pipeline_plan import Plan, build_plan
-from spmd_train.parallel.schedules import build_schedule
+from spmd_train.parallel.pipeline_plan import PipelinePlan, build_plan
+from spmd_train.parallel.schedules import build_schedule, resolved_microbatches
+from spmd_train.sharding.arithmetic import rows_per_device
 from spmd_train.sharding.constrain import constrain
-from spmd_train.train.loss import cross_entropy
 
 
-def pipeline_plan(cfg: Config, sizes: dict[str, int]) -> Plan:
+def pipeline_plan(cfg: Config, sizes: dict[str, int]) -> PipelinePlan:
     """The validated schedule of a run on a mesh with these axis sizes, compiled for the executor."""
     par, p = cfg.parallel, sizes["pipeline"]
     microbatches = resolved_microbatches(cfg, p, rows_per_device(cfg, sizes))
@@ -53,7 +53,7 @@ def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
     return (model_chunk[:, None] * per_chunk + np.arange(per_chunk)[None, :]).reshape(-1)
 
 
-def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: Plan,
+def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: PipelinePlan,
                             mesh) -> Any:
     """(params, tokens [batch, length + 1]) -> ({"loss": mean loss}, gradients), run by the pipeline schedule."""
     m = plan.schedule.microbatches
@@ -64,7 +64,7 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
         rest = {k: v for k, v in params.items() if k != "blocks"}
         # Shape-only stand-ins: the embedding and the head never touch the layer stack.
         absent = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks)
-        model = lambda rest: nnx.merge(graphdef, {**rest, "blocks": absent})  # noqa: E731
+        model = lambda rest: nnx.merge(graphdef, {**rest, "blocks": absent})
         inputs = constrain(tokens[:, :-1], ("batch", "length"))
         targets = constrain(tokens[:, 1:], ("batch", "length"))
         rows = inputs.shape[0]
@@ -99,7 +99,7 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef):
     return stage_fn
 
 
-def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_shapes: Any, plan: Plan,
+def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_shapes: Any, plan: PipelinePlan,
                                rows_per_device: int) -> int:
     """Bytes one (microbatch, chunk) forward keeps for its backward on a device (upper bound).
 

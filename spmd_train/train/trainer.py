@@ -23,10 +23,11 @@ import numpy as np
 
 from spmd_train.config.schema import Config
 from spmd_train.data import make_source
+from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
 from spmd_train.models.flops import flops_per_token
-from spmd_train.train.checkpoint import Checkpointer, check_architecture, layout_meta
+from spmd_train.train.checkpoint import Checkpointer, check_architecture
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.metrics import MetricsSink, read_history
 
@@ -36,6 +37,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, devices: list[jax.Device] | None = None):
         self.cfg = cfg
+        if devices is None:
+            simulate_devices(cfg.run.simulate_devices)  # a no-op once jax has started (the CLI did it)
         self.engine = Engine.build(cfg, devices)
         self.data = make_source(cfg)
         self.run_dir = Path(cfg.run.dir)
@@ -76,11 +79,9 @@ class Trainer:
         if existing and self.cfg.train.resume == "never":
             raise ConfigError(f"run.dir={self.run_dir} already has checkpoints (steps {existing}) and "
                               "train.resume=never (valid: train.resume=auto to continue it, or a new run.dir)")
-        restored = self.checkpointer.restore_latest(self._abstract_state(), self._checker(self.run_dir)) \
-            if existing else None
+        restored = self._restore_latest(self.checkpointer, self.run_dir) if existing else None
         if restored is not None:
-            step, state, meta = restored
-            self.state = self.engine.reorder_layers(state, meta.get("layer_order"))
+            step, self.state = restored
             self.history = read_history(self.run_dir / "metrics.jsonl", step)
             self._say(f"resumed from {self.run_dir / 'checkpoints'} at step {step}")
         else:
@@ -89,15 +90,23 @@ class Trainer:
             if self.cfg.checkpoint.load_from:
                 self._load_weights(Path(self.cfg.checkpoint.load_from))
         if jax.process_index() == 0:
-            (self.run_dir / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+            # The config as given, then what the engine derived from it (ignored when the file is loaded).
+            record = {**asdict(self.cfg), "resolved": self.engine.resolved()}
+            (self.run_dir / "config.json").write_text(json.dumps(record, indent=2))
+        self._say(f"backends: {self.engine.backends.describe()}")
         return self.state
 
     def compile(self) -> None:
-        """Compile the train step once (timed apart from training)."""
+        """Compile the train step once (timed apart from training); keep its HLO in run.dir/compiled/."""
         if self._compiled is None:
             start = time.perf_counter()
             self._compiled = self.engine.train_step.lower(self.state, self._batch(self.step_count)).compile()
             self.compile_time_s = time.perf_counter() - start
+            if jax.process_index() == 0:
+                # The program the run ran, for inspection after the fact (collectives, fusions, memory).
+                out = self.run_dir / "compiled"
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "train_step.hlo.txt").write_text(self._compiled.as_text())
 
     def step(self) -> dict[str, Any]:
         """One optimizer step, synchronously; returns (and records) its metrics."""
@@ -158,23 +167,17 @@ class Trainer:
 
     def save(self, wait: bool = False) -> None:
         """Checkpoint the current state (async unless `wait` or checkpoint.async_save=false)."""
-        meta = layout_meta(self.cfg, self.mesh, {"params": dict(self.engine.layout.params),
-                                                 "activations": dict(self.engine.layout.activations),
-                                                 "zero_stage": self.engine.layout.zero_stage},
-                           self.engine.param_shapes)
-        meta["data"] = {"source": self.cfg.data.source, "next_step": self.step_count}
-        meta["layer_order"] = self.engine.stored_layer_order
-        self.checkpointer.save(self.step_count, self.state, meta)
+        self.checkpointer.save(self.step_count, self.state, self.engine.checkpoint_meta(self.step_count))
         if wait:
             self.checkpointer.wait()
 
     def restore(self, path: str | Path | None = None) -> TrainState:
         """Restore the latest checkpoint of this run (or of another run directory) onto this mesh."""
         source = Checkpointer(Path(path) / "checkpoints", read_only=True) if path else self.checkpointer
-        restored = source.restore_latest(self._abstract_state(), self._checker(Path(path or self.run_dir)))
+        restored = self._restore_latest(source, Path(path or self.run_dir))
         if restored is None:
             raise ConfigError(f"no checkpoint found in {source.directory}")
-        self.state = self.engine.reorder_layers(restored[1], restored[2].get("layer_order"))
+        self.state = restored[1]
         return self.state
 
     def evaluate(self, batches: int | None = None) -> float:
@@ -226,20 +229,23 @@ class Trainer:
     def _batch(self, step: int) -> jax.Array:
         return self.data.batch(step, self.engine.batch_sharding)
 
-    def _abstract_state(self) -> TrainState:
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            jax.eval_shape(self.engine.init_fn), self.engine.state_shardings)
-
-    def _checker(self, where: Path):
-        return lambda meta: check_architecture(meta, self.cfg, str(where))
+    def _restore_latest(self, source: Checkpointer, where: Path) -> tuple[int, TrainState] | None:
+        """The one restore path (resume, `restore()`, `load_from`): the latest restorable checkpoint of
+        `source`, checked against this run's architecture, resharded onto this mesh, layers in this run's order."""
+        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                jax.eval_shape(self.engine.init_fn), self.engine.state_shardings)
+        restored = source.restore_latest(abstract, lambda meta: check_architecture(meta, self.cfg, str(where)))
+        if restored is None:
+            return None
+        step, state, meta = restored
+        return step, self.engine.reorder_layers(state, meta.get("layer_order"))
 
     def _load_weights(self, path: Path) -> None:
         run_dir = path.parent if path.name == "checkpoints" else path
         source = Checkpointer(run_dir / "checkpoints", read_only=True)
         if not source.steps():
             raise ConfigError(f"checkpoint.load_from={path} holds no checkpoint (valid: a run.dir with checkpoints)")
-        _, restored, meta = source.restore_latest(self._abstract_state(), self._checker(run_dir))
-        restored = self.engine.reorder_layers(restored, meta.get("layer_order"))
+        _, restored = self._restore_latest(source, run_dir)
         self.state = self.state._replace(params=restored.params)
         self._say(f"started from the parameters in {run_dir / 'checkpoints'}")
 
@@ -266,7 +272,8 @@ class Trainer:
             "step_time_s": seconds,
             "tokens_per_sec": tokens / seconds,
             "tokens_per_sec_per_device": per_device,
-            "mfu": per_device * self.flops_per_token / self.peak_flops_per_device if self.peak_flops_per_device else None,
+            "mfu": (per_device * self.flops_per_token / self.peak_flops_per_device
+                    if self.peak_flops_per_device else None),
             "memory_bytes": _memory_in_use(self.mesh),
             "loss_floor": self.data.loss_floor,
         }

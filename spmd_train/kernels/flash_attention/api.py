@@ -11,7 +11,7 @@ import numpy as np
 
 from spmd_train.kernels.flash_attention import gpu_kernel, kernel
 from spmd_train.kernels.flash_attention.gpu_ops import ROWS_PER_WARPGROUP
-from spmd_train.kernels.flash_attention.kernel import Plan
+from spmd_train.kernels.flash_attention.kernel import KernelPlan
 
 
 @dataclass(frozen=True)
@@ -63,23 +63,24 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     `interpret` defaults to True on CPU: the kernels then run on the host, slowly, for testing.
     """
     q_seg, kv_seg = _check(q, k, v, causal, segment_ids)
-    device = jax.devices()[0].platform
+    # Called alone, the default platform decides; the model passes both (`parallel.Backends`).
+    device = jax.default_backend() if backend is None or interpret is None else None
     backend = backend or ("gpu" if device == "gpu" else "tpu")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not a flash-attention backend (valid: {', '.join(BACKENDS)})")
     interpret = device == "cpu" if interpret is None else interpret
     blocks = block_sizes or DEFAULT_BLOCKS["cpu" if backend == "tpu" and interpret else backend]
-    b, lq, h, d = q.shape
+    _b, lq, h, d = q.shape
     lk, kvh = k.shape[1], k.shape[2]
     if backend == "gpu":
         block_q, block_k = _gpu_blocks(q, k, blocks)
     else:
         block_q, block_k = _tpu_blocks(q, k, blocks, interpret)
     lq_pad, lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
-    plan = Plan(scale=float(softmax_scale if softmax_scale is not None else d**-0.5), causal=causal,
-                block_q=block_q, block_k=block_k, q_len=lq, kv_len=lk, groups=h // kvh, interpret=interpret,
-                poison=kernel.poison_requested(), gpu=backend == "gpu",
-                segments=segment_ids is not None or (lk_pad != lk and not causal))
+    plan = KernelPlan(scale=float(softmax_scale if softmax_scale is not None else d**-0.5), causal=causal,
+                      block_q=block_q, block_k=block_k, q_len=lq, kv_len=lk, groups=h // kvh, interpret=interpret,
+                      poison=kernel.poison_requested(), gpu=backend == "gpu",
+                      segments=segment_ids is not None or (lk_pad != lk and not causal))
     # [b, l, h, d] -> [b, h, l_padded, d]; padded keys get segment id -1 so nothing attends to them.
     qt = _pad(jnp.swapaxes(q, 1, 2), 2, lq_pad)
     kt = _pad(jnp.swapaxes(k, 1, 2), 2, lk_pad)
@@ -128,7 +129,7 @@ def _attention(q, k, v, q_seg, kv_seg, plan):
     return tuple(_kernels(plan).forward(q, k, v, q_seg, kv_seg, plan))
 
 
-def _kernels(plan: Plan):
+def _kernels(plan: KernelPlan):
     return gpu_kernel if plan.gpu else kernel
 
 
@@ -155,7 +156,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def _check(q, k, v, causal, segment_ids):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be [batch, length, heads, head_dim]; got shapes {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(f"q, k, v must be [batch, length, heads, head_dim]; "
+                         f"got shapes {q.shape}, {k.shape}, {v.shape}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got k {k.shape} and v {v.shape}")
     b, lq, h, d = q.shape

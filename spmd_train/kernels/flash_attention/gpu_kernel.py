@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from spmd_train.kernels.flash_attention.gpu_ops import ROWS_PER_WARPGROUP, HopperOps, cols, rows
-from spmd_train.kernels.flash_attention.kernel import MASK, Plan, kernel_name, last_kv_block
+from spmd_train.kernels.flash_attention.kernel import MASK, KernelPlan, kernel_name, last_kv_block
 
 LOG2E = math.log2(math.e)
 PIPELINE_STAGES = 2
@@ -52,7 +52,7 @@ def _tile_spec(block, dtype, index_map):
     return plgpu.BlockSpec(block_shape=block, index_map=index_map, transforms=_swizzled(dtype))
 
 
-def _kernel(body, *, plan: Plan, out_type, grid, names, wgs: int, name: str, args):
+def _kernel(body, *, plan: KernelPlan, out_type, grid, names, wgs: int, name: str, args):
     # Mosaic GPU names the kernel after its body function: keep the kernel name readable in profiles.
     body.__name__ = body.__qualname__ = name
     return plgpu.kernel(
@@ -72,7 +72,7 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _scores(ops: HopperOps, s, q_start, k_start, q_seg, k_seg, plan: Plan, *, transposed: bool):
+def _scores(ops: HopperOps, s, q_start, k_start, q_seg, k_seg, plan: KernelPlan, *, transposed: bool):
     """Base-2 scores of a tile and the mask of entries that count (None when nothing is masked).
 
     `transposed`: the tile is [keys, queries] (the dk/dv kernel) rather than [queries, keys]."""
@@ -91,7 +91,7 @@ def _scores(ops: HopperOps, s, q_start, k_start, q_seg, k_seg, plan: Plan, *, tr
     return s, keep
 
 
-def _kv_steps(block, n_kv: int, plan: Plan):
+def _kv_steps(block, n_kv: int, plan: KernelPlan):
     """K/V tiles a row block streams: all, or under causality those up to its last row (so fully
     masked tiles are never even copied in; the pipeline's trip count is dynamic)."""
     if not plan.causal:
@@ -111,7 +111,7 @@ def _masked(p, keep):
     return p if keep is None else jnp.where(keep, p, 0.0)
 
 
-def _stream_kv(step, context, block, n_kv: int, wgs: int, plan: Plan, dtype, d: int, k, v, k_seg):
+def _stream_kv(step, context, block, n_kv: int, wgs: int, plan: KernelPlan, dtype, d: int, k, v, k_seg):
     """Run `step` over the K/V tiles a row block needs, the producer warpgroup streaming them (and
     the key segment ids, when they can mask anything) through the shared-memory ring."""
     bk = plan.block_k
@@ -127,7 +127,7 @@ def _stream_kv(step, context, block, n_kv: int, wgs: int, plan: Plan, dtype, d: 
     pipeline(*refs)
 
 
-def forward(q, k, v, q_seg, kv_seg, plan: Plan):
+def forward(q, k, v, q_seg, kv_seg, plan: KernelPlan):
     """q [b, h, Lq, d], k/v [b, kvh, Lk, d], q_seg [b, Lq], kv_seg [b, Lk] -> (o, lse [b, h, Lq, 1])."""
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -196,7 +196,7 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
     return out, lse[..., None]
 
 
-def backward(q, k, v, q_seg, kv_seg, lse, do, delta, plan: Plan):
+def backward(q, k, v, q_seg, kv_seg, lse, do, delta, plan: KernelPlan):
     """Gradients (dq, dk, dv) from the log-sum-exp, the output cotangent and delta, both [b, h, Lq, 1]."""
     lse2 = lse[..., 0] * LOG2E  # base-2, as the kernels exponentiate
     delta = delta[..., 0]
@@ -205,7 +205,7 @@ def backward(q, k, v, q_seg, kv_seg, lse, do, delta, plan: Plan):
     return dq, dk, dv
 
 
-def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
+def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: KernelPlan):
     b, h, lq, d = q.shape
     lk = k.shape[2]
     bq, bk, dtype = plan.block_q, plan.block_k, q.dtype
@@ -270,10 +270,10 @@ def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
                    args=(q, k, v, q_seg, kv_seg, do, lse2, delta))
 
 
-def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: Plan):
-    b, h, lq, d = q.shape
+def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: KernelPlan):
+    b, _h, lq, d = q.shape
     kvh, lk = k.shape[1], k.shape[2]
-    bq, bk, g, dtype = plan.block_q, plan.block_k, plan.groups, q.dtype
+    bk, g, dtype = plan.block_k, plan.groups, q.dtype
     # Each compute warpgroup owns 64 keys; the pipeline streams 64-row query tiles (two fp32
     # [64, 64] score tiles plus the dk, dv accumulators fit the registers).
     wgs, r, step_q = bk // ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP

@@ -30,7 +30,7 @@ MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 @dataclass(frozen=True)
-class Plan:
+class KernelPlan:
     """Static facts about one attention call."""
 
     scale: float
@@ -67,12 +67,13 @@ def poison_requested() -> bool:
     return _POISON.get()
 
 
-def _call(body, *, plan: Plan, grid, in_specs, out_specs, out_shape, scratch, parallel: int, name, args):
+def _call(body, *, plan: KernelPlan, grid, in_specs, out_specs, out_shape, scratch, parallel: int, name, args):
     """pallas_call over a grid whose first `parallel` dimensions are independent and whose others
     accumulate into `scratch`; with NaN-filled outputs aliased in when the plan asks for poisoning."""
     semantics = ("parallel",) * parallel + ("arbitrary",) * (len(grid) - parallel)
-    common = dict(grid=grid, out_shape=out_shape, scratch_shapes=scratch, interpret=plan.interpret, name=name,
-                  compiler_params=None if plan.interpret else pltpu.CompilerParams(dimension_semantics=semantics))
+    common = {"grid": grid, "out_shape": out_shape, "scratch_shapes": scratch, "interpret": plan.interpret,
+              "name": name,
+              "compiler_params": None if plan.interpret else pltpu.CompilerParams(dimension_semantics=semantics)}
     if not plan.poison:
         return pl.pallas_call(body, in_specs=in_specs, out_specs=out_specs, **common)(*args)
     n_in, n_out = len(args), len(out_shape)
@@ -85,7 +86,7 @@ def _call(body, *, plan: Plan, grid, in_specs, out_specs, out_shape, scratch, pa
                           input_output_aliases={n_in + i: i for i in range(n_out)}, **common)(*args, *poison)
 
 
-def _scores(q, k, q_start, k_start, q_seg, k_seg, plan: Plan):
+def _scores(q, k, q_start, k_start, q_seg, k_seg, plan: KernelPlan):
     """Scaled scores of a [block_q, d] x [block_k, d] tile and the mask of entries that count."""
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * plan.scale
     rows = q_start + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
@@ -96,7 +97,7 @@ def _scores(q, k, q_start, k_start, q_seg, k_seg, plan: Plan):
     return jnp.where(mask, s, MASK), mask
 
 
-def _visible(q_start, k_start, plan: Plan):
+def _visible(q_start, k_start, plan: KernelPlan):
     """Whether a (row block, column block) pair has any unmasked entry under causality."""
     if not plan.causal:
         return True
@@ -111,7 +112,7 @@ def last_kv_block(i, block_q: int, block_k: int):
     return (i * block_q + block_q - 1) // block_k
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: Plan):
+def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: KernelPlan):
     j = pl.program_id(3)
     q_start, k_start = pl.program_id(2) * plan.block_q, j * plan.block_k
 
@@ -142,7 +143,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_s
         lse_ref[...] = m_sc[...] + jnp.log(safe)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc, *, plan: Plan):
+def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc, *, plan: KernelPlan):
     j = pl.program_id(3)
     q_start, k_start = pl.program_id(2) * plan.block_q, j * plan.block_k
 
@@ -166,7 +167,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc,
-                *, plan: Plan):
+                *, plan: KernelPlan):
     # One K/V block of one K/V head; the grid walks every query head of its group, then every row block.
     g, i = pl.program_id(3), pl.program_id(4)
     q_start, k_start = i * plan.block_q, pl.program_id(2) * plan.block_k
@@ -196,7 +197,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def forward(q, k, v, q_seg, kv_seg, plan: Plan):
+def forward(q, k, v, q_seg, kv_seg, plan: KernelPlan):
     """q [b, h, Lq, d], k/v [b, kvh, Lk, d], q_seg [b, Lq, 1], kv_seg [b, 1, Lk] -> (o, lse [b, h, Lq, 1])."""
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -221,7 +222,7 @@ def forward(q, k, v, q_seg, kv_seg, plan: Plan):
     )
 
 
-def backward(q, k, v, q_seg, kv_seg, lse, do, delta, plan: Plan):
+def backward(q, k, v, q_seg, kv_seg, lse, do, delta, plan: KernelPlan):
     """Gradients (dq, dk, dv) from the log-sum-exp, the output cotangent and delta [b, h, Lq, 1]
     (rowsum(dO * O) less the log-sum-exp's cotangent; see `api._attention_bwd`)."""
     b, h, lq, d = q.shape
@@ -275,20 +276,20 @@ KERNEL_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
 QK^T, dO V^T and dS K; QK^T, P^T dO, dO V^T and dS^T Q. `analysis.hlo` counts FLOPs from this."""
 
 
-def kernel_name(kind: str, plan: Plan) -> str:
+def kernel_name(kind: str, plan: KernelPlan) -> str:
     """The custom call's name: kernel, causality and block sizes, so compiled-program analysis can
     count the matmuls inside it (e.g. flash_attention_fwd_causal_q512_k512)."""
     return f"flash_attention_{kind}{'_causal' if plan.causal else ''}_q{plan.block_q}_k{plan.block_k}"
 
 
-def _kv_index(plan: Plan):
+def _kv_index(plan: KernelPlan):
     """K/V block to copy in for (row block i, step j): causal steps past the diagonal repeat the last."""
     if not plan.causal:
         return lambda i, j: j
     return lambda i, j: jnp.minimum(j, last_kv_block(i, plan.block_q, plan.block_k))
 
 
-def _q_index(plan: Plan):
+def _q_index(plan: KernelPlan):
     """Row block to copy in for (K/V block kb, step i): causal steps before the diagonal repeat the first."""
     if not plan.causal:
         return lambda kb, i: i

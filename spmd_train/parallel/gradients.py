@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.config.checks import BATCH_AXES
 from spmd_train.sharding.constrain import constrain
 from spmd_train.sharding.rules import Layout
 
@@ -46,7 +45,7 @@ def loss_and_grads(
     # An axis that splits some parameter besides FSDP (`expert` under MoE) stays automatic.
     splits = {a for sh in jax.tree.leaves(_shardings(layout, logical, params, fsdp=False))
               for e in sh.spec for a in ((e,) if isinstance(e, str) else e or ())}
-    manual = tuple(a for a in BATCH_AXES
+    manual = tuple(a for a in layout.batch_axes
                    if mesh.shape[a] > 1 and (a != "fsdp" or stage <= 1) and a not in splits)
     if not manual:
         loss, grads = _accumulate(value_and_grad, params, tokens, grad_accum, scatter=None)
@@ -67,7 +66,7 @@ def loss_and_grads(
         if stage == 2 and mesh.shape["fsdp"] > 1:
             # ZeRO-2: each microbatch's gradient is reduce-scattered into its shard as it is made.
             auto_specs = _specs(grad_layout, keep=lambda a: a not in manual)
-            scatter = lambda g: jax.lax.with_sharding_constraint(g, auto_specs)  # noqa: E731
+            scatter = lambda g: jax.lax.with_sharding_constraint(g, auto_specs)
         loss, grads = _accumulate(value_and_grad, params, tokens, grad_accum, scatter=scatter)
         grads = jax.lax.psum(grads, manual)  # the step's single reduction over these axes
         grads = jax.tree.map(lambda g: g / ways, grads)

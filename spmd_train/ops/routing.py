@@ -89,7 +89,9 @@ def aux_loss(scores: jax.Array, expert_idx: jax.Array, fraction: jax.Array | Non
     num_experts = scores.shape[-1]
     scores = scores.reshape(-1, num_experts)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    f = fraction if fraction is not None else expert_counts(expert_idx, num_experts).astype(jnp.float32) / scores.shape[0]
+    if fraction is None:
+        fraction = expert_counts(expert_idx, num_experts).astype(jnp.float32) / scores.shape[0]
+    f = fraction
     return num_experts * jnp.sum(f * jnp.mean(probs, axis=0))
 
 

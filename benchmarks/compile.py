@@ -30,9 +30,7 @@ def compile_seconds(layers: int) -> float:
     """Wall time to trace, lower and compile one train step of a `layers`-deep tiny model."""
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", [f"model.num_layers={layers}"])
     engine = Engine.build(cfg)
-    state = jax.eval_shape(engine.init_fn)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
-                         engine.state_shardings)
+    state = engine.abstract_state()
     tokens = jax.ShapeDtypeStruct((cfg.train.global_batch_size, cfg.train.seq_len + 1), "int32",
                                   sharding=engine.batch_sharding)
     start = time.perf_counter()

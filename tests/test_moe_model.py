@@ -16,7 +16,7 @@ from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
 from spmd_train.config.rules import resolve_rules
 from spmd_train.data import make_source
 from spmd_train.ops.routing import capacity
-from tests.runs import ROOT, abstract_like, cli, relative_error
+from tests.runs import ROOT, cli, relative_error
 
 CONFIG = ROOT / "configs" / "moe.yaml"
 NO_DROPS = "model.capacity_factor=8.0"  # >= num_experts / k: an expert can take every token of its group
@@ -108,7 +108,7 @@ def test_trainer_writes_moe_metrics_to_metrics_jsonl(tmp_path, devices):
 
 
 def _compiled_collectives(engine):
-    state = abstract_like(jax.eval_shape(engine.init_fn), engine.state_shardings)
+    state = engine.abstract_state()
     t = engine.cfg.train
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1), "int32", sharding=engine.batch_sharding)
     return collectives_of(engine.train_step.lower(state, tokens).compile().as_text(), engine.mesh)

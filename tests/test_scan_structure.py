@@ -5,16 +5,13 @@ import re
 import jax
 
 from spmd_train import Engine, load_config
-from tests.runs import abstract_like
 
 
 def _compiled_text(devices, layers):
     cfg = load_config(None, ["model.preset=tiny", "mesh.fsdp=4", "mesh.tensor=2", f"model.num_layers={layers}",
                              "train.global_batch_size=8", "train.seq_len=16"])
     engine = Engine.build(cfg, devices)
-    state = abstract_like(jax.eval_shape(engine.init_fn),
-        engine.state_shardings,
-    )
+    state = engine.abstract_state()
     tokens = jax.ShapeDtypeStruct((8, 17), "int32", sharding=engine.batch_sharding)
     return engine.train_step.lower(state, tokens).compile().as_text()
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train.models.flops import active_moe_mlp_params, matmul_params, moe_layer_count
 from spmd_train.ops.routing import capacity
-from spmd_train.sharding.arithmetic import entry_axes
+from spmd_train.sharding.arithmetic import entry_axes, spec_axes
 
 AXIS = "expert"
 
@@ -106,11 +106,8 @@ def _expert_params(engine) -> list[dict[str, Any]]:
     out = []
     for path, sharding in jax.tree_util.tree_flatten_with_path(engine.state_shardings.params)[0]:
         spec = tuple(sharding.spec)
-        if any(AXIS in _names(e) for e in spec):
+        if AXIS in spec_axes(sharding.spec):
             out.append({"path": ".".join(str(getattr(k, "key", k)) for k in path),
                         "spec": [list(e) if isinstance(e, tuple) else e for e in spec]})
     return out
 
-
-def _names(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

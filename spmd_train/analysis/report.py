@@ -170,11 +170,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         if topology is None:
             raise
         raise ConfigError(f"{err} (on TPU slice {topology} with {len(devices)} devices)") from None
-    state = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        jax.eval_shape(engine.init_fn),
-        engine.state_shardings,
-    )
+    state = engine.abstract_state()
     t = cfg.train
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1), "int32", sharding=engine.batch_sharding)
     pipeline = _pipeline_report(engine) if engine.plan is not None else None

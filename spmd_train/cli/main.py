@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command == "describe" and args.rules:
             rules = resolve_rules(cfg)
-            print(json.dumps(rules.to_json(), indent=2)) if args.json else render_rules(rules.to_json())
+            if args.json:
+                print(json.dumps(rules.to_json(), indent=2))
+            else:
+                render_rules(rules.to_json())
             return 0
         if args.command == "describe" and args.topology:
             _host_compiles_for_tpu()

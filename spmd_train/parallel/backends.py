@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from spmd_train.config.schema import ModelConfig
 from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
-from spmd_train.kernels.flash_attention.api import DEFAULT_BLOCKS
+from spmd_train.kernels.flash_attention.api import default_blocks
 
 ATTENTION = ("auto", "pallas", "cudnn", "xla")
 MOE = ("capacity", "dropless")
@@ -70,8 +70,7 @@ def resolve_backends(model: ModelConfig, platform: str, local_q: tuple[int, ...]
         raise ValueError(f"model.moe_impl={model.moe_impl!r} is not an implementation (valid: {', '.join(MOE)})")
     kernels = "gpu" if platform == "gpu" else "tpu"
     interpret = platform == "cpu"
-    default = DEFAULT_BLOCKS["cpu" if interpret else kernels]
-    blocks = BlockSizes(*model.attention_blocks) if model.attention_blocks else default
+    blocks = BlockSizes(*model.attention_blocks) if model.attention_blocks else default_blocks(kernels, interpret)
     impl, reason = model.attention, ""
     if impl == "auto":
         if platform == "tpu":

@@ -135,6 +135,11 @@ class Engine:
 
         return jax.jit(init, out_shardings=self.state_shardings)
 
+    def abstract_state(self) -> TrainState:
+        """The train state as ShapeDtypeStructs carrying their shardings: to lower, compile or restore into."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            jax.eval_shape(self.init_fn), self.state_shardings)
+
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         """What a checkpoint written at `step` records about this run: config, mesh, rules, shapes, layer order."""
         layout = self.layout

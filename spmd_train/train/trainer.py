@@ -232,9 +232,8 @@ class Trainer:
     def _restore_latest(self, source: Checkpointer, where: Path) -> tuple[int, TrainState] | None:
         """The one restore path (resume, `restore()`, `load_from`): the latest restorable checkpoint of
         `source`, checked against this run's architecture, resharded onto this mesh, layers in this run's order."""
-        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                jax.eval_shape(self.engine.init_fn), self.engine.state_shardings)
-        restored = source.restore_latest(abstract, lambda meta: check_architecture(meta, self.cfg, str(where)))
+        check = lambda meta: check_architecture(meta, self.cfg, str(where))
+        restored = source.restore_latest(self.engine.abstract_state(), check)
         if restored is None:
             return None
         step, state, meta = restored

@@ -25,6 +25,12 @@ class BlockSizes:
 DEFAULT_BLOCKS = {"tpu": BlockSizes(512, 512), "gpu": BlockSizes(128, 128), "cpu": BlockSizes(128, 128)}
 """Per backend; "cpu" is the TPU kernels interpreted. On GPU block_q is two compute warpgroups of 64 rows."""
 BACKENDS = ("tpu", "gpu")
+
+
+def default_blocks(backend: str, interpret: bool) -> BlockSizes:
+    """The block sizes used when none are given: per backend, smaller for the TPU kernels interpreted on CPU."""
+    return DEFAULT_BLOCKS["cpu" if backend == "tpu" and interpret else backend]
+
 TPU_VMEM_BUDGET = 32 * 2**20
 """Scoped VMEM these kernels may use on TPU (v5p reports 64 MiB; half leaves room for the compiler)."""
 
@@ -69,7 +75,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not a flash-attention backend (valid: {', '.join(BACKENDS)})")
     interpret = device == "cpu" if interpret is None else interpret
-    blocks = block_sizes or DEFAULT_BLOCKS["cpu" if backend == "tpu" and interpret else backend]
+    blocks = block_sizes or default_blocks(backend, interpret)
     _b, lq, h, d = q.shape
     lk, kvh = k.shape[1], k.shape[2]
     if backend == "gpu":

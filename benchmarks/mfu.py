@@ -3,7 +3,7 @@
 Usage: python benchmarks/mfu.py [--model llama-1b] [--seq 4096] [--batch 8] [--steps 8]
                                 [--impls cudnn pallas xla] [--remat full]
 Each implementation trains the same model from the same initial parameters on one device
-(the first jax device) with `model.attention=<impl>`: one warm-up step, then `--steps`
+(the first jax device) with `backends.attention=<impl>`: one warm-up step, then `--steps`
 synchronous steps whose median time gives tokens/s and MFU. MFU uses our model-FLOP count
 (`spmd_train.models.flops`: 6 x matmul parameters per token plus causal attention
 6 x layers x seq x d_model, the masked half not counted) over the device's dense bf16 peak
@@ -32,7 +32,7 @@ from spmd_train.train.trainer import Trainer
 
 def measure(impl: str, args, run_dir: str) -> dict:
     """Median step time, tokens/s and MFU of `steps` steps with attention `impl`, plus the first loss."""
-    overrides = [f"model.preset={args.model}", f"model.attention={impl}", f"parallel.remat={args.remat}",
+    overrides = [f"model.preset={args.model}", f"backends.attention={impl}", f"parallel.remat={args.remat}",
                  f"train.seq_len={args.seq}", f"train.global_batch_size={args.batch}",
                  f"train.steps={args.steps + 1}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
                  "checkpoint.every=0", f"run.dir={run_dir}/{impl}", "run.simulate_devices=null"]

@@ -4,10 +4,10 @@ Usage: python benchmarks/moe.py [--rounds 10] [--steps 10] [--gpu-tokens 8192]
 
 1. Side by side on 8 simulated CPU devices (always): the tiny MoE model with the settings of
    configs/moe.yaml (expert 4 x fsdp 2, batch 32 x 64, capacity factor 1.25) against a dense
-   model whose MLPs have the MoE layers' active width: d_ff = k x moe_d_ff, so each token meets
+   model whose MLPs have the MoE layers' active width: d_ff = k x model.moe.d_ff, so each token meets
    as many MLP weights in both (the router's d_model x E weights aside), and every other layer
    identical. moe-tiny has d_ff = 128 = 2 x 64 already, so the baseline is the same config with
-   model.moe_every=0. Timed in alternating rounds (noise hits both alike), median step time,
+   model.moe=null. Timed in alternating rounds (noise hits both alike), median step time,
    one step in flight (XLA:CPU collectives, DESIGN.md); reported as a ratio to the dense model.
 2. On a GPU (jax.devices()[0].platform == "gpu"): one Mixtral-sized MoE layer (d_model 4096,
    8 experts of hidden 14336, top-2, bf16) forward + backward on one device, capacity path and
@@ -55,6 +55,7 @@ from spmd_train.data import make_source  # noqa: E402
 from spmd_train.models.flops import flops_per_token, matmul_params  # noqa: E402
 from spmd_train.models.moe import MoE  # noqa: E402
 from spmd_train.ops.routing import capacity  # noqa: E402
+from spmd_train.parallel import resolve_backends  # noqa: E402
 
 CONFIG = ROOT / "configs" / "moe.yaml"
 
@@ -88,10 +89,10 @@ def side_by_side(rounds: int, steps: int) -> str:
     cpus = jax.devices("cpu")
     moe = Runner([], cpus)
     m = moe.cfg.model
-    dense_ff = m.experts_per_token * m.resolved_moe_d_ff
+    dense_ff = m.moe.experts_per_token * m.resolved_moe_d_ff
     # The MoE model's own dense layers must keep their width in the baseline ("other layers identical").
-    assert m.d_ff == dense_ff, f"model.d_ff={m.d_ff} differs from k x moe_d_ff={dense_ff}: no such baseline"
-    dense = Runner(["model.moe_every=0", f"model.d_ff={dense_ff}"], cpus)
+    assert m.d_ff == dense_ff, f"model.d_ff={m.d_ff} differs from k x model.moe.d_ff={dense_ff}: no such baseline"
+    dense = Runner(["model.moe=null", f"model.d_ff={dense_ff}"], cpus)
     for _ in range(2):  # warm-up
         moe.time(steps), dense.time(steps)
     times = {"moe": [], "dense": []}
@@ -101,9 +102,9 @@ def side_by_side(rounds: int, steps: int) -> str:
     t = moe.cfg.train
     tokens = t.global_batch_size * t.seq_len
     section = moe_section(moe.engine)
-    moe_name = (f"MoE (configs/moe.yaml: {section['moe_layers']} of {m.num_layers} layers {m.num_experts} experts "
-                f"top-{m.experts_per_token}, capacity factor {m.capacity_factor})")
-    dense_name = f"dense (moe_every=0, d_ff = k x moe_d_ff = {dense_ff})"
+    moe_name = (f"MoE (configs/moe.yaml: {section['moe_layers']} of {m.num_layers} layers {m.moe.num_experts} experts "
+                f"top-{m.moe.experts_per_token}, capacity factor {moe.cfg.backends.capacity_factor})")
+    dense_name = f"dense (model.moe=null, d_ff = k x moe.d_ff = {dense_ff})"
     rows = []
     for name, key, runner in ((dense_name, "dense", dense), (moe_name, "moe", moe)):
         step = statistics.median(times[key])
@@ -116,7 +117,8 @@ def side_by_side(rounds: int, steps: int) -> str:
         lines.append(f"| {name} | {params:,} | {active:,} | {flops:,.0f} | {step * 1e3:.1f} | {tps:,.0f} "
                      f"| {tps / base:.2f} |")
     a2a = section["all_to_all"]
-    slot_rows, assignments = m.num_experts * section["capacity_slots"], m.experts_per_token * section["group_tokens"]
+    slot_rows = m.moe.num_experts * section["capacity_slots"]
+    assignments = m.moe.experts_per_token * section["group_tokens"]
     note = (f"8 simulated CPU devices (mesh expert 4 x fsdp 2 for both; outside MoE layers `expert` is a batch "
             f"axis), batch {t.global_batch_size} x {t.seq_len} tokens, fp32, {rounds} alternating rounds of {steps} "
             f"steps after 2 warm-up rounds, median. The MoE step moves {a2a['count']} all-to-alls over `expert` "
@@ -132,16 +134,16 @@ def side_by_side(rounds: int, steps: int) -> str:
 
 def layer_rows(device: jax.Device, tokens: int, d: int = 4096, f: int = 14336, e: int = 8, k: int = 2) -> list[str]:
     """Forward and forward+backward TFLOP/s of one MoE layer (capacity, dropless) and the dense ceiling."""
-    base = load_config(None, ["model.moe_every=1", f"model.d_model={d}", "model.num_heads=32", "model.num_kv_heads=8",
-                              f"model.num_experts={e}", f"model.experts_per_token={k}", f"model.moe_d_ff={f}",
-                              "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16"]).model
+    base = load_config(None, ["model.moe.every=1", f"model.d_model={d}", "model.num_heads=32", "model.num_kv_heads=8",
+                              f"model.moe.num_experts={e}", f"model.moe.experts_per_token={k}", f"model.moe.d_ff={f}",
+                              "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16"])
     active = 2 * tokens * k * 3 * d * f  # forward FLOPs of the routed experts
     batch = max(1, tokens // 4096)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (batch, tokens // batch, d), jnp.bfloat16), device)
     rows = []
     for impl in ("capacity", "dropless"):
-        cfg = dataclasses.replace(base, moe_impl=impl)
-        graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0)))
+        choice = dataclasses.replace(base.backends, moe=impl)
+        graphdef, state = nnx.split(MoE(base.model, nnx.Rngs(0), resolve_backends(base.model, choice, device.platform)))
         params = jax.device_put(nnx.to_pure_dict(state), device)
 
         def forward(p, x, graphdef=graphdef, state=state):
@@ -152,7 +154,7 @@ def layer_rows(device: jax.Device, tokens: int, d: int = 4096, f: int = 14336, e
         fwd = jax.jit(forward)
         grad = jax.jit(jax.grad(lambda p, x: jnp.sum(forward(p, x).astype(jnp.float32)), argnums=(0, 1)))
         t_fwd, t_both = time_call(fwd, params, x), time_call(grad, params, x)
-        slots = "" if impl == "dropless" else f" ({e * capacity(k, tokens, cfg.capacity_factor, e)} slot rows " \
+        slots = "" if impl == "dropless" else f" ({e * capacity(k, tokens, choice.capacity_factor, e)} slot rows " \
             f"for {k * tokens} assignments)"
         rows.append(f"| MoE layer, {impl}{slots} | {active / t_fwd / 1e12:.0f} | {3 * active / t_both / 1e12:.0f} |")
 

@@ -1,6 +1,7 @@
 """Golden layout records: what each shipped run config puts on each device, checked in under tests/golden/.
 
-For every `configs/*.yaml` one JSON file `tests/golden/<stem>.json` holds, from `describe` (one compiled
+For every `configs/*.yaml` one JSON file `tests/golden/<stem>.json` holds (for `configs/mesh_presets.yaml`,
+one per mesh preset it is shipped to try: `tests/golden/mesh_presets-<preset>.json`), from `describe` (one compiled
 train step):
 - per parameter: its logical axes, its PartitionSpec (one entry per dimension: null, a mesh axis, or a
   list of mesh axes) and its bytes per device;
@@ -41,6 +42,9 @@ MAX_LINES = 40
 class Case:
     """How one shipped config is compiled for its golden record."""
 
+    config: str
+    """The stem of the run config in configs/."""
+
     overrides: tuple[str, ...] = ()
     """Applied on top of the config file. Only ones that keep the layout: the batch and length only
     change activation bytes, and the scanned layer stack gives every layer the same layout."""
@@ -49,20 +53,20 @@ class Case:
     heavy: bool = False
 
 
+MESH_PRESETS = ("ddp", "fsdp", "fsdp_tp", "hsdp", "tp_sp")
+"""The mesh presets configs/mesh_presets.yaml is shipped to try (pipeline has its own config)."""
+
 CASES: dict[str, Case] = {
-    "ddp": Case(),
-    "fsdp": Case(),
-    "fsdp_tp": Case(),
-    "hsdp": Case(),
-    "tp_sp": Case(),
-    "pipeline": Case(),
-    "moe": Case(),
-    "tiny": Case(),
+    **{f"mesh_presets-{p}": Case("mesh_presets", overrides=(f"mesh.preset={p}",)) for p in MESH_PRESETS},
+    "pipeline": Case("pipeline"),
+    "moe": Case("moe"),
+    "tiny": Case("tiny"),
     # 512 chips, fsdp 64 x tensor 8. Two layers instead of 32 (the scan keeps one layer's layout and
     # the same collectives per layer), the smallest batch the 64-way batch split allows and a short
     # sequence: the same collectives (op, axes, count) as two layers at the shipped 512 x 8192 (only
     # activation bytes shrink); ~15 s to compile instead of ~80 s for that (one layer is no faster).
     "llama3-8b_v5p-512": Case(
+        "llama3-8b_v5p-512",
         overrides=("model.num_layers=2", "train.global_batch_size=64", "train.seq_len=16"),
         topology="v5p:8x8x8",
         heavy=True,
@@ -97,19 +101,19 @@ def record(name: str, devices: list | None = None) -> dict[str, Any]:
     from spmd_train.analysis.report import describe
 
     case = CASES[name]
-    cfg = load_config(CONFIG_DIR / f"{name}.yaml", list(case.overrides))
+    cfg = load_config(CONFIG_DIR / f"{case.config}.yaml", list(case.overrides))
     if case.topology is not None:
         report = describe(cfg, topology=case.topology)
     else:
         devices = list(devices if devices is not None else jax.devices())
         want = cfg.run.simulate_devices
         if want is not None and (len(devices) != want or devices[0].platform != "cpu"):
-            raise RuntimeError(f"configs/{name}.yaml wants {want} simulated CPU devices, "
+            raise RuntimeError(f"configs/{case.config}.yaml wants {want} simulated CPU devices, "
                                f"got {len(devices)} {devices[0].platform} devices")
         report = describe(cfg, devices=devices)
     out = report.to_json()
     rec: dict[str, Any] = {
-        "config": f"configs/{name}.yaml",
+        "config": f"configs/{case.config}.yaml",
         "overrides": list(case.overrides),
         "topology": case.topology,
         "jax_version": jax.__version__,
@@ -266,7 +270,9 @@ def failure_message(name: str, lines: list[str], golden: dict, current: dict) ->
     shown = lines[:MAX_LINES]
     if len(lines) > MAX_LINES:
         shown.append(f"... and {len(lines) - MAX_LINES} more differences")
-    head = f"configs/{name}.yaml no longer matches tests/golden/{name}.json ({len(lines)} differences, golden -> now):"
+    case = CASES[name]
+    head = (f"configs/{case.config}.yaml{''.join(' ' + o for o in case.overrides)} no longer matches "
+            f"tests/golden/{name}.json ({len(lines)} differences, golden -> now):")
     notes = []
     if golden.get("overrides") != current.get("overrides") or golden.get("topology") != current.get("topology"):
         notes.append(f"note: the golden was recorded with overrides {golden.get('overrides')} on "
@@ -313,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.golden_layouts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the golden files (default: only compare)")
     parser.add_argument("--config", action="append", metavar="NAME", choices=sorted(CASES),
-                        help="only this config (a stem of configs/*.yaml); repeatable")
+                        help="only this case (a stem of configs/*.yaml, or mesh_presets-PRESET); repeatable")
     args = parser.parse_args(argv)
 
     # As in tests/conftest.py: 8 simulated CPU devices, set before jax initialises its backend.
@@ -323,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
     jax.config.update("jax_num_cpu_devices", 8)
 
-    missing = sorted(set(shipped_configs()) - set(CASES))
+    missing = sorted(set(shipped_configs()) - {c.config for c in CASES.values()})
     if missing:
         print(f"configs without a Case in tests/golden_layouts.py: {', '.join(missing)}", file=sys.stderr)
         return 1

@@ -82,7 +82,8 @@ def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
     donor.init()
     donor.run()
     donor.close()
-    child = _trainer(tmp_path / "child", devices, "mesh.data=8", "mesh.fsdp=1",
+    # Another mesh and another rope_theta (a context-length fine-tune): only the parameter shapes must match.
+    child = _trainer(tmp_path / "child", devices, "mesh.data=8", "mesh.fsdp=1", "model.rope_theta=50000.0",
                      f"checkpoint.load_from={tmp_path / 'donor'}")
     child.init()
     assert child.step_count == 0  # fresh optimizer and schedule, donor's weights
@@ -135,15 +136,39 @@ def test_an_interleaved_pipeline_checkpoint_restores_in_model_order_elsewhere(tm
     restorer.close()
 
 
-def test_architecture_check_covers_moe_keys_and_accepts_older_records():
+def test_resume_needs_the_whole_model_section_and_reads_records_of_older_versions():
     from dataclasses import asdict
 
-    from spmd_train.train.checkpoint import check_architecture
+    from spmd_train.train.checkpoint import check_same_model
 
-    dense = load_config(None, BASE)
-    meta = {"config": asdict(dense)}
-    with pytest.raises(ConfigError, match="model.moe_every: checkpoint 0, this run 2"):
-        check_architecture(meta, load_config(None, [*BASE, "model.preset=moe-tiny"]), "here")
-    older = {"config": {"model": {k: v for k, v in asdict(dense.model).items()
-                                  if "moe" not in k and "expert" not in k}}}
-    check_architecture(older, dense, "here")  # saved before the MoE keys existed: the defaults apply
+    dense, moe = load_config(None, BASE), load_config(None, [*BASE, "model.preset=moe-tiny"])
+    with pytest.raises(ConfigError, match=r"model.moe: checkpoint None, this run \{'every': 2"):
+        check_same_model({"config": asdict(dense)}, moe, "here")
+    # Not only the shapes: the model section is the model (load_from is the way to change it).
+    with pytest.raises(ConfigError, match="model.rope_theta: checkpoint 10000.0, this run 500.0.*load_from"):
+        check_same_model({"config": asdict(dense)}, load_config(None, [*BASE, "model.rope_theta=500.0"]), "here")
+    check_same_model({"config": asdict(moe)}, load_config(None, [*BASE, "model.preset=moe-tiny",
+                                                                  "backends.capacity_factor=2.0"]), "here")
+    # Written before model.moe and backends existed: flat MoE keys, implementations in the model section.
+    flat = {k: v for k, v in asdict(moe.model).items() if k != "moe"}
+    flat.update(moe_every=2, num_experts=8, experts_per_token=2, moe_d_ff=64, router_aux_weight=0.01,
+                capacity_factor=1.25, moe_impl="capacity", attention="auto", attention_blocks=None)
+    check_same_model({"config": {"model": flat}}, moe, "here")
+    with pytest.raises(ConfigError, match="model.moe.num_experts: checkpoint 4, this run 8"):
+        check_same_model({"config": {"model": {**flat, "num_experts": 4}}}, moe, "here")
+    older_dense = {k: v for k, v in asdict(dense.model).items() if k not in ("moe", "init_std")}
+    check_same_model({"config": {"model": {**older_dense, "moe_every": 0}}}, dense, "here")  # missing: defaults
+
+
+def test_load_from_needs_only_the_same_parameter_shapes():
+    from spmd_train.train.checkpoint import check_same_parameters
+
+    cfg = load_config(None, BASE)
+    shapes = {"w": jax.ShapeDtypeStruct((4, 8), np.float32)}
+    meta = {"config": {"model": {"d_model": 64}}, "param_shapes": {"['w']": [4, 8]}}
+    check_same_parameters(meta, load_config(None, [*BASE, "model.rope_theta=500.0"]), shapes, "there")
+    with pytest.raises(ConfigError, match=r"do not fit this model \(no model key differs\); 1 parameters differ, "
+                                          r"e.g. \['w'\]: checkpoint \[4, 8\], this run \[4, 9\]"):
+        check_same_parameters(meta, cfg, {"w": jax.ShapeDtypeStruct((4, 9), np.float32)}, "there")
+    with pytest.raises(ConfigError, match="model.d_model: checkpoint 64, this run 32"):
+        check_same_parameters(meta, load_config(None, [*BASE, "model.d_model=32"]), {}, "there")

@@ -31,7 +31,7 @@ def test_train_writes_metrics_and_learns(tmp_path):
     assert (run_dir / "checkpoints" / "40").is_dir() and list((run_dir / "tensorboard").glob("events.*"))
     # The backends are chosen once and said at start; config.json keeps them and the effective rules,
     # and loads back as the same config.
-    assert "backends: attention xla, experts capacity on cpu; auto: xla on cpu" in proc.stderr
+    assert "backends: attention xla, experts capacity (factor 1.25) on cpu; auto: xla on cpu" in proc.stderr
     record = json.loads((run_dir / "config.json").read_text())
     assert record["resolved"]["backends"]["attention"] == "xla"
     assert record["resolved"]["rules"]["params"]["embed"] == ["fsdp"]

@@ -29,7 +29,7 @@ def test_presets_fill_in_and_explicit_values_win(tmp_path):
     assert cfg.parallel.zero_stage == 3
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["mesh.tensor=4", "mesh.fsdp=2", "model.d_model=128"])
     assert (cfg.mesh.tensor, cfg.mesh.fsdp, cfg.model.d_model) == (4, 2, 128)
-    sp = load_config(ROOT / "configs" / "tp_sp.yaml")
+    sp = load_config(ROOT / "configs" / "mesh_presets.yaml", ["mesh.preset=tp_sp"])
     assert sp.parallel.sequence_parallel and sp.mesh.tensor == 4
 
 
@@ -89,9 +89,13 @@ def test_overrides_parse_yaml_scalars_and_lists():
         (["mesh.rules.params.embed=[fsdpp]"], ["mesh.rules.params.embed", "'fsdpp'", "tensor"]),
         (["mesh.data=4", "mesh.dcn.data=3"], ["mesh.dcn.data=3", "1, 2, 4"]),
         (["model.preset=nonexistent"], ["model.preset='nonexistent'", "tiny", "llama3-8b"]),
-        (["train.steps=0"], ["train.steps=0", "positive"]),
-        (["model.attention_blocks=[12,64]"], ["model.attention_blocks=[12, 64]", "positive multiples of 8"]),
-        (["model.attention_blocks=[64]"], ["model.attention_blocks", "[64]"]),
+        (["train.steps=0"], ["train.steps=0", "greater than or equal to 1"]),
+        (["data.val_fraction=1.0"], ["data.val_fraction=1.0", "less than 1"]),
+        (["model.moe.num_experts=0"], ["model.moe.num_experts=0", "greater than or equal to 1"]),
+        (["model.attention=xla"], ["'model.attention' has moved", "backends.attention"]),
+        (["model.moe_impl=dropless"], ["'model.moe_impl' has moved", "backends.moe"]),
+        (["backends.attention_blocks=[12,64]"], ["backends.attention_blocks=[12, 64]", "positive multiples of 8"]),
+        (["backends.attention_blocks=[64]"], ["backends.attention_blocks", "[64]"]),
         (["nonsense"], ["'nonsense'", "section.key=value"]),
         (["bogus.key=1"], ["unknown key 'bogus'", "model"]),
     ],

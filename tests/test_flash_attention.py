@@ -148,8 +148,8 @@ def test_unsupported_dtype():
 def test_inside_the_model_pallas_matches_xla(devices):
     from tests.runs import relative_error, run_steps
 
-    xla, xla_params, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.attention=xla"], devices)
-    pallas, pallas_params, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.attention=pallas"], devices)
+    xla, xla_params, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "backends.attention=xla"], devices)
+    pallas, pallas_params, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "backends.attention=pallas"], devices)
     assert np.max(np.abs(pallas - xla) / np.abs(xla)) <= 1e-5
     assert relative_error(pallas_params, xla_params) <= 1e-5
 
@@ -165,9 +165,9 @@ def test_model_attention_blocks_reach_the_kernels(devices, monkeypatch):
         return flash_attention(q, k, v, **kwargs)
 
     monkeypatch.setattr(module, "flash_attention", spy)
-    xla, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.attention=xla"], devices, steps=2)
-    pallas, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.attention=pallas",
-                                 "model.attention_blocks=[8,16]"], devices, steps=2)
+    xla, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "backends.attention=xla"], devices, steps=2)
+    pallas, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "backends.attention=pallas",
+                                 "backends.attention_blocks=[8,16]"], devices, steps=2)
     assert seen and set(seen) == {BlockSizes(8, 16)}  # 16 tokens: two row blocks, one K/V block each
     assert np.max(np.abs(pallas - xla) / np.abs(xla)) <= 1e-5
 
@@ -176,9 +176,9 @@ def test_inside_the_model_under_grad_accumulation_shard_map(devices):
     from tests.runs import run_steps
 
     xla, _, _, _ = run_steps(["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "train.grad_accum=2",
-                              "model.attention=xla"], devices, steps=2)
+                              "backends.attention=xla"], devices, steps=2)
     pallas, _, _, _ = run_steps(["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "train.grad_accum=2",
-                                 "model.attention=pallas"], devices, steps=2)
+                                 "backends.attention=pallas"], devices, steps=2)
     assert np.max(np.abs(pallas - xla) / np.abs(xla)) <= 1e-5
 
 
@@ -213,7 +213,7 @@ def test_kernels_compile_for_tpu_inside_shard_map(length):
 
 
 def test_vmem_does_not_grow_with_length_and_oversized_blocks_fall_back_clearly():
-    from spmd_train.config.schema import ModelConfig
+    from spmd_train.config.schema import BackendsConfig, ModelConfig
     from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
     from spmd_train.parallel import resolve_backends
 
@@ -223,13 +223,15 @@ def test_vmem_does_not_grow_with_length_and_oversized_blocks_fall_back_clearly()
     huge = BlockSizes(8192, 8192)
     assert tpu_vmem_bytes((1, 65536, 4, 128), (1, 65536, 1, 128), jnp.bfloat16, huge) > TPU_VMEM_BUDGET
     model = ModelConfig(num_heads=4, num_kv_heads=1, head_dim=128, compute_dtype="bfloat16")
-    fits = resolve_backends(model, "tpu", (1, 65536, 4, 128), (1, 65536, 1, 128))
+    auto = BackendsConfig()
+    fits = resolve_backends(model, auto, "tpu", (1, 65536, 4, 128), (1, 65536, 1, 128))
     assert (fits.attention, fits.kernels, fits.blocks, fits.interpret) == ("pallas", "tpu", (512, 512), False)
-    falls_back = resolve_backends(ModelConfig(**{**model.__dict__, "attention_blocks": (8192, 8192)}), "tpu",
+    falls_back = resolve_backends(model, BackendsConfig(attention_blocks=(8192, 8192)), "tpu",
                                   (1, 65536, 4, 128), (1, 65536, 1, 128))
     assert falls_back.attention == "xla" and "over the 32 MiB budget" in falls_back.reason
-    assert resolve_backends(model, "cpu").attention == "xla" and resolve_backends(model, "gpu").attention == "cudnn"
-    forced = resolve_backends(ModelConfig(**{**model.__dict__, "attention": "pallas"}), "cpu")
+    assert resolve_backends(model, auto, "cpu").attention == "xla"
+    assert resolve_backends(model, auto, "gpu").attention == "cudnn"
+    forced = resolve_backends(model, BackendsConfig(attention="pallas"), "cpu")
     assert (forced.attention, forced.interpret, forced.blocks) == ("pallas", True, (128, 128))
     x = jnp.zeros((1, 65536, 4, 128), jnp.bfloat16)
     kv = jnp.zeros((1, 65536, 1, 128), jnp.bfloat16)

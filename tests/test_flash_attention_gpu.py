@@ -102,15 +102,15 @@ def test_gpu_limits_are_clear_errors(shape, dtype, blocks, needle):
     (["model.compute_dtype=float32"], "needs model.compute_dtype=bfloat16 (the kernels feed wgmma bfloat16 "
                                       "operands); got float32"),
     (["model.compute_dtype=bfloat16", "model.head_dim=32"], "head_dim that is a multiple of 64; got 32"),
-    (["model.compute_dtype=bfloat16", "model.head_dim=64", "model.attention_blocks=[128,96]"],
-     "model.attention_blocks=[128, 96] does not suit the GPU kernels: each must be 64, 128, 192 or 256"),
+    (["model.compute_dtype=bfloat16", "model.head_dim=64", "backends.attention_blocks=[128,96]"],
+     "backends.attention_blocks=[128, 96] does not suit the GPU kernels: each must be 64, 128, 192 or 256"),
 ], ids=["dtype", "head-dim", "blocks"])
 def test_the_model_config_is_checked_for_the_gpu_kernels(overrides, needle):
     from spmd_train.config.checks import check_attention
     from spmd_train.errors import ConfigError
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
-                      ["model.attention=pallas", *overrides])
+                      ["backends.attention=pallas", *overrides])
     with pytest.raises(ConfigError) as err:
         check_attention(cfg, "gpu")
     assert needle in str(err.value)

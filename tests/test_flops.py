@@ -59,7 +59,7 @@ def test_mixtral_counts_active_parameters_by_hand():
 
 
 def test_moe_every_other_layer_with_shared_experts_by_hand():
-    m = load_config(None, ["model.preset=moe-tiny", "model.num_shared_experts=2"]).model
+    m = load_config(None, ["model.preset=moe-tiny", "model.moe.num_shared_experts=2"]).model
     d, f_dense, f_expert, e, k = 64, 128, 64, 8, 2
     attention = 2 * d * d + 2 * d * (4 * 8)  # 8 query heads, 4 K/V heads of width 8
     dense_mlp = 3 * d * f_dense
@@ -68,16 +68,16 @@ def test_moe_every_other_layer_with_shared_experts_by_hand():
     assert matmul_params(m) == 4 * attention + 2 * dense_mlp + 2 * moe_mlp + d * 256
 
 
-def test_dense_models_are_unchanged_by_the_moe_keys():
-    dense = load_config(None, ["model.preset=tiny"]).model
+def test_model_moe_null_is_the_dense_model():
+    dense = load_config(None, ["model.preset=tiny", "model.num_layers=4"]).model
     assert moe_layer_count(dense) == 0
-    ignored = load_config(None, ["model.preset=tiny", "model.num_experts=64", "model.experts_per_token=8"]).model
-    assert matmul_params(ignored) == matmul_params(dense)
+    off = load_config(None, ["model.preset=moe-tiny", "model.moe=null"]).model
+    assert moe_layer_count(off) == 0 and matmul_params(off) == matmul_params(dense)
 
 
 @pytest.mark.parametrize("overrides", [["model.preset=moe-tiny"],
-                                       ["model.preset=moe-tiny", "model.moe_every=1", "model.num_shared_experts=1",
-                                        "model.experts_per_token=1"]])
+                                       ["model.preset=moe-tiny", "model.moe.every=1", "model.moe.num_shared_experts=1",
+                                        "model.moe.experts_per_token=1"]])
 def test_active_count_matches_the_built_model(overrides):
     # From the engine's parameters: every matmul weight counts, routed-expert weights (logical axis
     # `experts`) scaled by k / E since a token meets k of the E experts; the embedding lookup and the
@@ -91,6 +91,6 @@ def test_active_count_matches_the_built_model(overrides):
         name = [str(getattr(p, "key", p)) for p in path]
         if name[0] == "embedding" or name[-1] == "scale":
             continue
-        share = m.experts_per_token / m.num_experts if "experts" in logical[path] else 1.0
+        share = m.moe.experts_per_token / m.moe.num_experts if "experts" in logical[path] else 1.0
         total += math.prod(leaf.shape) * share
     assert matmul_params(m) == pytest.approx(total, rel=1e-12)

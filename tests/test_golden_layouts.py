@@ -36,7 +36,7 @@ def _param(name):
 
 
 def test_every_shipped_config_has_a_golden_case():
-    assert sorted(CASES) == shipped_configs(), "add a Case to tests/golden_layouts.py, then run `make golden`"
+    assert sorted({case.config for case in CASES.values()}) == shipped_configs(), "add a Case to tests/golden_layouts.py, then run `make golden`"
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in sorted(CASES)])
@@ -57,7 +57,7 @@ def test_layout_matches_golden(name, devices):
 
 def test_a_lost_mesh_axis_is_named_in_the_message():
     # The comparison itself, on a recorded file (no compile): drop `fsdp` from the embedding's spec.
-    golden = load_golden("fsdp_tp")
+    golden = load_golden("mesh_presets-fsdp_tp")
     current = copy.deepcopy(golden)
     assert golden["params"]["embedding"]["spec"] == ["tensor", "fsdp"]
     before = golden["params"]["embedding"]["bytes_per_device"]
@@ -70,6 +70,6 @@ def test_a_lost_mesh_axis_is_named_in_the_message():
                         f"bytes_per_device {before} -> {before * 4} (+300.0%)")
     assert lines[1].startswith("collective ") and "gone" in lines[1]
     assert len(lines) == 2
-    message = failure_message("fsdp_tp", lines * 30, golden, current)
-    assert "... and 20 more differences" in message and "make golden CONFIG=fsdp_tp" in message
+    message = failure_message("mesh_presets-fsdp_tp", lines * 30, golden, current)
+    assert "... and 20 more differences" in message and "make golden CONFIG=mesh_presets-fsdp_tp" in message
     assert compare(golden, copy.deepcopy(golden)) == []

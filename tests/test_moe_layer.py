@@ -31,12 +31,13 @@ from spmd_train.config.checks import check_moe
 from spmd_train.models.moe import MoE
 from spmd_train.ops.experts import ExpertWeights
 from spmd_train.ops.routing import aux_loss, capacity, route, slot_positions, z_loss
+from spmd_train.parallel import resolve_backends
 from spmd_train.parallel.expert_dispatch import moe_ffn
 from tests.runs import abstract_like
 
 BATCH, LENGTH, D = 8, 16, 64
 AUX, Z = 0.3, 0.1  # weights of the router losses in the test objective, large enough to matter
-BASE = ["model.preset=tiny", "model.moe_every=1", "model.init_std=0.1", "parallel.zero_stage=3"]
+BASE = ["model.preset=tiny", "model.moe.every=1", "model.init_std=0.1", "parallel.zero_stage=3"]
 
 
 def _setup(devices, *overrides):
@@ -44,8 +45,13 @@ def _setup(devices, *overrides):
     return cfg, Layout.from_config(cfg, build_mesh(cfg.mesh, devices))
 
 
+def _backends(cfg):
+    """The implementations the engine would choose on a CPU (the layer tests build the layer alone)."""
+    return resolve_backends(cfg.model, cfg.backends, "cpu")
+
+
 def _layer(cfg, seed=0):
-    graphdef, state = nnx.split(MoE(cfg.model, nnx.Rngs(seed)))
+    graphdef, state = nnx.split(MoE(cfg.model, nnx.Rngs(seed), _backends(cfg)))
     return graphdef, state
 
 
@@ -121,7 +127,8 @@ CASES = [(m, k) for m in ("single", "expert1", "expert2", "expert4", "expert8") 
 @pytest.mark.parametrize(("mesh", "k"), CASES)
 def test_layer_and_gradients_equal_the_dense_loop_when_nothing_drops(devices, mesh, k):
     # capacity_factor = num_experts gives k x tokens slots per expert: nothing can drop.
-    cfg, layout = _setup(devices, f"model.experts_per_token={k}", "model.capacity_factor=8.0", *(MESHES[mesh] or []))
+    cfg, layout = _setup(devices, f"model.moe.experts_per_token={k}", "backends.capacity_factor=8.0",
+                         *(MESHES[mesh] or []))
     graphdef, state = _layer(cfg)
     x, cot = _inputs()
     y, stats, (grads, dx) = _layer_value_and_grads(None if MESHES[mesh] is None else layout, graphdef, state, x, cot)
@@ -134,7 +141,7 @@ def test_layer_and_gradients_equal_the_dense_loop_when_nothing_drops(devices, me
 
 
 def test_shared_experts_add_a_dense_swiglu(devices):
-    cfg, layout = _setup(devices, "model.num_shared_experts=2", "model.moe_d_ff=32", "model.capacity_factor=8.0",
+    cfg, layout = _setup(devices, "model.moe.num_shared_experts=2", "model.moe.d_ff=32", "backends.capacity_factor=8.0",
                          "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2")
     graphdef, state = _layer(cfg)
     x, cot = _inputs()
@@ -149,8 +156,8 @@ def test_shared_experts_add_a_dense_swiglu(devices):
 def test_bfloat16_compute_stays_close_to_the_fp32_loop(devices, monkeypatch, impl):
     # Also guards an XLA:CPU abort on bf16 psum / psum_scatter in a partly manual shard_map.
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    cfg, layout = _setup(devices, "model.compute_dtype=bfloat16", "model.capacity_factor=8.0",
-                         f"model.moe_impl={impl}", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2")
+    cfg, layout = _setup(devices, "model.compute_dtype=bfloat16", "backends.capacity_factor=8.0",
+                         f"backends.moe={impl}", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2")
     graphdef, state = _layer(cfg)
     x, cot = _inputs()
     x = x.astype(jnp.bfloat16)
@@ -162,8 +169,8 @@ def test_bfloat16_compute_stays_close_to_the_fp32_loop(devices, monkeypatch, imp
 
 
 def test_stacked_layer_parameters_carry_a_layers_axis():
-    cfg = load_config(None, [*BASE, "model.num_shared_experts=1"])
-    _, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg.model, nnx.Rngs(0), stack=3)))
+    cfg = load_config(None, [*BASE, "model.moe.num_shared_experts=1"])
+    _, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg.model, nnx.Rngs(0), _backends(cfg), stack=3)))
     logical, shapes = _logical(state), nnx.to_pure_dict(state)
     assert shapes["w_gate"].shape == (3, 8, D, 128) and shapes["w_down"].shape == (3, 8, 128, D)
     assert tuple(logical["w_gate"]) == ("layers", "experts", "embed", "expert_mlp")
@@ -212,7 +219,7 @@ def test_dropped_assignments_match_first_choices_first_in_token_order(devices, m
 
 
 def test_dropped_fraction_stat_matches_the_reference_queues(devices):
-    cfg, layout = _setup(devices, "model.capacity_factor=0.5", "mesh.expert=4", "mesh.fsdp=2")
+    cfg, layout = _setup(devices, "backends.capacity_factor=0.5", "mesh.expert=4", "mesh.fsdp=2")
     graphdef, state = _layer(cfg)
     x, cot = _inputs()
     _, stats, _ = _layer_value_and_grads(layout, graphdef, state, x, cot)
@@ -273,8 +280,8 @@ def test_z_loss_is_the_mean_squared_logsumexp():
 
 
 def _compiled_collectives(devices, overrides, *, backward):
-    cfg, layout = _setup(devices, "model.capacity_factor=1.25", *overrides)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg.model, nnx.Rngs(0))))
+    cfg, layout = _setup(devices, "backends.capacity_factor=1.25", *overrides)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg.model, nnx.Rngs(0), _backends(cfg))))
     shapes = nnx.to_pure_dict(state)
     shardings = layout.param_shardings(_logical(state), shapes)
     x_sh = NamedSharding(layout.mesh, layout.activation_spec(P("batch", "length", "embed")))
@@ -304,7 +311,7 @@ def test_one_all_to_all_each_way_per_layer_with_slot_bytes(devices, mesh, backwa
     assert [(c.axes, c.count) for c in a2a] == [(("expert",), 4 if backward else 2)]
     n = cfg.mesh.expert
     rows = BATCH // (n * cfg.mesh.fsdp)
-    slots = cfg.model.num_experts * capacity(2, rows * LENGTH, 1.25, cfg.model.num_experts)
+    slots = cfg.model.moe.num_experts * capacity(2, rows * LENGTH, 1.25, cfg.model.moe.num_experts)
     assert a2a[0].group_size == n
     assert a2a[0].bytes == pytest.approx(a2a[0].count * slots * D * 4 * (n - 1) / n)
 
@@ -313,7 +320,7 @@ def test_one_all_to_all_each_way_per_layer_with_slot_bytes(devices, mesh, backwa
 
 
 def test_dropless_single_device_equals_the_dense_loop(devices):
-    cfg, _ = _setup(devices, "model.moe_impl=dropless", "model.capacity_factor=0.1")
+    cfg, _ = _setup(devices, "backends.moe=dropless", "backends.capacity_factor=0.1")
     graphdef, state = _layer(cfg)
     x, cot = _inputs()
     y, stats, (grads, dx) = _layer_value_and_grads(None, graphdef, state, x, cot)
@@ -331,7 +338,7 @@ def test_dropless_exchange_equals_the_dense_loop_with_an_emulated_ragged_all_to_
     # XLA:CPU cannot run ragged_all_to_all; an all_gather emulation of its documented semantics
     # checks the offsets and sizes this layer computes (the TPU test below checks the real op compiles).
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    cfg, layout = _setup(devices, "model.moe_impl=dropless", *mesh)
+    cfg, layout = _setup(devices, "backends.moe=dropless", *mesh)
     graphdef, state = _layer(cfg)
     x, cot = _inputs()
     y, _stats, (grads, dx) = _layer_value_and_grads(layout, graphdef, state, x, cot)
@@ -346,8 +353,8 @@ def test_dropless_exchange_equals_the_dense_loop_with_an_emulated_ragged_all_to_
 @pytest.mark.parametrize("mesh", [["mesh.expert=8", "mesh.fsdp=1"], ["mesh.expert=4", "mesh.fsdp=2"]])
 def test_dropless_compiles_for_tpu_with_ragged_all_to_all(mesh):
     devices = tpu_topology_devices("v5e:2x4")
-    cfg, layout = _setup(devices, "model.moe_impl=dropless", *mesh)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg.model, nnx.Rngs(0))))
+    cfg, layout = _setup(devices, "backends.moe=dropless", *mesh)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg.model, nnx.Rngs(0), _backends(cfg))))
     shapes = nnx.to_pure_dict(state)
     shardings = layout.param_shardings(_logical(state), shapes)
 
@@ -369,17 +376,14 @@ SIZES = {"data": 1, "pipeline": 1, "fsdp": 2, "sequence": 1, "expert": 4, "tenso
 
 
 @pytest.mark.parametrize(("overrides", "sizes", "platform", "names"), [
-    (["model.num_experts=6"], SIZES, "gpu", ["num_experts=6", "mesh.expert=4", "1, 2, 3, 6"]),
-    (["model.experts_per_token=9"], SIZES, "gpu", ["experts_per_token=9", "num_experts=8", "1 to 8"]),
-    (["model.experts_per_token=0"], SIZES, "gpu", ["experts_per_token=0", "1 to 8"]),
-    (["model.capacity_factor=0.0"], SIZES, "gpu", ["capacity_factor=0.0", "> 0"]),
-    (["model.moe_every=-1"], SIZES, "gpu", ["moe_every=-1", "num_layers=2"]),
-    (["model.moe_every=3"], SIZES, "gpu", ["moe_every=3", "num_layers=2", "0, 1, 2"]),
-    (["model.moe_impl=dropless"], SIZES, "cpu", ["moe_impl=dropless", "XLA:CPU", "moe_impl=capacity",
-                                                 "--topology"]),
+    (["model.moe.num_experts=6"], SIZES, "gpu", ["num_experts=6", "mesh.expert=4", "1, 2, 3, 6"]),
+    (["model.moe.experts_per_token=9"], SIZES, "gpu", ["experts_per_token=9", "num_experts=8", "1 to 8"]),
+    (["model.moe.every=3"], SIZES, "gpu", ["model.moe.every=3", "num_layers=2", "valid: 1, 2", "model.moe=null"]),
+    (["backends.moe=dropless"], SIZES, "cpu", ["backends.moe=dropless", "XLA:CPU", "backends.moe=capacity",
+                                               "--topology"]),
 ])
 def test_check_moe_names_the_values_and_what_is_valid(overrides, sizes, platform, names):
-    cfg = load_config(None, ["model.preset=tiny", "model.moe_every=1", *overrides])
+    cfg = load_config(None, ["model.preset=tiny", "model.moe.every=1", *overrides])
     with pytest.raises(ConfigError) as err:
         check_moe(cfg, sizes, platform)
     for name in names:
@@ -387,7 +391,22 @@ def test_check_moe_names_the_values_and_what_is_valid(overrides, sizes, platform
 
 
 def test_check_moe_accepts_a_valid_layout_and_ignores_moe_keys_when_off():
-    cfg = load_config(None, ["model.preset=tiny", "model.moe_every=2", "model.moe_impl=dropless"])
+    cfg = load_config(None, ["model.preset=tiny", "model.moe.every=2", "backends.moe=dropless"])
     check_moe(cfg, SIZES, "tpu")
-    off = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_every=0, num_experts=3))
+    off = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=None))
     check_moe(off, SIZES, "cpu")
+
+
+@pytest.mark.parametrize(("override", "needles"), [
+    ("model.moe.experts_per_token=0", ["model.moe.experts_per_token=0", "greater than or equal to 1"]),
+    ("model.moe.every=0", ["model.moe.every=0", "greater than or equal to 1"]),
+    ("model.moe.num_shared_experts=-1", ["model.moe.num_shared_experts=-1", "greater than or equal to 0"]),
+    ("backends.capacity_factor=0.0", ["backends.capacity_factor=0.0", "greater than 0"]),
+    ("model.moe_every=2", ["'model.moe_every' has moved", "model.moe.every", "model.moe=null"]),
+    ("model.capacity_factor=2.0", ["'model.capacity_factor' has moved", "backends.capacity_factor"]),
+])
+def test_single_moe_key_ranges_and_moved_keys_are_schema_errors(override, needles):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.preset=tiny", "model.moe.every=1", override])
+    for needle in needles:
+        assert needle in str(err.value)

@@ -19,7 +19,7 @@ from spmd_train.ops.routing import capacity
 from tests.runs import ROOT, cli, relative_error
 
 CONFIG = ROOT / "configs" / "moe.yaml"
-NO_DROPS = "model.capacity_factor=8.0"  # >= num_experts / k: an expert can take every token of its group
+NO_DROPS = "backends.capacity_factor=8.0"  # >= num_experts / k: an expert can take every token of its group
 ONE_DEVICE = ["mesh.expert=1", "mesh.fsdp=1"]
 MESHES = {
     "expert4_fsdp2": [],  # as configs/moe.yaml has it
@@ -81,11 +81,11 @@ def test_step_metrics_report_every_moe_layer_plausibly(one_device):
     for h in history:
         # Near-uniform routing at init: aux ~ k (its value under uniform routing), z ~ log(E)^2
         # (router logits ~ 0), max/mean load between 1 and its bound E / k.
-        assert m.experts_per_token * 0.95 < h["aux_loss"] < m.experts_per_token * 1.25
-        assert h["z_loss"] == pytest.approx(math.log(m.num_experts) ** 2, rel=0.1)
+        assert m.moe.experts_per_token * 0.95 < h["aux_loss"] < m.moe.experts_per_token * 1.25
+        assert h["z_loss"] == pytest.approx(math.log(m.moe.num_experts) ** 2, rel=0.1)
         assert h["dropped_fraction"] == 0.0  # capacity factor 8
         for i in range(2):
-            assert 1.0 <= h[f"expert_load.{i}"] <= m.num_experts / m.experts_per_token
+            assert 1.0 <= h[f"expert_load.{i}"] <= m.moe.num_experts / m.moe.experts_per_token
             assert h[f"expert_load.{i}"] > 1.0  # 4096 assignments never split exactly evenly here
 
 
@@ -134,7 +134,8 @@ def test_train_step_has_four_all_to_alls_per_moe_layer_with_slot_bytes(devices, 
     moe_layers = m.num_layers // m.moe_every
     # One group = the tokens one device holds of a microbatch (batch split over data x fsdp x expert).
     rows = t.global_batch_size // (accum * mesh.shape["data"] * mesh.shape["fsdp"] * n)
-    slots = m.num_experts * capacity(m.experts_per_token, rows * t.seq_len, m.capacity_factor, m.num_experts)
+    factor = cfg.backends.capacity_factor
+    slots = m.moe.num_experts * capacity(m.moe.experts_per_token, rows * t.seq_len, factor, m.moe.num_experts)
     assert [(c.axes, c.group_size) for c in a2a] == [(("expert",), n)]
     assert a2a[0].count == per_layer * moe_layers * accum
     assert a2a[0].bytes == pytest.approx(a2a[0].count * slots * m.d_model * 4 * (n - 1) / n)
@@ -142,7 +143,7 @@ def test_train_step_has_four_all_to_alls_per_moe_layer_with_slot_bytes(devices, 
     section = moe_section(engine)
     assert section["all_to_all"]["count"] == a2a[0].count
     assert section["all_to_all"]["bytes_per_device"] == pytest.approx(a2a[0].bytes)
-    assert section["capacity_slots"] * m.num_experts == slots
+    assert section["capacity_slots"] * m.moe.num_experts == slots
 
 
 @pytest.mark.heavy
@@ -189,7 +190,7 @@ def test_moe_section_without_exchange_and_dropless(devices):
     single = moe_section(Engine.build(load_config(CONFIG, ONE_DEVICE), devices[:1]))
     assert single["experts_per_device"] == 8 and single["expert_params"] == []
     assert single["all_to_all"]["count"] == 0 and single["group_tokens"] == 32 * 64
-    cfg = load_config(CONFIG, ["model.moe_impl=dropless"])
+    cfg = load_config(CONFIG, ["backends.moe=dropless"])
     engine = Engine.build(cfg, tpu_topology_devices("v5e:2x4")) if has_libtpu() else None
     if engine is not None:
         s = moe_section(engine)
@@ -202,7 +203,7 @@ def test_moe_section_without_exchange_and_dropless(devices):
 # A 32-token Markov chain: the router sees few distinct inputs, so without the load-balancing
 # loss it collapses onto few experts within ~100 steps (measured: the second MoE layer at the
 # max/mean bound E/k = 4, 40-60% dropped; with it: 1.2-1.3, <1% dropped, seeds 0 and 1).
-TRAINING = ["data.vocab_size=32", "train.steps=200", "model.capacity_factor=1.25"]
+TRAINING = ["data.vocab_size=32", "train.steps=200", "backends.capacity_factor=1.25"]
 TAIL = 20  # steps averaged at the end
 
 
@@ -225,7 +226,7 @@ def test_training_with_the_aux_loss_lowers_the_loss_and_balances_the_experts(dev
 
 @pytest.mark.heavy
 def test_training_without_the_aux_loss_is_visibly_less_balanced(devices):
-    history, _, _ = _train([*TRAINING, "model.router_aux_weight=0"], devices, 200)
+    history, _, _ = _train([*TRAINING, "model.moe.router_aux_weight=0"], devices, 200)
     load, dropped, _ = _balance(history)
     print(f"aux off: max/mean expert load {load:.3f}, dropped {dropped:.2%}")
     assert load >= 2.5  # vs <= 1.5 with the aux loss (measured 4.0 vs 1.2-1.3)
@@ -236,11 +237,11 @@ def test_training_without_the_aux_loss_is_visibly_less_balanced(devices):
 
 
 @pytest.mark.parametrize(("overrides", "needles"), [
-    (["model.num_experts=6"], ["model.num_experts=6", "mesh.expert=4", "1, 2, 3, 6"]),
-    (["model.experts_per_token=9"], ["model.experts_per_token=9", "model.num_experts=8", "1 to 8"]),
-    (["model.capacity_factor=0.0"], ["model.capacity_factor=0.0", "> 0"]),
-    (["model.capacity_factor=-1.5"], ["model.capacity_factor=-1.5", "> 0"]),
-    (["model.moe_impl=dropless"], ["model.moe_impl=dropless", "XLA:CPU", "moe_impl=capacity"]),
+    (["model.moe.num_experts=6"], ["model.moe.num_experts=6", "mesh.expert=4", "1, 2, 3, 6"]),
+    (["model.moe.experts_per_token=9"], ["model.moe.experts_per_token=9", "model.moe.num_experts=8", "1 to 8"]),
+    (["backends.capacity_factor=0.0"], ["backends.capacity_factor=0.0", "greater than 0"]),
+    (["backends.capacity_factor=-1.5"], ["backends.capacity_factor=-1.5", "greater than 0"]),
+    (["backends.moe=dropless"], ["backends.moe=dropless", "XLA:CPU", "backends.moe=capacity"]),
 ], ids=["experts-vs-mesh", "top-k-above-experts", "capacity-zero", "capacity-negative", "dropless-on-cpu"])
 def test_bad_moe_input_exits_2_with_a_message(tmp_path, overrides, needles):
     proc = cli("train", "configs/moe.yaml", f"run.dir={tmp_path / 'run'}", *overrides)

@@ -24,7 +24,7 @@ def test_only_parameters_with_two_matrix_axes_are_decayed():
     """With zero gradients AdamW moves a parameter only by its decay: norm scales (in MoE groups too,
     where a `sublayers` axis stacks them) must not move, every matrix must shrink."""
     # moe_every=2 stacks dense layers on (layers, sublayers) and MoE layers on (layers): both kinds at once.
-    cfg, params, logical = _model(["model.moe_every=2", "model.num_layers=4", "optim.weight_decay=0.5",
+    cfg, params, logical = _model(["model.moe.every=2", "model.num_layers=4", "optim.weight_decay=0.5",
                                    "optim.lr=0.1", "optim.warmup_steps=0"])
     tx = make_optimizer(cfg.optim, 10, logical)
 

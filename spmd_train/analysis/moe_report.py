@@ -4,7 +4,7 @@ Everything here is computed from the config, the mesh and the parameter sharding
 is compiled. The figures are the ones the compiled program is tested against
 (tests/test_moe_model.py): a group (the unit capacity is counted over) is the tokens one
 device holds of one microbatch, and each MoE layer exchanges its [E, C, d_model] slot
-buffer over `expert` four times per microbatch with moe_impl=capacity (there and back in
+buffer over `expert` four times per microbatch with backends.moe=capacity (there and back in
 the forward pass, and the transposes in the backward pass), six under any remat policy
 (the forward pass is rerun inside the backward pass, and no policy saves an all-to-all).
 """
@@ -48,26 +48,27 @@ def moe_section(engine) -> dict[str, Any] | None:
     groups = math.prod(mesh.shape[a] for a in batch_axes)
     rows = t.global_batch_size // (t.grad_accum * groups)
     tokens = rows * t.seq_len
-    dropless = m.moe_impl == "dropless"
-    slots = None if dropless else capacity(m.experts_per_token, tokens, m.capacity_factor, m.num_experts)
+    moe, choice = m.moe, cfg.backends
+    dropless = choice.moe == "dropless"
+    slots = None if dropless else capacity(moe.experts_per_token, tokens, choice.capacity_factor, moe.num_experts)
     dtype_bytes = jnp.dtype(m.compute_dtype).itemsize
     return {
         "moe_layers": layers,
-        "layers": [(i + 1) * m.moe_every - 1 for i in range(layers)],
-        "num_experts": m.num_experts,
-        "experts_per_token": m.experts_per_token,
-        "num_shared_experts": m.num_shared_experts,
+        "layers": [(i + 1) * moe.every - 1 for i in range(layers)],
+        "num_experts": moe.num_experts,
+        "experts_per_token": moe.experts_per_token,
+        "num_shared_experts": moe.num_shared_experts,
         "moe_d_ff": m.resolved_moe_d_ff,
-        "impl": m.moe_impl,
-        "capacity_factor": None if dropless else m.capacity_factor,
+        "impl": choice.moe,
+        "capacity_factor": None if dropless else choice.capacity_factor,
         "expert_axis": ways,
-        "experts_per_device": m.num_experts // ways,
+        "experts_per_device": moe.num_experts // ways,
         "batch_axes": batch_axes,
         "groups": groups,
         "group_rows": rows,
         "group_tokens": tokens,
         "capacity_slots": slots,
-        "slot_buffer_bytes": None if dropless else m.num_experts * slots * m.d_model * dtype_bytes,
+        "slot_buffer_bytes": None if dropless else moe.num_experts * slots * m.d_model * dtype_bytes,
         "expert_params": _expert_params(engine),
         "active_params": {"matmul": matmul_params(m), "per_moe_layer_mlp": active_moe_mlp_params(m),
                           "total": engine.num_params},
@@ -77,25 +78,25 @@ def moe_section(engine) -> dict[str, Any] | None:
 
 def _all_to_all(cfg, layers: int, ways: int, slots: int | None, tokens: int, dtype_bytes: int) -> dict[str, Any]:
     """Expected all-to-alls over `expert` per step: count and bytes each device sends."""
-    m, t = cfg.model, cfg.train
+    m, t, moe = cfg.model, cfg.train, cfg.model.moe
     if ways == 1:
         return {"count": 0, "bytes_per_device": 0.0, "exact": True,
                 "formula": "mesh.expert=1: every device holds every expert, no exchange"}
     per_layer = 4 if cfg.parallel.remat == "none" else 6
     count = layers * t.grad_accum * per_layer
     share = (ways - 1) / ways  # the part of each buffer that leaves the device
-    if m.moe_impl == "dropless":
+    if cfg.backends.moe == "dropless":
         # ragged_all_to_all moves what the routing decides; under balanced routing a share
         # (N-1)/N of the k x tokens assignments leaves the device each way.
-        exchange = m.experts_per_token * tokens * m.d_model * dtype_bytes * share
+        exchange = moe.experts_per_token * tokens * m.d_model * dtype_bytes * share
         formula = (f"{layers} layers x {t.grad_accum} microbatches x {per_layer} ragged exchanges "
-                   f"x k={m.experts_per_token} x {tokens} tokens x d_model={m.d_model} x {dtype_bytes} B "
+                   f"x k={moe.experts_per_token} x {tokens} tokens x d_model={m.d_model} x {dtype_bytes} B "
                    f"x ({ways}-1)/{ways} "
                    "(balanced routing; the real figure depends on the routing)")
         return {"count": count, "per_layer_per_microbatch": per_layer, "bytes_per_exchange": exchange,
                 "bytes_per_device": count * exchange, "exact": False, "formula": formula}
-    exchange = m.num_experts * slots * m.d_model * dtype_bytes * share
-    formula = (f"{layers} layers x {t.grad_accum} microbatches x {per_layer} all-to-alls x E={m.num_experts} "
+    exchange = moe.num_experts * slots * m.d_model * dtype_bytes * share
+    formula = (f"{layers} layers x {t.grad_accum} microbatches x {per_layer} all-to-alls x E={moe.num_experts} "
                f"x C={slots} x d_model={m.d_model} x {dtype_bytes} B x ({ways}-1)/{ways}")
     return {"count": count, "per_layer_per_microbatch": per_layer, "bytes_per_exchange": exchange,
             "bytes_per_device": count * exchange, "exact": True, "formula": formula}

@@ -20,12 +20,14 @@ import pydantic
 import yaml
 
 from spmd_train.config.checks import check_config
-from spmd_train.config.schema import Config
+from spmd_train.config.moved import MOVED_KEYS, upgrade_model_section
+from spmd_train.config.schema import Config, ModelConfig
 from spmd_train.errors import ConfigError
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _PRESET_SECTIONS = {"model": ("models", ("model",)), "mesh": ("meshes", ("mesh", "parallel"))}
 _ADAPTER = pydantic.TypeAdapter(Config)
+_MODEL = pydantic.TypeAdapter(ModelConfig)
 
 
 class _Loader(yaml.SafeLoader):
@@ -74,6 +76,15 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | Path | None = None)
         raise ConfigError(_describe_validation_error(err)) from None
     check_config(cfg)
     return cfg
+
+
+def model_from_record(model: Mapping[str, Any]) -> ModelConfig:
+    """A `model` section as a checkpoint recorded it (any version: moved keys are read anew, missing = defaults)."""
+    try:
+        return _MODEL.validate_json(json.dumps(upgrade_model_section(dict(model)), default=str))
+    except pydantic.ValidationError as err:
+        raise ConfigError("a checkpoint records a model section this version cannot read: "
+                          + _describe_validation_error(err).removeprefix("invalid config: ")) from None
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
@@ -185,9 +196,12 @@ def _deep_update(target: dict[str, Any], update: Mapping[str, Any]) -> None:
 def _describe_validation_error(err: pydantic.ValidationError) -> str:
     problems = []
     for e in err.errors():
-        loc = [str(p) for p in e["loc"]]
-        key = ".".join(loc)
+        key = _dotted(e["loc"])
         if e["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            loc = [str(p) for p in e["loc"]]
+            if key in MOVED_KEYS:
+                problems.append(f"{key!r} has moved: use {MOVED_KEYS[key]}")
+                continue
             valid = _valid_keys(loc[:-1])
             hint = difflib.get_close_matches(loc[-1], valid, n=1)
             problems.append(
@@ -196,8 +210,18 @@ def _describe_validation_error(err: pydantic.ValidationError) -> str:
                 + (f"; valid keys here: {', '.join(valid)}" if valid else "")
             )
         else:
-            problems.append(f"{key}={e['input']!r} is invalid: {e['msg']}")
+            # A validator's own sentence, without pydantic's "Value error, " prefix.
+            msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
+            problems.append(f"{key}={e['input']!r} is invalid: {msg}")
     return "invalid config: " + "; ".join(problems)
+
+
+def _dotted(loc: tuple) -> str:
+    """('mesh', 'rules', 'params', 'embed', 0) -> 'mesh.rules.params.embed[0]'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f"{'.' if out else ''}{part}"
+    return out
 
 
 def _valid_keys(loc: list[str]) -> list[str]:

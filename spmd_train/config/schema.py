@@ -8,9 +8,9 @@ before jax initialises. Validation is done by `spmd_train.config.load`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import ConfigDict
+from pydantic import AfterValidator, ConfigDict, Field
 
 # Unknown keys are errors and values are not coerced between types ("64" is not an int).
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -18,54 +18,84 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 MESH_AXES = ("data", "pipeline", "fsdp", "sequence", "expert", "tensor")
 """Public mesh axis names, outermost first: the fastest links go to the last axes."""
 
+MeshAxis = Literal[MESH_AXES]
 DType = Literal["float32", "bfloat16"]
 RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch"]
+
+# Single-key ranges live in the types: pydantic names the key, the value and the bound.
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+
+def _check_axis_size(size: int) -> int:
+    if size == 0 or size < -1:
+        raise ValueError("an axis size is a positive integer or -1 (fill with the remaining devices)")
+    return size
+
+
+def _check_blocks(blocks: tuple[int, int] | None) -> tuple[int, int] | None:
+    if blocks is not None and any(b < 8 or b % 8 for b in blocks):
+        raise ValueError("block_q and block_k must be positive multiples of 8 (e.g. [512, 512] on TPU, "
+                         "[128, 128] on GPU)")
+    return blocks
+
+
+AxisSize = Annotated[int, AfterValidator(_check_axis_size)]
+Blocks = Annotated[tuple[int, int] | None, AfterValidator(_check_blocks)]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: which layers route each token to k of E SwiGLU experts, and the router's losses."""
+
+    __pydantic_config__ = _STRICT
+
+    every: PositiveInt = 1
+    """Every k-th layer's MLP is an MoE layer (1: all of them); must divide model.num_layers."""
+    num_experts: PositiveInt = 8
+    """Routed experts per MoE layer (split over mesh.expert)."""
+    experts_per_token: PositiveInt = 2
+    """Top-k: experts each token is sent to (at most num_experts)."""
+    d_ff: PositiveInt | None = None
+    """Hidden width of each expert's SwiGLU; defaults to model.d_ff."""
+    num_shared_experts: NonNegativeInt = 0
+    """Experts every token goes through (one SwiGLU of width num_shared_experts x d_ff)."""
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """How router logits become expert scores before top-k (gates are renormalised to sum to 1)."""
+    router_aux_weight: NonNegativeFloat = 0.01
+    """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
+    router_z_weight: NonNegativeFloat = 0.001
+    """Weight of the router z-loss (mean squared logsumexp of router logits)."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only transformer architecture (Llama-style)."""
+    """The model: a decoder-only transformer (Llama-style), optionally with MoE layers.
+
+    This section is the architecture: a checkpoint resumes only into the same section (how it is
+    computed, the attention and expert implementations, is the `backends` section).
+    """
 
     __pydantic_config__ = _STRICT
 
     preset: str | None = None
-    num_layers: int = 2
-    d_model: int = 64
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    head_dim: int | None = None
-    d_ff: int = 128
-    vocab_size: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    num_layers: PositiveInt = 2
+    d_model: PositiveInt = 64
+    num_heads: PositiveInt = 8
+    num_kv_heads: PositiveInt = 4
+    head_dim: PositiveInt | None = None
+    d_ff: PositiveInt = 128
+    vocab_size: PositiveInt = 256
+    rope_theta: PositiveFloat = 10000.0
+    norm_eps: PositiveFloat = 1e-5
     tie_embeddings: bool = False
-    init_std: float = 0.02
+    init_std: PositiveFloat = 0.02
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
-    attention: Literal["auto", "pallas", "cudnn", "xla"] = "auto"
-    """auto: Pallas kernel on TPU, cuDNN on GPU, plain XLA on CPU (where Pallas runs only in interpret mode)."""
-    attention_blocks: tuple[int, int] | None = None
-    """(block_q, block_k) of the Pallas kernels; None: per-backend defaults (TPU 512 x 512, GPU 128 x 128)."""
-    moe_every: int = 0
-    """Mixture of experts: 0 = none; k = every k-th layer's MLP is an MoE layer."""
-    num_experts: int = 8
-    """Routed experts per MoE layer (split over mesh.expert)."""
-    experts_per_token: int = 2
-    """Top-k: experts each token is sent to."""
-    moe_d_ff: int | None = None
-    """Hidden width of each expert's SwiGLU; defaults to d_ff."""
-    capacity_factor: float = 1.25
-    """moe_impl=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts)."""
-    num_shared_experts: int = 0
-    """Experts every token goes through (one SwiGLU of width num_shared_experts x moe_d_ff)."""
-    router_aux_weight: float = 0.01
-    """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
-    router_z_weight: float = 0.001
-    """Weight of the router z-loss (mean squared logsumexp of router logits)."""
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
-    """How router logits become expert scores before top-k (gates are renormalised to sum to 1)."""
-    moe_impl: Literal["capacity", "dropless"] = "capacity"
-    """capacity: fixed slots per expert, overflow dropped (all-to-all); dropless: ragged all-to-all (GPU/TPU only)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts layers; null: a dense model."""
 
     @property
     def resolved_head_dim(self) -> int:
@@ -73,9 +103,30 @@ class ModelConfig:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
     @property
+    def moe_every(self) -> int:
+        """Every how many layers an MoE layer comes (0: a dense model)."""
+        return self.moe.every if self.moe is not None else 0
+
+    @property
     def resolved_moe_d_ff(self) -> int:
-        """Per-expert hidden width: `moe_d_ff` when set, else d_ff."""
-        return self.moe_d_ff if self.moe_d_ff is not None else self.d_ff
+        """Per-expert hidden width: `moe.d_ff` when set, else d_ff."""
+        return self.moe.d_ff if self.moe is not None and self.moe.d_ff is not None else self.d_ff
+
+
+@dataclass(frozen=True)
+class BackendsConfig:
+    """Which implementation computes attention and the experts; resolved once per run (`parallel.Backends`)."""
+
+    __pydantic_config__ = _STRICT
+
+    attention: Literal["auto", "pallas", "cudnn", "xla"] = "auto"
+    """auto: Pallas kernel on TPU, cuDNN on GPU, plain XLA on CPU (where Pallas runs only in interpret mode)."""
+    attention_blocks: Blocks = None
+    """(block_q, block_k) of the Pallas kernels; None: per-backend defaults (TPU 512 x 512, GPU 128 x 128)."""
+    moe: Literal["capacity", "dropless"] = "capacity"
+    """capacity: fixed slots per expert, overflow dropped (all-to-all); dropless: ragged all-to-all (GPU/TPU only)."""
+    capacity_factor: PositiveFloat = 1.25
+    """moe=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts)."""
 
 
 @dataclass(frozen=True)
@@ -84,12 +135,12 @@ class AxisFactors:
 
     __pydantic_config__ = _STRICT
 
-    data: int = 1
-    pipeline: int = 1
-    fsdp: int = 1
-    sequence: int = 1
-    expert: int = 1
-    tensor: int = 1
+    data: PositiveInt = 1
+    pipeline: PositiveInt = 1
+    fsdp: PositiveInt = 1
+    sequence: PositiveInt = 1
+    expert: PositiveInt = 1
+    tensor: PositiveInt = 1
 
 
 @dataclass(frozen=True)
@@ -104,8 +155,8 @@ class RulesConfig:
     __pydantic_config__ = _STRICT
 
     preset: str = "default"
-    activations: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    params: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    activations: dict[str, tuple[MeshAxis, ...]] = field(default_factory=dict)
+    params: dict[str, tuple[MeshAxis, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,12 +166,12 @@ class MeshConfig:
     __pydantic_config__ = _STRICT
 
     preset: str | None = None
-    data: int = 1
-    pipeline: int = 1
-    fsdp: int = -1
-    sequence: int = 1
-    expert: int = 1
-    tensor: int = 1
+    data: AxisSize = 1
+    pipeline: AxisSize = 1
+    fsdp: AxisSize = -1
+    sequence: AxisSize = 1
+    expert: AxisSize = 1
+    tensor: AxisSize = 1
     dcn: AxisFactors = field(default_factory=AxisFactors)
     rules: RulesConfig = field(default_factory=RulesConfig)
 
@@ -140,9 +191,9 @@ class ParallelConfig:
     remat: RematPolicy = "none"
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """Microbatch schedule of the pipeline stages (used when mesh.pipeline > 1)."""
-    pipeline_microbatches: int | None = None
+    pipeline_microbatches: PositiveInt | None = None
     """Microbatches per pipeline flush; default 4 x mesh.pipeline (fewer if the batch does not divide)."""
-    virtual_stages: int = 1
+    virtual_stages: PositiveInt = 1
     """Chunks of layers per device for interleaved_1f1b (>= 2 there, 1 otherwise)."""
 
 
@@ -152,14 +203,14 @@ class TrainConfig:
 
     __pydantic_config__ = _STRICT
 
-    steps: int = 100
-    global_batch_size: int = 8
-    seq_len: int = 64
-    grad_accum: int = 1
+    steps: PositiveInt = 100
+    global_batch_size: PositiveInt = 8
+    seq_len: PositiveInt = 64
+    grad_accum: PositiveInt = 1
     seed: int = 0
-    eval_every: int = 0
+    eval_every: NonNegativeInt = 0
     """Mean loss on the held-out split every this many steps (0: never), as `val_loss` in the metrics."""
-    eval_batches: int = 4
+    eval_batches: PositiveInt = 4
     """Global batches of the held-out split each evaluation averages over (the same ones every time)."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest complete checkpoint in run.dir; never: refuse a run.dir that has checkpoints."""
@@ -172,7 +223,7 @@ class OptimConfig:
     __pydantic_config__ = _STRICT
 
     lr: float = 3e-4
-    warmup_steps: int = 10
+    warmup_steps: NonNegativeInt = 10
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     clip_norm: float = 1.0
@@ -188,14 +239,14 @@ class DataConfig:
     __pydantic_config__ = _STRICT
 
     source: Literal["markov", "tokens", "text"] = "markov"
-    vocab_size: int | None = None
+    vocab_size: PositiveInt | None = None
     """Markov chain vocabulary; defaults to model.vocab_size."""
-    order: int = 1
-    concentration: float = 0.1
+    order: PositiveInt = 1
+    concentration: PositiveFloat = 0.1
     """Dirichlet concentration of each Markov transition row: small = peaky, large = near uniform."""
     paths: tuple[str, ...] = ()
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
-    val_fraction: float = 0.01
+    val_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.01
     packing: bool = True
 
 
@@ -206,9 +257,9 @@ class RunConfig:
     __pydantic_config__ = _STRICT
 
     dir: str = "runs/default"
-    simulate_devices: int | None = None
-    log_every: int = 10
-    peak_tflops: float | None = None
+    simulate_devices: PositiveInt | None = None
+    log_every: PositiveInt = 10
+    peak_tflops: PositiveFloat | None = None
     """Peak dense TFLOP/s per device for MFU; default: looked up by device kind (none on CPU)."""
     profile_steps: tuple[int, ...] = ()
     """[first, last] 1-based steps to capture a jax profiler trace of, into run.dir/profile."""
@@ -216,8 +267,8 @@ class RunConfig:
     """Start JAX's multi-controller runtime, detecting the cluster (SLURM, TPU pod, ...) from the environment."""
     coordinator: str | None = None
     """host:port of process 0; with num_processes and process_id, starts the runtime explicitly."""
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: PositiveInt | None = None
+    process_id: NonNegativeInt | None = None
 
 
 @dataclass(frozen=True)
@@ -226,9 +277,9 @@ class CheckpointConfig:
 
     __pydantic_config__ = _STRICT
 
-    every: int = 100
+    every: NonNegativeInt = 100
     """Save every this many steps (0: only the final save)."""
-    keep: int = 3
+    keep: PositiveInt = 3
     async_save: bool = True
     load_from: str | None = None
     """Start from the parameters of another run's checkpoint (a run.dir or a checkpoints/STEP directory)."""
@@ -241,6 +292,7 @@ class Config:
     __pydantic_config__ = _STRICT
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    backends: BackendsConfig = field(default_factory=BackendsConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

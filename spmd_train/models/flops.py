@@ -9,11 +9,11 @@ Rematerialisation is not counted (it is overhead, not model work).
 
 Mixture of experts: N counts the parameters a token is *active* in, not all of them. An
 MoE layer's MLP contributes its router (d_model x num_experts, every token scores every
-expert), the k = experts_per_token experts the token is routed to (3 x d_model x moe_d_ff
-each, SwiGLU) and the shared experts every token goes through (3 x d_model x moe_d_ff x
-num_shared_experts); the other E - k experts do no work for that token. Dense layers count
+expert), the k = moe.experts_per_token experts the token is routed to (3 x d_model x moe.d_ff
+each, SwiGLU) and the shared experts every token goes through (3 x d_model x moe.d_ff x
+moe.num_shared_experts); the other E - k experts do no work for that token. Dense layers count
 as before. Work the implementation adds on top is overhead, like remat, and not counted:
-empty capacity slots (moe_impl=capacity computes every slot, filled or not), dispatch and
+empty capacity slots (backends.moe=capacity computes every slot, filled or not), dispatch and
 combine, and the all-to-alls. Dropped assignments are counted as if they ran (the model
 FLOPs are those of the routing the model asked for).
 """
@@ -24,16 +24,18 @@ from spmd_train.config.schema import ModelConfig
 
 
 def moe_layer_count(m: ModelConfig) -> int:
-    """MoE layers in the model: every moe_every-th layer (0 without MoE)."""
+    """MoE layers in the model: every model.moe.every-th layer (0 without MoE)."""
     return m.num_layers // m.moe_every if m.moe_every > 0 else 0
 
 
 def active_moe_mlp_params(m: ModelConfig) -> int:
     """Parameters one token is active in, in one MoE layer's MLP: router + k routed experts + shared experts."""
+    if m.moe is None:
+        return 0
     d, f = m.d_model, m.resolved_moe_d_ff
-    router = d * m.num_experts
-    routed = 3 * d * f * m.experts_per_token
-    shared = 3 * d * f * m.num_shared_experts
+    router = d * m.moe.num_experts
+    routed = 3 * d * f * m.moe.experts_per_token
+    shared = 3 * d * f * m.moe.num_shared_experts
     return router + routed + shared
 
 

@@ -10,7 +10,7 @@ layer's business (`parallel.expert_dispatch`); this module speaks logical axis n
   `experts` on the expert axis, `expert_mlp` on tensor, params' `embed` on fsdp;
 - shared experts [embed, mlp] / [mlp, embed]: a dense SwiGLU every token goes through.
 
-Capacity (moe_impl=capacity) is counted per group: the tokens one device holds of the
+Capacity (backends.moe=capacity) is counted per group: the tokens one device holds of the
 batch (see `parallel.expert_dispatch`); with no layout active, the whole batch.
 """
 
@@ -26,7 +26,7 @@ from spmd_train.config.schema import ModelConfig
 from spmd_train.models.layers import dense, param, weight
 from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights
 from spmd_train.ops.routing import aux_loss, expert_counts, route, z_loss
-from spmd_train.parallel import moe_ffn, replica_mean
+from spmd_train.parallel import Backends, moe_ffn, replica_mean
 from spmd_train.sharding.constrain import constrain
 
 INPUT = ("batch", "length", "embed")
@@ -37,28 +37,29 @@ ROUTER_AXES = ("embed", "router_experts")
 class MoE(nnx.Module):
     """Routed SwiGLU experts (+ shared experts): x [batch, length, d] -> (y [batch, length, d], stats).
 
-    stats (fp32): `aux_loss` and `z_loss` (unweighted; the caller applies router_aux_weight and
-    router_z_weight), `dropped_fraction` (share of (token, choice) assignments dropped for lack
+    stats (fp32): `aux_loss` and `z_loss` (unweighted; the caller applies model.moe.router_aux_weight
+    and router_z_weight), `dropped_fraction` (share of (token, choice) assignments dropped for lack
     of capacity) and `expert_load` [E] (assignments routed to each expert, before dropping, per
     replica: averaged over the replicas of an enclosing gradient step).
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, impl: str | None = None, stack: int | None = None):
-        d, f, e = cfg.d_model, cfg.resolved_moe_d_ff, cfg.num_experts
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack: int | None = None):
+        moe = cfg.moe
+        d, f, e = cfg.d_model, cfg.resolved_moe_d_ff, moe.num_experts
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         kw = {"dtype": cfg.param_dtype, "stack": stack}
         self.router = param(rngs.params(), (d, e), ROUTER_AXES, std=cfg.init_std, **kw)
         self.w_gate = param(rngs.params(), (e, d, f), GATE_UP_AXES, std=cfg.init_std, **kw)
         self.w_up = param(rngs.params(), (e, d, f), GATE_UP_AXES, std=cfg.init_std, **kw)
         self.w_down = param(rngs.params(), (e, f, d), DOWN_AXES, std=out_std, **kw)
-        if cfg.num_shared_experts:
-            shared = cfg.num_shared_experts * f
+        if moe.num_shared_experts:
+            shared = moe.num_shared_experts * f
             self.shared_gate = param(rngs.params(), (d, shared), ("embed", "mlp"), std=cfg.init_std, **kw)
             self.shared_up = param(rngs.params(), (d, shared), ("embed", "mlp"), std=cfg.init_std, **kw)
             self.shared_down = param(rngs.params(), (shared, d), ("mlp", "embed"), std=out_std, **kw)
-        self.num_experts, self.k = e, cfg.experts_per_token
-        self.capacity_factor, self.score, self.impl = cfg.capacity_factor, cfg.router_score, impl or cfg.moe_impl
-        self.num_shared = cfg.num_shared_experts
+        self.num_experts, self.k, self.score = e, moe.experts_per_token, moe.router_score
+        self.capacity_factor, self.impl = backends.capacity_factor, backends.moe
+        self.num_shared = moe.num_shared_experts
         self.compute_dtype = cfg.compute_dtype
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd_train.config.schema import ModelConfig
+from spmd_train.config.schema import BackendsConfig, ModelConfig
 from spmd_train.models.layers import dense, param, weight
 from spmd_train.models.moe import MoE
 from spmd_train.models.remat import apply_remat
@@ -92,7 +92,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg, stack=stack)
         self.attn = Attention(cfg, rngs, backends, stack=stack)
         self.mlp_norm = RMSNorm(cfg, stack=stack)
-        self.mlp = MoE(cfg, rngs, impl=backends.moe, stack=stack) if moe else MLP(cfg, rngs, stack=stack)
+        self.mlp = MoE(cfg, rngs, backends, stack=stack) if moe else MLP(cfg, rngs, stack=stack)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         with jax.named_scope("attention"):
@@ -104,7 +104,7 @@ class Block(nnx.Module):
 
 
 class MoEGroup(nnx.Module):
-    """moe_every = k > 1: k - 1 dense layers (stacked on `sublayers`), then one MoE layer."""
+    """model.moe.every = k > 1: k - 1 dense layers (stacked on `sublayers`), then one MoE layer."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack: int):
         self.dense = Block(cfg, rngs, backends, stack=(stack, cfg.moe_every - 1))
@@ -117,7 +117,7 @@ class MoEGroup(nnx.Module):
 
 
 def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends) -> nnx.Module:
-    """The layer stack: L dense layers, L MoE layers (moe_every=1), or L/k groups ending in an MoE layer."""
+    """The layer stack: L dense layers, L MoE layers (model.moe.every=1), or L/k groups ending in an MoE layer."""
     k = cfg.moe_every
     if k == 0:
         return Block(cfg, rngs, backends, stack=cfg.num_layers)
@@ -135,7 +135,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, backends: Backends | None = None):
         self.cfg = cfg
-        backends = backends or resolve_backends(cfg, jax.default_backend())
+        backends = backends or resolve_backends(cfg, BackendsConfig(), jax.default_backend())
         self.embedding = param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.init_std,
                                dtype=cfg.param_dtype)
         self.blocks = make_blocks(cfg, rngs, backends)

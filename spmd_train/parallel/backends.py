@@ -1,8 +1,8 @@
 """The implementations a run uses, chosen once when the engine is built and handed to the model.
 
 The engine knows the platform (from its mesh's devices), the mesh and the per-device shapes;
-it resolves `model.attention=auto`, the Pallas kernels' block sizes and the TPU VMEM fallback,
-and the MoE implementation into one `Backends` record. The model passes it to
+it resolves the `backends` section (`attention=auto`, the Pallas kernels' block sizes and the TPU VMEM
+fallback, the MoE implementation) into one `Backends` record. The model passes it to
 `parallel.attention` and `parallel.moe_ffn`; nothing inspects the platform while tracing.
 `describe` shows the record, and a run prints it at start and writes it to `config.json`.
 """
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import jax.numpy as jnp
 
-from spmd_train.config.schema import ModelConfig
+from spmd_train.config.schema import BackendsConfig, ModelConfig
 from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
 from spmd_train.kernels.flash_attention.api import default_blocks
 
@@ -37,6 +37,8 @@ class Backends:
     """With attention=pallas: (block_q, block_k), the config's or the kernels' default for the platform."""
     moe: str = "capacity"
     """The expert dispatch: "capacity" (all_to_all of fixed slots) or "dropless" (ragged all_to_all)."""
+    capacity_factor: float | None = 1.25
+    """With moe=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts)."""
     reason: str = ""
     """Why attention is what it is, when `auto` chose it."""
 
@@ -45,33 +47,36 @@ class Backends:
         return asdict(self)
 
     def describe(self) -> str:
-        """One line: 'attention pallas (tpu kernels, blocks 512x512), experts capacity on tpu'."""
+        """One line: 'attention pallas (tpu kernels, blocks 512x512), experts capacity (factor 1.25) on tpu'."""
         detail = ""
         if self.attention == "pallas":
             where = f"{self.kernels} kernels{', interpreted' if self.interpret else ''}"
             detail = f" ({where}, blocks {self.blocks[0]}x{self.blocks[1]})"
         why = f"; {self.reason}" if self.reason else ""
-        return f"attention {self.attention}{detail}, experts {self.moe} on {self.platform}{why}"
+        experts = f"{self.moe} (factor {self.capacity_factor})" if self.capacity_factor is not None else self.moe
+        return f"attention {self.attention}{detail}, experts {experts} on {self.platform}{why}"
 
 
-def resolve_backends(model: ModelConfig, platform: str, local_q: tuple[int, ...] | None = None,
-                     local_kv: tuple[int, ...] | None = None) -> Backends:
-    """The record for `model` on `platform`, given each device's q and k/v shapes [b, l, heads, head_dim].
+def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
+                     local_q: tuple[int, ...] | None = None, local_kv: tuple[int, ...] | None = None) -> Backends:
+    """The record for `choice` (the config's backends section) running `model` on `platform`, given each
+    device's q and k/v shapes [b, l, heads, head_dim].
 
     `auto` means our Pallas kernels on TPU (plain XLA if the blocks would not fit the kernels' VMEM
     budget for these shapes), cuDNN on GPU (our Mosaic GPU kernels reach 0.83-1.01x cuDNN's
     forward+backward on an H100: `pallas` selects them), XLA on CPU (Pallas runs there only when
     asked for, interpreted). Without local shapes the VMEM check uses the whole model's.
     """
-    if model.attention not in ATTENTION:
-        raise ValueError(f"model.attention={model.attention!r} is not an implementation "
+    if choice.attention not in ATTENTION:
+        raise ValueError(f"backends.attention={choice.attention!r} is not an implementation "
                          f"(valid: {', '.join(ATTENTION)})")
-    if model.moe_impl not in MOE:
-        raise ValueError(f"model.moe_impl={model.moe_impl!r} is not an implementation (valid: {', '.join(MOE)})")
+    if choice.moe not in MOE:
+        raise ValueError(f"backends.moe={choice.moe!r} is not an implementation (valid: {', '.join(MOE)})")
     kernels = "gpu" if platform == "gpu" else "tpu"
     interpret = platform == "cpu"
-    blocks = BlockSizes(*model.attention_blocks) if model.attention_blocks else default_blocks(kernels, interpret)
-    impl, reason = model.attention, ""
+    blocks = BlockSizes(*choice.attention_blocks) if choice.attention_blocks else default_blocks(kernels, interpret)
+    impl, reason = choice.attention, ""
+    experts = {"moe": choice.moe, "capacity_factor": choice.capacity_factor if choice.moe == "capacity" else None}
     if impl == "auto":
         if platform == "tpu":
             hd = model.resolved_head_dim
@@ -86,6 +91,6 @@ def resolve_backends(model: ModelConfig, platform: str, local_q: tuple[int, ...]
             impl = "cudnn" if platform == "gpu" else "xla"
             reason = f"auto: {impl} on {platform}"
     if impl != "pallas":
-        return Backends(platform=platform, attention=impl, moe=model.moe_impl, reason=reason)
+        return Backends(platform=platform, attention=impl, reason=reason, **experts)
     return Backends(platform=platform, attention="pallas", kernels=kernels, interpret=interpret,
-                    blocks=(blocks.block_q, blocks.block_k), moe=model.moe_impl, reason=reason)
+                    blocks=(blocks.block_q, blocks.block_k), reason=reason, **experts)

@@ -61,12 +61,12 @@ def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: Expe
         raise ConfigError(f"mesh.expert={ways} needs `expert` among the mesh axes of the activation rule `batch` "
                           f"(now {list(axes)}): each expert-axis device dispatches its own tokens")
     if num_experts % ways:
-        raise ConfigError(f"model.num_experts={num_experts} is not divisible by mesh.expert={ways}")
+        raise ConfigError(f"model.moe.num_experts={num_experts} is not divisible by mesh.expert={ways}")
     if impl == "capacity":
         return _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes, ways)
     if impl == "dropless":
         return _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, ways)
-    raise ValueError(f"model.moe_impl={impl!r} is not an implementation (valid: {', '.join(IMPLEMENTATIONS)})")
+    raise ValueError(f"backends.moe={impl!r} is not an implementation (valid: {', '.join(IMPLEMENTATIONS)})")
 
 
 def replica_mean(x: jax.Array) -> jax.Array:

@@ -310,9 +310,9 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
             f"microbatches must be equal (valid: a divisor of {rows}: {divisors(rows)})"
         )
     build_schedule(par.pipeline_schedule, p, micro, v)
-    if m.moe_every:
-        raise ConfigError(f"model.moe_every={m.moe_every} with mesh.pipeline={p}: MoE layers inside pipeline "
-                          "stages are not supported yet (valid: mesh.pipeline=1 for MoE models)")
+    if m.moe is not None:
+        raise ConfigError(f"model.moe (every={m.moe.every}) with mesh.pipeline={p}: MoE layers inside pipeline "
+                          "stages are not supported yet (valid: mesh.pipeline=1 for MoE models, or model.moe=null)")
 
 
 def resolved_microbatches(cfg: Config, stages: int, rows: int) -> int:

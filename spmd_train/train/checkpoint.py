@@ -19,14 +19,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from spmd_train.config.schema import Config, ModelConfig
+from spmd_train.config.load import model_from_record
+from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 
 log = logging.getLogger("spmd_train")
-
-ARCHITECTURE_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "vocab_size",
-                     "tie_embeddings", "param_dtype", "moe_every", "num_experts", "moe_d_ff", "num_shared_experts")
-
 
 class Checkpointer:
     """Save and restore train states under one directory (`run.dir/checkpoints`)."""
@@ -97,13 +94,39 @@ def layout_meta(cfg: Config, mesh: jax.sharding.Mesh, rules: dict, param_shapes:
     return {"format": 1, "config": asdict(cfg), "mesh": dict(mesh.shape), "rules": rules, "param_shapes": shapes}
 
 
-def check_architecture(meta: dict, cfg: Config, where: str) -> None:
-    """Raise a ConfigError naming every architecture key that differs from the checkpoint's."""
-    saved = meta.get("config", {}).get("model", {})
-    current, default = asdict(cfg.model), asdict(ModelConfig())
-    # A key the checkpoint does not record predates it: it was saved with the default.
-    diffs = [f"model.{k}: checkpoint {saved.get(k, default[k])!r}, this run {current[k]!r}"
-             for k in ARCHITECTURE_KEYS if saved.get(k, default[k]) != current[k]]
+def model_differences(meta: dict, cfg: Config) -> list[str]:
+    """'model.KEY: checkpoint A, this run B' for each key of the model section that differs (`preset` is a name)."""
+    saved = asdict(model_from_record(meta.get("config", {}).get("model", {})))
+    current = asdict(cfg.model)
+    saved.pop("preset"), current.pop("preset")
+    diffs = sorted(_differences(saved, current, "model"))
+    return [f"{key}: checkpoint {old!r}, this run {new!r}" for key, old, new in diffs]
+
+
+def check_same_model(meta: dict, cfg: Config, where: str) -> None:
+    """Resuming continues the same model: any difference in the model section is a ConfigError naming it."""
+    diffs = model_differences(meta, cfg)
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was saved by a different model ({'; '.join(diffs)}); "
-                          "use the same model settings, or a new run.dir")
+                          "use the same model settings, a new run.dir, or checkpoint.load_from to start a "
+                          "new run from its parameters")
+
+
+def check_same_parameters(meta: dict, cfg: Config, param_shapes: Any, where: str) -> None:
+    """Starting from another run's parameters needs the same parameter tree and shapes (dtypes are cast)."""
+    saved = meta.get("param_shapes", {})
+    current = {jax.tree_util.keystr(path): list(leaf.shape)
+               for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes)[0]}
+    bad = [f"{k}: checkpoint {saved.get(k)}, this run {current.get(k)}"
+           for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
+    if bad:
+        why = model_differences(meta, cfg) or ["no model key differs"]
+        raise ConfigError(f"the parameters in {where} do not fit this model ({'; '.join(why)}); "
+                          f"{len(bad)} parameters differ, e.g. {'; '.join(bad[:3])}")
+
+
+def _differences(old: Any, new: Any, key: str) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old, new) for each leaf that differs; a section present on one side only is one entry."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in old.keys() | new.keys() for d in _differences(old.get(k), new.get(k), f"{key}.{k}")]
+    return [] if old == new else [(key, old, new)]

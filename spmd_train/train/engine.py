@@ -201,12 +201,12 @@ class Engine:
         metrics = {"loss": loss}
         if not stats:
             return loss, metrics
-        m = self.cfg.model
+        moe = self.cfg.model.moe
         aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
         load = stats["expert_load"]
         metrics.update(aux_loss=aux, z_loss=z, dropped_fraction=jnp.mean(stats["dropped_fraction"]))
         metrics.update({f"expert_load.{i}": r for i, r in enumerate(jnp.max(load, -1) / jnp.mean(load, -1))})
-        return loss + m.router_aux_weight * aux + m.router_z_weight * z, metrics
+        return loss + moe.router_aux_weight * aux + moe.router_z_weight * z, metrics
 
     def step_fn(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step (un-jitted; see `train_step`)."""
@@ -275,4 +275,4 @@ def _backends(cfg: Config, layout: Layout) -> Backends:
                     layout.activation_spec(P("batch", "length", "heads", "head_dim")), sizes)
     kv = local_shape((rows, cfg.train.seq_len, m.num_kv_heads, hd),
                      layout.activation_spec(P("batch", "length", "kv_heads", "head_dim")), sizes)
-    return resolve_backends(m, layout.mesh.devices.flat[0].platform, q, kv)
+    return resolve_backends(m, cfg.backends, layout.mesh.devices.flat[0].platform, q, kv)

@@ -27,7 +27,7 @@ from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
 from spmd_train.models.flops import flops_per_token
-from spmd_train.train.checkpoint import Checkpointer, check_architecture
+from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_same_parameters
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.metrics import MetricsSink, read_history
 
@@ -229,10 +229,15 @@ class Trainer:
     def _batch(self, step: int) -> jax.Array:
         return self.data.batch(step, self.engine.batch_sharding)
 
-    def _restore_latest(self, source: Checkpointer, where: Path) -> tuple[int, TrainState] | None:
+    def _restore_latest(self, source: Checkpointer, where: Path, *,
+                        same_run: bool = True) -> tuple[int, TrainState] | None:
         """The one restore path (resume, `restore()`, `load_from`): the latest restorable checkpoint of
-        `source`, checked against this run's architecture, resharded onto this mesh, layers in this run's order."""
-        check = lambda meta: check_architecture(meta, self.cfg, str(where))
+        `source`, resharded onto this mesh, layers in this run's order. Resuming (`same_run`) needs the same
+        model section; starting from another run's parameters needs only the same parameter shapes."""
+        if same_run:
+            check = lambda meta: check_same_model(meta, self.cfg, str(where))
+        else:
+            check = lambda meta: check_same_parameters(meta, self.cfg, self.engine.param_shapes, str(where))
         restored = source.restore_latest(self.engine.abstract_state(), check)
         if restored is None:
             return None
@@ -244,7 +249,7 @@ class Trainer:
         source = Checkpointer(run_dir / "checkpoints", read_only=True)
         if not source.steps():
             raise ConfigError(f"checkpoint.load_from={path} holds no checkpoint (valid: a run.dir with checkpoints)")
-        _, restored = self._restore_latest(source, run_dir)
+        _, restored = self._restore_latest(source, run_dir, same_run=False)
         self.state = self.state._replace(params=restored.params)
         self._say(f"started from the parameters in {run_dir / 'checkpoints'}")
 

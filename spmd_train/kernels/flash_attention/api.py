@@ -118,7 +118,7 @@ def _gpu_blocks(q, k, blocks: BlockSizes) -> tuple[int, int]:
     """Block sizes for the Mosaic GPU kernels, which work in 64-row warpgroup tiles of bfloat16."""
     if q.dtype != jnp.bfloat16:
         raise ValueError(f"the GPU flash-attention kernels take bfloat16 (wgmma operands); got {q.dtype} for "
-                         f"q {q.shape}: cast to bfloat16 or use model.attention=xla")
+                         f"q {q.shape}: cast to bfloat16 or use backends.attention=xla")
     if q.shape[3] % 64:
         raise ValueError(f"the GPU flash-attention kernels need head_dim a multiple of 64; got {q.shape[3]} "
                          f"for q {q.shape}")

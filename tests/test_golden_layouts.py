@@ -36,7 +36,8 @@ def _param(name):
 
 
 def test_every_shipped_config_has_a_golden_case():
-    assert sorted({case.config for case in CASES.values()}) == shipped_configs(), "add a Case to tests/golden_layouts.py, then run `make golden`"
+    covered = sorted({case.config for case in CASES.values()})
+    assert covered == shipped_configs(), "add a Case to tests/golden_layouts.py, then run `make golden`"
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in sorted(CASES)])

@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.golden_layouts import MESH_PRESETS
 from tests.runs import relative_error, run_steps
 
 LAYOUTS = {
@@ -47,10 +48,14 @@ SINGLE_DEVICE = [f"mesh.{axis}=1" for axis in ("data", "fsdp", "tensor", "sequen
 ]
 
 
-@pytest.mark.parametrize("name", ["tiny", "ddp", "fsdp", "fsdp_tp", "tp_sp", "hsdp", "pipeline"])
-def test_shipped_configs_match_one_device(devices, name):
+SHIPPED = [pytest.param("tiny", (), id="tiny"), pytest.param("pipeline", (), id="pipeline"),
+           *(pytest.param("mesh_presets", (f"mesh.preset={p}",), id=f"mesh_presets-{p}") for p in MESH_PRESETS)]
+
+
+@pytest.mark.parametrize(("name", "preset"), SHIPPED)
+def test_shipped_configs_match_one_device(devices, name, preset):
     path = f"configs/{name}.yaml"
-    common = ["train.steps=2", "train.seq_len=16"]
+    common = [*preset, "train.steps=2", "train.seq_len=16"]
     losses, params, engine, _ = run_steps(common, devices, steps=2, config=path)
     assert engine.mesh.size == 8
     ref_losses, ref_params, _, _ = run_steps([*common, *SINGLE_DEVICE], devices[:1], steps=2, config=path)

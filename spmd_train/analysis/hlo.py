@@ -1,10 +1,10 @@
 """Read the collectives out of a compiled (post-optimisation, SPMD-partitioned) HLO module.
 
-Only the text form is stable across jax/XLA versions, so this parses it: computations and
-their call graph (with while-loop trip counts, so a collective in a scanned layer counts
-once per layer), each collective's operands, and its device groups in every replica-group
-syntax XLA prints (explicit lists, iota `[G,S]<=[dims]T(perm)`, and the mesh form
-`mesh['a'=2,'b'=4], device_ids=(...) {'a'}`).
+Only the text form is stable across jax/XLA versions, so this parses it (`hlo_text` splits it
+into computations and instructions, those spanning several lines included): the call graph
+(with while-loop trip counts, so a collective in a scanned layer counts once per layer), each
+collective's operands, and its device groups in every replica-group syntax XLA prints (explicit
+lists, iota `[G,S]<=[dims]T(perm)`, and the mesh form `mesh['a'=2,'b'=4], device_ids=(...) {'a'}`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd_train.analysis.hlo_text import Instruction, parse_computations
 from spmd_train.kernels.flash_attention.kernel import KERNEL_MATMULS, last_kv_block
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -27,8 +28,6 @@ _DTYPE_BYTES = {
     "f8e8m0fnu": 1, "f4e2m1fn": 0.5,
 }
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLEE = re.compile(
     r"\b(calls|to_apply|body|condition|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
@@ -70,18 +69,9 @@ class CollectiveOp:
         return (n - 1) / n * size  # reduce-scatter (of its input), all-to-all
 
 
-@dataclass
-class _Instruction:
-    name: str
-    shape: str
-    opcode: str
-    operands: list[str]
-    rest: str
-
-
 def parse_collectives(hlo_text: str, num_devices: int) -> list[CollectiveOp]:
     """Every collective in a compiled HLO module, with how often one execution of the module runs it."""
-    computations, entry = _parse_computations(hlo_text)
+    computations, entry = parse_computations(hlo_text)
     executions, known = _executions(computations, entry)
     fused = {
         callee
@@ -127,52 +117,6 @@ def _collective_kind(opcode: str) -> str | None:
     return base if base in COLLECTIVES else None
 
 
-def _parse_computations(text: str) -> tuple[dict[str, list[_Instruction]], str]:
-    computations: dict[str, list[_Instruction]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        if not line.startswith(" "):
-            header = _HEADER.match(line)
-            if header and "=" not in line.split("(")[0]:
-                current = header.group(2)
-                computations[current] = []
-                if header.group(1):
-                    entry = current
-            elif line.startswith("}"):
-                current = None
-            continue
-        if current is None:
-            continue
-        m = _INSTR.match(line)
-        if m:
-            computations[current].append(_split_instruction(m.group(1), m.group(2)))
-    if not entry and computations:
-        entry = next(reversed(computations))
-    return computations, entry
-
-
-def _split_instruction(name: str, body: str) -> _Instruction:
-    if body.startswith("("):
-        depth = 0
-        for i, ch in enumerate(body):  # noqa: B007 - `i` (where the shape ends) is read after the loop
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                break
-        shape, after = body[: i + 1], body[i + 1 :].lstrip()
-    else:
-        shape, _, after = body.partition(" ")
-    opcode, _, args = after.partition("(")
-    depth, end = 1, 0
-    for end, ch in enumerate(args):  # noqa: B007 - `end` is read after the loop
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            break
-    operands = re.findall(r"%([\w.\-]+)", args[:end])
-    return _Instruction(name, shape, opcode.strip(), operands, args)
-
-
 def _executions(computations, entry) -> tuple[dict[str, int], dict[str, bool]]:
     edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
     for comp, instructions in computations.items():
@@ -208,7 +152,7 @@ def _executions(computations, entry) -> tuple[dict[str, int], dict[str, bool]]:
     return executions, known
 
 
-def _trip_count(ins: _Instruction, by_name: dict[str, _Instruction], computations) -> int | None:
+def _trip_count(ins: Instruction, by_name: dict[str, Instruction], computations) -> int | None:
     """A while loop's trip count: XLA's annotation, else read off `i < N` with a constant start."""
     known = _TRIP.search(ins.rest)
     if known:
@@ -236,7 +180,7 @@ def _trip_count(ins: _Instruction, by_name: dict[str, _Instruction], computation
     return int(_constant(limit)) - int(_constant(start))
 
 
-def _constant(ins: _Instruction) -> float:
+def _constant(ins: Instruction) -> float:
     return float(ins.rest.split(")", 1)[0])
 
 
@@ -322,7 +266,7 @@ def matmul_flops(hlo_text: str) -> float:
     element do arithmetic. Our Pallas flash-attention kernels are opaque custom calls; their
     matmuls are counted from the kernel's name (causality, block sizes) and operand shapes.
     """
-    computations, entry = _parse_computations(hlo_text)
+    computations, entry = parse_computations(hlo_text)
     executions, _ = _executions(computations, entry)
     total = 0.0
     for comp_name, instructions in computations.items():
@@ -351,7 +295,7 @@ def matmul_flops(hlo_text: str) -> float:
 _FLASH = re.compile(r"flash_attention_(fwd|dq|dkv)(_causal)?_q(\d+)_k(\d+)")
 
 
-def _flash_attention_flops(ins: _Instruction, shapes: dict[str, str]) -> float:
+def _flash_attention_flops(ins: Instruction, shapes: dict[str, str]) -> float:
     """Matmul FLOPs inside one of our flash-attention kernels: per visible block pair, KERNEL_MATMULS
     block matmuls of 2 x block_q x block_k x head_dim, over batch x query heads."""
     m = _FLASH.match(ins.name.lstrip("%"))
@@ -372,7 +316,7 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def _conv_macs_per_output(ins: _Instruction, shapes: dict[str, str], out: list[int]) -> float:
+def _conv_macs_per_output(ins: Instruction, shapes: dict[str, str], out: list[int]) -> float:
     """Multiply-adds per output element of a convolution, averaged over its spatial positions."""
     labels = re.search(r"dim_labels=([^_]+)_([^-]+)->(\S+?)[,\s]", ins.rest + " ")
     lhs, kernel = _dims(shapes.get(ins.operands[0], "")), _dims(shapes.get(ins.operands[1], ""))

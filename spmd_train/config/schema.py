@@ -89,7 +89,7 @@ class ModelConfig:
     d_ff: PositiveInt = 128
     vocab_size: PositiveInt = 256
     rope_theta: PositiveFloat = 10000.0
-    norm_eps: PositiveFloat = 1e-5
+    norm_eps: NonNegativeFloat = 1e-5
     tie_embeddings: bool = False
     init_std: PositiveFloat = 0.02
     compute_dtype: DType = "float32"

@@ -20,9 +20,9 @@ MOVED_KEYS = {
 }
 """Old dotted key -> where it lives now (the MoE keys nested under model.moe, implementations under backends)."""
 
-_FLAT_MOE = {"num_experts": "num_experts", "experts_per_token": "experts_per_token", "moe_d_ff": "d_ff",
-             "num_shared_experts": "num_shared_experts", "router_score": "router_score",
-             "router_aux_weight": "router_aux_weight", "router_z_weight": "router_z_weight"}
+_FLAT_MOE = {old.removeprefix("model."): new.removeprefix("model.moe.") for old, new in MOVED_KEYS.items()
+             if new.startswith("model.moe.") and old != "model.moe_every"}
+"""Old flat model key -> its key inside model.moe (`moe_every` aside: it decides whether there is a section)."""
 
 
 def upgrade_model_section(model: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ MESH_AXES = ("data", "pipeline", "fsdp", "sequence", "expert", "tensor")
 
 MeshAxis = Literal[MESH_AXES]
 DType = Literal["float32", "bfloat16"]
+AttentionImpl = Literal["auto", "pallas", "cudnn", "xla"]
+MoEImpl = Literal["capacity", "dropless"]
 RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch"]
 
 # Single-key ranges live in the types: pydantic names the key, the value and the bound.
@@ -119,11 +121,11 @@ class BackendsConfig:
 
     __pydantic_config__ = _STRICT
 
-    attention: Literal["auto", "pallas", "cudnn", "xla"] = "auto"
+    attention: AttentionImpl = "auto"
     """auto: Pallas kernel on TPU, cuDNN on GPU, plain XLA on CPU (where Pallas runs only in interpret mode)."""
     attention_blocks: Blocks = None
     """(block_q, block_k) of the Pallas kernels; None: per-backend defaults (TPU 512 x 512, GPU 128 x 128)."""
-    moe: Literal["capacity", "dropless"] = "capacity"
+    moe: MoEImpl = "capacity"
     """capacity: fixed slots per expert, overflow dropped (all-to-all); dropless: ragged all-to-all (GPU/TPU only)."""
     capacity_factor: PositiveFloat = 1.25
     """moe=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts)."""

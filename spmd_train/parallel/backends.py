@@ -10,15 +10,15 @@ fallback, the MoE implementation) into one `Backends` record. The model passes i
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import get_args
 
 import jax.numpy as jnp
 
-from spmd_train.config.schema import BackendsConfig, ModelConfig
+from spmd_train.config.schema import AttentionImpl, BackendsConfig, ModelConfig, MoEImpl
 from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
 from spmd_train.kernels.flash_attention.api import default_blocks
 
-ATTENTION = ("auto", "pallas", "cudnn", "xla")
-MOE = ("capacity", "dropless")
+ATTENTION, MOE = get_args(AttentionImpl), get_args(MoEImpl)
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,14 @@ Without an active layout the group is the whole batch.
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.config.schema import MoEImpl
 from spmd_train.errors import ConfigError
 from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights, Prepare, batched_swiglu, ragged_swiglu
 from spmd_train.ops.routing import capacity, expert_counts, slot_positions
@@ -40,7 +42,7 @@ from spmd_train.sharding.arithmetic import entry_axes, manual_axes
 from spmd_train.sharding.constrain import active_layout, constrain, stored_param
 
 AXIS = "expert"
-IMPLEMENTATIONS = ("capacity", "dropless")
+IMPLEMENTATIONS = get_args(MoEImpl)
 
 
 def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: ExpertWeights, *, num_experts: int,

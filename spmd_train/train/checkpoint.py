@@ -89,9 +89,14 @@ class Checkpointer:
 
 def layout_meta(cfg: Config, mesh: jax.sharding.Mesh, rules: dict, param_shapes: Any) -> dict:
     """What a checkpoint records about the run that wrote it (JSON-serialisable)."""
-    shapes = {jax.tree_util.keystr(path): list(leaf.shape)
-              for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes)[0]}
-    return {"format": 1, "config": asdict(cfg), "mesh": dict(mesh.shape), "rules": rules, "param_shapes": shapes}
+    return {"format": 1, "config": asdict(cfg), "mesh": dict(mesh.shape), "rules": rules,
+            "param_shapes": _shape_record(param_shapes)}
+
+
+def _shape_record(param_shapes: Any) -> dict[str, list[int]]:
+    """Each parameter's path (`keystr`) -> its shape, as checkpoints record them."""
+    return {jax.tree_util.keystr(path): list(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes)[0]}
 
 
 def model_differences(meta: dict, cfg: Config) -> list[str]:
@@ -114,9 +119,7 @@ def check_same_model(meta: dict, cfg: Config, where: str) -> None:
 
 def check_same_parameters(meta: dict, cfg: Config, param_shapes: Any, where: str) -> None:
     """Starting from another run's parameters needs the same parameter tree and shapes (dtypes are cast)."""
-    saved = meta.get("param_shapes", {})
-    current = {jax.tree_util.keystr(path): list(leaf.shape)
-               for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes)[0]}
+    saved, current = meta.get("param_shapes", {}), _shape_record(param_shapes)
     bad = [f"{k}: checkpoint {saved.get(k)}, this run {current.get(k)}"
            for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
     if bad:

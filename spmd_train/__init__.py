@@ -10,9 +10,12 @@ from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
 from spmd_train.mesh import build_mesh
 from spmd_train.sharding import Layout, constrain, use_layout
+from spmd_train.tpu_flags import apply_tpu_flags
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.loop import TrainResult, train
 from spmd_train.train.trainer import Trainer
+
+apply_tpu_flags()  # importing jax loads no backend; libtpu reads LIBTPU_INIT_ARGS once, when it loads
 
 __all__ = [
     "Config",

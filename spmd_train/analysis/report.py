@@ -14,6 +14,7 @@ from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
 from spmd_train.analysis.hlo import matmul_flops
 from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.topology import tpu_topology_devices
+from spmd_train.analysis.zero_floor import FloorTerm, floor_by_axes, zero_floor
 from spmd_train.config.schema import Config
 from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
@@ -131,6 +132,20 @@ class StepReport:
     """Expert placement, capacity and expected all-to-all traffic, with MoE layers (else None)."""
     resolved: dict[str, Any] = field(default_factory=dict)
     """The effective sharding rules and the backends the engine chose (`Engine.resolved`)."""
+    zero_floor: list[FloorTerm] = field(default_factory=list)
+    """The least parameter traffic data parallelism and ZeRO need per device per step (`analysis.zero_floor`)."""
+
+    def floor_ratios(self) -> list[dict[str, Any]]:
+        """Per mesh axes with a floor: compiled bytes over them (every collective), the floor bytes, the ratio."""
+        compiled: dict[tuple[str, ...], float] = {}
+        for c in self.collectives:
+            compiled[c.axes] = compiled.get(c.axes, 0.0) + c.bytes
+        rows = []
+        for axes, floor in floor_by_axes(self.zero_floor).items():
+            got = None if self.per_device.get("flops") is None else compiled.get(axes, 0.0)  # None: did not compile
+            rows.append({"axes": list(axes), "floor_bytes": floor, "compiled_bytes": got,
+                         "ratio": got / floor if got is not None and floor else None})
+        return rows
 
     def to_json(self) -> dict[str, Any]:
         """The public JSON form (keys mesh, devices, param_count, per_device, collectives, pipeline, ...)."""
@@ -155,6 +170,7 @@ class StepReport:
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
             "moe": self.moe,
             "resolved": self.resolved,
+            "zero_floor": {"terms": [t.to_json() for t in self.zero_floor], "by_axes": self.floor_ratios()},
         }
 
 
@@ -175,6 +191,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1), "int32", sharding=engine.batch_sharding)
     pipeline = _pipeline_report(engine) if engine.plan is not None else None
     moe = moe_section(engine)
+    floor = zero_floor(engine)
     start = time.perf_counter()
     lowered = engine.train_step.lower(state, tokens)
     mesh = engine.mesh
@@ -202,6 +219,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
             pipeline=pipeline,
             moe=moe,
             resolved=engine.resolved(),
+            zero_floor=floor,
         )
     compile_seconds = time.perf_counter() - start
     hlo = compiled.as_text()
@@ -249,6 +267,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         pipeline=pipeline,
         moe=moe,
         resolved=engine.resolved(),
+        zero_floor=floor,
     )
 
 

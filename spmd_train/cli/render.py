@@ -79,6 +79,10 @@ def render(report: StepReport, console: Console | None = None) -> None:
     for c in report.collectives:
         coll.add_row(c.op, ", ".join(c.axes), str(c.group_size), str(c.count), human_bytes(c.bytes))
     console.print(coll if report.collectives else "No collectives: every device computes alone.")
+    for row in report.floor_ratios():
+        console.print(f"ZeRO floor over {', '.join(row['axes'])}: {human_bytes(row['floor_bytes'])} per device per "
+                      f"step (weight gathers, gradient reductions); compiled {human_bytes(row['compiled_bytes'])} over "
+                      f"those axes, ratio {row['ratio']:.2f}")
     for note in report.notes:
         if note != PIPELINE_FLOPS_NOTE:  # said in the FLOPs line already
             console.print(f"[dim]note: {note}[/dim]")

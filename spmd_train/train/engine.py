@@ -31,6 +31,7 @@ from spmd_train.parallel.schedules import check_pipeline
 from spmd_train.sharding.arithmetic import local_shape, rows_per_device
 from spmd_train.sharding.constrain import constrain, use_layout
 from spmd_train.sharding.rules import Layout
+from spmd_train.tpu_flags import tpu_flags_in_effect
 from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.optimizer import lr_schedule, make_optimizer
 from spmd_train.train.pipelined import layer_order, pipeline_plan, pipeline_value_and_grad
@@ -150,8 +151,11 @@ class Engine:
         return meta
 
     def resolved(self) -> dict[str, Any]:
-        """What the engine derived from the config (effective sharding rules, backends), for config.json."""
-        return {"rules": self.layout.rules.to_json(), "backends": self.backends.to_json()}
+        """What the engine derived from the config (effective sharding rules, backends, TPU compiler flags)."""
+        resolved = {"rules": self.layout.rules.to_json(), "backends": self.backends.to_json()}
+        if self.mesh.devices.flat[0].platform == "tpu":
+            resolved["tpu_flags"] = tpu_flags_in_effect()
+        return resolved
 
     @property
     def num_params(self) -> int:

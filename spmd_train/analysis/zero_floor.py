@@ -1,0 +1,122 @@
+"""The ZeRO floor: the fewest bytes per device per step that data parallelism and ZeRO must move for a run's weights.
+
+Only the parameter traffic of the algorithm is counted (what a step must send whatever the compiler does),
+per parameter and per set of mesh axes, with the bandwidth-optimal costs `CollectiveOp.bytes_per_execution`
+uses, for a parameter slice of S bytes in the layout it computes in, over a group of N devices:
+
+- weight gathers (axes the stored parameter is split over but its compute layout is not, i.e. `fsdp` at
+  ZeRO-3): S (N-1)/N per gather, in the compute dtype (the cast comes before the gather); two per
+  microbatch, forward and backward (our `dense` gathers again instead of keeping the whole weight
+  alive, as FSDP does), one for a table that is only looked up (an untied embedding: the gradient of
+  a lookup needs no table);
+- gradient reduce-scatter (axes the gradient stays split over: `fsdp` from ZeRO-2): S (N-1)/N per
+  microbatch, in the compute dtype, the dtype the weight-gradient matmul produces (reducing in fp32
+  would need fp32 matmul outputs and double these bytes);
+- gradient all-reduce over the replica axes (the other batch axes the weight is not split over:
+  `data`, `expert` for non-expert weights, `fsdp` below ZeRO-2): 2 (M-1)/M of the (already scattered)
+  gradient, once per step, in the parameter dtype (the gradient is summed over microbatches first);
+- parameter all-gather after the update at ZeRO-1/2 (optimizer state split, parameters not):
+  (N-1)/N of the parameter in its own dtype, once per step.
+
+Every parameter is counted in these dtypes, norm scales and the router included (they compute in
+fp32; they are well under 0.1% of the bytes). Pipeline-parallel traffic and activations (tensor,
+expert all-to-all) are not part of the floor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from spmd_train.models.layers import STACKING_AXES
+from spmd_train.train.engine import Engine
+
+
+@dataclass(frozen=True)
+class FloorTerm:
+    """The floor bytes of one kind of collective over one set of mesh axes, per device per step."""
+
+    op: str
+    """all-gather, reduce-scatter or all-reduce."""
+    axes: tuple[str, ...]
+    bytes: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The public JSON form: {op, axes, bytes}."""
+        return {"op": self.op, "axes": list(self.axes), "bytes": self.bytes}
+
+
+LOOKUP_ONLY = ("embedding",)
+"""Parameters used only by a lookup when embeddings are untied (gathered once per microbatch)."""
+
+
+def zero_floor(engine: Engine) -> list[FloorTerm]:
+    """The ZeRO floor of `engine`'s step, one term per (collective, mesh axes), largest first."""
+    cfg, layout, sizes = engine.cfg, engine.layout, dict(engine.mesh.shape)
+    compute_bytes = np.dtype(cfg.model.compute_dtype).itemsize
+    accum = cfg.train.grad_accum
+    batch_axes = {a for name in ("batch", "length") for a in layout.activations.get(name, ())}
+    totals: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
+    flat_logical = dict(jax.tree_util.tree_flatten_with_path(engine.logical, is_leaf=lambda x: isinstance(x, tuple))[0])
+    for path, shaped in jax.tree_util.tree_flatten_with_path(engine.param_shapes)[0]:
+        names = P(*flat_logical[path])
+        numel = math.prod(shaped.shape)
+        stored_spec = layout.param_spec(names, None, fsdp=layout.zero_stage >= 3)
+        stored = _axes(stored_spec)
+        # A layer stack split over `pipeline` stays split: each stage computes with its own layers.
+        stacking = _axes(P(*(e for n, e in zip(names, stored_spec, strict=False) if n in STACKING_AXES)))
+        compute = _axes(layout.activation_spec(P(*(n for n in names if n not in STACKING_AXES)))) | stacking
+        grads = _axes(layout.param_spec(names, None, fsdp=layout.zero_stage >= 2))
+        optimizer = _axes(layout.param_spec(names, None, fsdp=layout.zero_stage >= 1))
+        slice_bytes = numel / _ways(compute, sizes) * compute_bytes
+        key = str(getattr(path[-1], "key", path[-1]))
+        gathers = 1 if key in LOOKUP_ONLY and not cfg.model.tie_embeddings else 2
+        gathered = _live(stored - compute, sizes)
+        if gathered:
+            totals["all-gather", gathered] += gathers * accum * slice_bytes * _fraction(gathered, sizes)
+        reduced = batch_axes - compute
+        scattered = _live(reduced & grads, sizes)
+        if scattered:
+            totals["reduce-scatter", scattered] += accum * slice_bytes * _fraction(scattered, sizes)
+        replicas = _live(reduced - grads, sizes)
+        if replicas:
+            shard = numel / _ways(compute | grads, sizes) * shaped.dtype.itemsize
+            totals["all-reduce", replicas] += 2 * shard * _fraction(replicas, sizes)
+        regathered = _live(optimizer - stored, sizes)
+        if regathered:
+            shard = numel / _ways(stored, sizes) * shaped.dtype.itemsize
+            totals["all-gather", regathered] += shard * _fraction(regathered, sizes)
+    terms = [FloorTerm(op, axes, b) for (op, axes), b in totals.items()]
+    return sorted(terms, key=lambda t: -t.bytes)
+
+
+def floor_by_axes(terms: list[FloorTerm]) -> dict[tuple[str, ...], float]:
+    """Floor bytes per set of mesh axes, all collectives together."""
+    out: dict[tuple[str, ...], float] = defaultdict(float)
+    for t in terms:
+        out[t.axes] += t.bytes
+    return dict(out)
+
+
+def _axes(spec: P) -> set[str]:
+    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+
+
+def _live(axes: set[str], sizes: dict[str, int]) -> tuple[str, ...]:
+    """The axes of size > 1, in mesh order."""
+    return tuple(a for a in sizes if a in axes and sizes[a] > 1)
+
+
+def _ways(axes: set[str], sizes: dict[str, int]) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
+def _fraction(axes: tuple[str, ...], sizes: dict[str, int]) -> float:
+    n = _ways(set(axes), sizes)
+    return (n - 1) / n

@@ -64,8 +64,8 @@ def main() -> None:
         "program's loop-aware matmul count, 2 per multiply-add. Peak: argument + output + temp - alias.\n\n"
         "| remat | flags | collectives over fsdp (GB) | total (GB) | floor (GB) | / floor | / MaxText | TFLOPs "
         "| peak |\n|---|---|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n\n"
-        "The remaining excess over the floor is the two vocabulary tables' gradients, still all-reduced "
-        "(2 x 2.07 GB; see docs/describe.md).\n"
+        "A ratio a little under 1: XLA keeps the gathered LM head (outside the layer loop) alive instead of "
+        "gathering it again for the backward pass, as the floor counts.\n"
     )
     update_section("zero_bytes", "ZeRO-3 bytes on v5p:4x4x4: libtpu flags vs defaults vs the floor "
                    "(`benchmarks/zero_bytes.py`)", body)

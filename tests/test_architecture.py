@@ -20,6 +20,7 @@ LAYERS = {
     "spmd_train.hardware": 0,
     "spmd_train.mesh": 1,
     "spmd_train.devices": 1,
+    "spmd_train.tpu_flags": 1,
     "spmd_train.sharding": 1,
     "spmd_train.kernels": 2,
     "spmd_train.ops": 3,

@@ -18,6 +18,8 @@ uses, for a parameter slice of S bytes in the layout it computes in, over a grou
 - parameter all-gather after the update at ZeRO-1/2 (optimizer state split, parameters not):
   (N-1)/N of the parameter in its own dtype, once per step.
 
+The compiled program can come in a little under the floor where XLA keeps a gathered weight alive
+instead of gathering it again (the LM head, outside the layer loop), trading memory for bytes.
 Every parameter is counted in these dtypes, norm scales and the router included (they compute in
 fp32; they are well under 0.1% of the bytes). Pipeline-parallel traffic and activations (tensor,
 expert all-to-all) are not part of the floor.

@@ -68,6 +68,10 @@ def _stored_fwd(x, names, layout):
 
 
 def _stored_bwd(names, layout, _, ct):
+    scatter = layout.vocab_scatter_spec(P(*names), ct.shape)
+    # Not inside a pipeline stage: there the extra layout costs a full buffer (GPipe on v5e:2x4 no longer fits).
+    if scatter is not None and "pipeline" not in manual_axes():
+        ct = _apply(ct, layout, scatter)
     return (_apply(ct, layout, layout.param_spec(P(*names), None, fsdp=layout.zero_stage >= 2)),)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,30 @@ class Layout:
         """Mesh PartitionSpec for a parameter-shaped array; `fsdp=False` replicates it over `fsdp`."""
         table = self.params if fsdp else {k: tuple(a for a in v if a != "fsdp") for k, v in self.params.items()}
         return self._spec(logical, table, shape, what=what)
+
+    def vocab_scatter_spec(self, logical: LogicalSpec, shape: tuple[int, ...]) -> P | None:
+        """Where a vocabulary table's gradient is reduce-scattered before it moves into its shard (TPU only).
+
+        libtpu runs a reduce-scatter over an fsdp group that spans several torus dimensions as an
+        all-reduce + slice (2x the bytes) for some slabs, among them a 128256-wide table scattered on
+        its model dimension, but not when the scatter runs along the vocabulary. So on TPU, from ZeRO-2,
+        a table's gradient is scattered with `fsdp` on its `vocab` dimension and then moved into the
+        stored layout (an all-to-all of one shard). None: no such step (not TPU, not a vocabulary
+        table, `fsdp` not split, or the vocabulary does not divide).
+        """
+        if self.zero_stage < 2 or "vocab" not in logical or self.mesh.devices.flat[0].platform != "tpu":
+            return None
+        stored = list(self.param_spec(logical, None, fsdp=True))
+        stored += [None] * (len(logical) - len(stored))
+        fsdp_dims = [d for d, e in enumerate(stored) if "fsdp" in ((e,) if isinstance(e, str) else e or ())]
+        vocab = list(logical).index("vocab")
+        if not fsdp_dims or fsdp_dims == [vocab]:
+            return None
+        spec = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a != "fsdp") or None for e in stored]
+        spec[vocab] = (*(spec[vocab] or ()), "fsdp")
+        if shape[vocab] % math.prod(self.mesh.shape[a] for a in spec[vocab]):
+            return None
+        return P(*spec)
 
     def tree_shardings(self, logical_tree: Any, shape_tree: Any, *, fsdp: bool) -> Any:
         """NamedShardings for a parameter-shaped tree (logical PartitionSpecs beside shapes)."""

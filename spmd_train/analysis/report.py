@@ -21,7 +21,7 @@ from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
 from spmd_train.models.flops import flops_per_token
 from spmd_train.parallel.schedules import simulate
-from spmd_train.sharding.arithmetic import rows_per_device
+from spmd_train.sharding.arithmetic import rows_per_device, spec_axes, ways
 from spmd_train.train.engine import Engine
 from spmd_train.train.pipelined import stash_bytes_per_microbatch
 
@@ -329,8 +329,4 @@ def _bytes_per_device(tree: Any) -> int:
 
 
 def _ways(sharding: NamedSharding) -> int:
-    ways = 1
-    for entry in sharding.spec:
-        for axis in (entry,) if isinstance(entry, str) else entry or ():
-            ways *= sharding.mesh.shape[axis]
-    return ways
+    return ways(spec_axes(sharding.spec), sharding.mesh.shape)

@@ -7,7 +7,6 @@ import os
 import jax
 
 from spmd_train.errors import ConfigError
-from spmd_train.tpu_flags import apply_tpu_flags
 
 EXAMPLES = "v5e:2x2, v5e:2x4, v5e:4x4, v5p:2x2x2, v5p:4x4x4, v5p:8x8x8, v6e:4x4, v6e:16x16, v4:2x2x2"
 
@@ -25,7 +24,6 @@ def tpu_topology_devices(name: str) -> list[jax.Device]:
     """The devices of TPU slice `name` (e.g. 'v5e:2x4'): enough to build a Mesh and compile."""
     # No TPU is used, only its compiler: several processes (parallel tests, two describes) may load it.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    apply_tpu_flags()
     if not has_libtpu():
         raise ConfigError(
             f"--topology {name} needs libtpu to compile for TPU on this host, and it is not installed: "

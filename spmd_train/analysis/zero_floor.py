@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.models.layers import STACKING_AXES
+from spmd_train.sharding.arithmetic import spec_axes, ways
 from spmd_train.train.engine import Engine
 
 
@@ -70,13 +71,13 @@ def zero_floor(engine: Engine) -> list[FloorTerm]:
         names = P(*flat_logical[path])
         numel = math.prod(shaped.shape)
         stored_spec = layout.param_spec(names, None, fsdp=layout.zero_stage >= 3)
-        stored = _axes(stored_spec)
+        stored = spec_axes(stored_spec)
         # A layer stack split over `pipeline` stays split: each stage computes with its own layers.
-        stacking = _axes(P(*(e for n, e in zip(names, stored_spec, strict=False) if n in STACKING_AXES)))
-        compute = _axes(layout.activation_spec(P(*(n for n in names if n not in STACKING_AXES)))) | stacking
-        grads = _axes(layout.param_spec(names, None, fsdp=layout.zero_stage >= 2))
-        optimizer = _axes(layout.param_spec(names, None, fsdp=layout.zero_stage >= 1))
-        slice_bytes = numel / _ways(compute, sizes) * compute_bytes
+        stacking = spec_axes(P(*(e for n, e in zip(names, stored_spec, strict=False) if n in STACKING_AXES)))
+        compute = spec_axes(layout.activation_spec(P(*(n for n in names if n not in STACKING_AXES)))) | stacking
+        grads = spec_axes(layout.param_spec(names, None, fsdp=layout.zero_stage >= 2))
+        optimizer = spec_axes(layout.param_spec(names, None, fsdp=layout.zero_stage >= 1))
+        slice_bytes = numel / ways(compute, sizes) * compute_bytes
         key = str(getattr(path[-1], "key", path[-1]))
         gathers = 1 if key in LOOKUP_ONLY and not cfg.model.tie_embeddings else 2
         gathered = _live(stored - compute, sizes)
@@ -88,11 +89,11 @@ def zero_floor(engine: Engine) -> list[FloorTerm]:
             totals["reduce-scatter", scattered] += accum * slice_bytes * _fraction(scattered, sizes)
         replicas = _live(reduced - grads, sizes)
         if replicas:
-            shard = numel / _ways(compute | grads, sizes) * shaped.dtype.itemsize
+            shard = numel / ways(compute | grads, sizes) * shaped.dtype.itemsize
             totals["all-reduce", replicas] += 2 * shard * _fraction(replicas, sizes)
         regathered = _live(optimizer - stored, sizes)
         if regathered:
-            shard = numel / _ways(stored, sizes) * shaped.dtype.itemsize
+            shard = numel / ways(stored, sizes) * shaped.dtype.itemsize
             totals["all-gather", regathered] += shard * _fraction(regathered, sizes)
     terms = [FloorTerm(op, axes, b) for (op, axes), b in totals.items()]
     return sorted(terms, key=lambda t: -t.bytes)
@@ -106,19 +107,11 @@ def floor_by_axes(terms: list[FloorTerm]) -> dict[tuple[str, ...], float]:
     return dict(out)
 
 
-def _axes(spec: P) -> set[str]:
-    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
-
-
 def _live(axes: set[str], sizes: dict[str, int]) -> tuple[str, ...]:
     """The axes of size > 1, in mesh order."""
     return tuple(a for a in sizes if a in axes and sizes[a] > 1)
 
 
-def _ways(axes: set[str], sizes: dict[str, int]) -> int:
-    return math.prod(sizes[a] for a in axes)
-
-
 def _fraction(axes: tuple[str, ...], sizes: dict[str, int]) -> float:
-    n = _ways(set(axes), sizes)
+    n = ways(axes, sizes)
     return (n - 1) / n

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.sharding.arithmetic import entry_axes, spec_axes
 from spmd_train.sharding.constrain import constrain
 from spmd_train.sharding.rules import Layout
 
@@ -44,7 +45,7 @@ def loss_and_grads(
     grad_layout = _shardings(layout, logical, params, fsdp=stage >= 2)
     # An axis that splits some parameter besides FSDP (`expert` under MoE) stays automatic.
     splits = {a for sh in jax.tree.leaves(_shardings(layout, logical, params, fsdp=False))
-              for e in sh.spec for a in ((e,) if isinstance(e, str) else e or ())}
+              for a in spec_axes(sh.spec)}
     manual = tuple(a for a in layout.batch_axes
                    if mesh.shape[a] > 1 and (a != "fsdp" or stage <= 1) and a not in splits)
     if not manual:
@@ -115,8 +116,8 @@ def _shardings(layout: Layout, logical: Any, params: Any, *, fsdp: bool) -> Any:
 def _specs(shardings: Any, keep: Callable[[str], bool]) -> Any:
     """Each sharding's PartitionSpec with only the mesh axes `keep` accepts."""
 
-    def entry(e):
-        axes = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if keep(a))
+    def entry(spec, dim):
+        axes = tuple(a for a in entry_axes(spec, dim) if keep(a))
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
-    return jax.tree.map(lambda s: P(*(entry(e) for e in s.spec)), shardings)
+    return jax.tree.map(lambda s: P(*(entry(s.spec, d) for d in range(len(s.spec)))), shardings)

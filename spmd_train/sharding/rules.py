@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from spmd_train.config.rules import ResolvedRules, resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
+from spmd_train.sharding.arithmetic import entry_axes, ways
 
 LogicalSpec = P
 """A PartitionSpec whose entries are logical axis names (or None), e.g. P('embed', 'mlp')."""
@@ -36,13 +36,15 @@ class Layout:
     zero_stage: int
     rules: ResolvedRules | None = None
     """The resolved rules the tables came from (None for a layout built from tables by hand)."""
+    scatter_vocab_gradients: bool = False
+    """Reduce-scatter vocabulary tables' gradients along `vocab` first (`vocab_scatter_spec`); on TPU meshes."""
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> Layout:
         """The layout a config asks for, on a given mesh."""
         rules = resolve_rules(cfg)
         return cls(mesh=mesh, params=rules.params, activations=rules.activations, zero_stage=cfg.parallel.zero_stage,
-                   rules=rules)
+                   rules=rules, scatter_vocab_gradients=mesh.devices.flat[0].platform == "tpu")
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -66,20 +68,19 @@ class Layout:
         all-reduce + slice (2x the bytes) for some slabs, among them a 128256-wide table scattered on
         its model dimension, but not when the scatter runs along the vocabulary. So on TPU, from ZeRO-2,
         a table's gradient is scattered with `fsdp` on its `vocab` dimension and then moved into the
-        stored layout (an all-to-all of one shard). None: no such step (not TPU, not a vocabulary
+        stored layout (an all-to-all of one shard). None: no such step (not a TPU layout, not a vocabulary
         table, `fsdp` not split, or the vocabulary does not divide).
         """
-        if self.zero_stage < 2 or "vocab" not in logical or self.mesh.devices.flat[0].platform != "tpu":
+        if not self.scatter_vocab_gradients or self.zero_stage < 2 or "vocab" not in logical:
             return None
-        stored = list(self.param_spec(logical, None, fsdp=True))
-        stored += [None] * (len(logical) - len(stored))
-        fsdp_dims = [d for d, e in enumerate(stored) if "fsdp" in ((e,) if isinstance(e, str) else e or ())]
+        stored = self.param_spec(logical, None, fsdp=True)
+        fsdp_dims = [d for d in range(len(logical)) if "fsdp" in entry_axes(stored, d)]
         vocab = list(logical).index("vocab")
         if not fsdp_dims or fsdp_dims == [vocab]:
             return None
-        spec = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a != "fsdp") or None for e in stored]
+        spec = [tuple(a for a in entry_axes(stored, d) if a != "fsdp") or None for d in range(len(logical))]
         spec[vocab] = (*(spec[vocab] or ()), "fsdp")
-        if shape[vocab] % math.prod(self.mesh.shape[a] for a in spec[vocab]):
+        if shape[vocab] % ways(spec[vocab], self.mesh.shape):
             return None
         return P(*spec)
 

@@ -153,7 +153,7 @@ class Engine:
     def resolved(self) -> dict[str, Any]:
         """What the engine derived from the config (effective sharding rules, backends, TPU compiler flags)."""
         resolved = {"rules": self.layout.rules.to_json(), "backends": self.backends.to_json()}
-        if self.mesh.devices.flat[0].platform == "tpu":
+        if self.backends.platform == "tpu":
             resolved["tpu_flags"] = tpu_flags_in_effect()
         return resolved
 

@@ -22,7 +22,7 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --durations=25
 
 # make golden              rewrite tests/golden/*.json (per-config parameter specs, collectives, memory;
 # make golden CONFIG=tiny  see docs/describe.md "Golden layouts") after an intended layout change

@@ -1,10 +1,12 @@
-"""ZeRO-3 bytes on a TPU slice: the compiled step with and without spmd_train's libtpu flags, against the floor.
+"""ZeRO-3 bytes on TPU slices: the compiled step with and without spmd_train's libtpu flags, against the floor.
 
 Usage: python benchmarks/zero_bytes.py [--remat full save_matmuls]
 Compiles the issue-13 run (Llama-3-8B, fsdp 64 on v5p:4x4x4, fp32 weights, bf16 compute, one 8192-token
-sequence per chip) twice per remat policy, each in its own process because libtpu reads LIBTPU_INIT_ARGS
-once: with the flags (`spmd_train/tpu_flags.py`) and with SPMD_TRAIN_TPU_FLAGS=0 (libtpu's defaults).
-MaxText's figure (58.2 GB over fsdp, train_compile on v5p-128, same jax and libtpu) is the issue's.
+sequence per chip) with the flags (`spmd_train/tpu_flags.py`) for each remat policy and, for the first,
+with SPMD_TRAIN_TPU_FLAGS=0 (libtpu's defaults), each in its own process because libtpu reads
+LIBTPU_INIT_ARGS once. MaxText's figure (58.2 GB over fsdp, train_compile on v5p-128, same jax and libtpu)
+is the issue's. Then the other two large presets the tests hold (tests/test_zero_floor.py), at full depth:
+Llama-3.2-1B with fsdp 16 on v6e:4x4 and Mixtral-8x7B with fsdp 8 x expert 8 on v5p:4x4x4.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -26,12 +29,19 @@ ARGS = ["configs/llama3-8b_v5p-512.yaml", "--topology", "v5p:4x4x4", "mesh.fsdp=
         "train.global_batch_size=64", "train.seq_len=8192", "model.param_dtype=float32",
         "model.compute_dtype=bfloat16", "backends.attention=auto"]
 MAXTEXT_FSDP_BYTES = 58.2e9
+OTHERS = {
+    "llama-1b, fsdp 16, v6e:4x4": ["configs/llama3-8b_v5p-512.yaml", "--topology", "v6e:4x4", "model.preset=llama-1b",
+                                   "mesh.fsdp=16", "mesh.tensor=1", "train.global_batch_size=16",
+                                   *ARGS[6:], "parallel.remat=full"],
+    "mixtral-8x7b, fsdp 8 x expert 8, v5p:4x4x4": [*ARGS[:3], "model.preset=mixtral-8x7b", "mesh.fsdp=8",
+                                                   "mesh.expert=8", *ARGS[4:], "parallel.remat=full"],
+}
 
 
-def compiled(remat: str, flags: bool) -> dict:
-    """`spmd-train describe --json` for the run, in a fresh process."""
+def compiled(args: list[str], flags: bool = True) -> dict:
+    """`spmd-train describe ARGS --json`, in a fresh process."""
     env = {**os.environ, "SPMD_TRAIN_TPU_FLAGS": "1" if flags else "0", "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "spmd_train", "describe", *ARGS, f"parallel.remat={remat}", "--json"]
+    cmd = [sys.executable, "-m", "spmd_train", "describe", *args, "--json"]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     return json.loads(out)
 
@@ -47,11 +57,27 @@ def row(remat: str, flags: bool, report: dict) -> str:
             f"{total / MAXTEXT_FSDP_BYTES:.2f} | {d['flops'] / 1e12:.2f} | {d['peak_bytes'] / 2**30:.2f} GiB |")
 
 
+def other_row(name: str, report: dict) -> str:
+    """One preset: its parameter traffic against the whole floor (the `total` row where it spans several axes)."""
+    *_, ratio = report["zero_floor"]["by_axes"]
+    axes = set(ratio["axes"])
+    moe = set(report["resolved"]["rules"]["activations"]["experts"]) if report.get("moe") else set()
+    ops = defaultdict(float)
+    for c in report["collectives"]:
+        if set(c["axes"]) <= axes and not (c["op"] == "all-to-all" and set(c["axes"]) <= moe):
+            ops[c["op"], ", ".join(c["axes"])] += c["bytes"]
+    listed = ", ".join(f"{op} over {ax}: {b / 1e9:.2f}" for (op, ax), b in sorted(ops.items()) if b >= 5e6)
+    return (f"| {name} | {listed} | **{ratio['compiled_bytes'] / 1e9:.2f}** | {ratio['floor_bytes'] / 1e9:.2f} | "
+            f"{ratio['ratio']:.2f} | {report['per_device']['peak_bytes'] / 2**30:.2f} GiB |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--remat", nargs="+", default=["full", "save_matmuls"])
     args = parser.parse_args()
-    rows = [row(remat, flags, compiled(remat, flags)) for remat in args.remat for flags in (True, False)]
+    runs = [(remat, flags) for i, remat in enumerate(args.remat) for flags in ((True, False) if i == 0 else (True,))]
+    rows = [row(remat, flags, compiled([*ARGS, f"parallel.remat={remat}"], flags)) for remat, flags in runs]
+    others = [other_row(name, compiled(run)) for name, run in OTHERS.items()]
     body = (
         provenance("python benchmarks/zero_bytes.py " + " ".join(sys.argv[1:]))
         + "- compiled for v5p:4x4x4 (64 chips) through libtpu on this host; run: `spmd-train describe "
@@ -65,9 +91,15 @@ def main() -> None:
         "| remat | flags | collectives over fsdp (GB) | total (GB) | floor (GB) | / floor | / MaxText | TFLOPs "
         "| peak |\n|---|---|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n\n"
         "A ratio a little under 1: XLA keeps the gathered LM head (outside the layer loop) alive instead of "
-        "gathering it again for the backward pass, as the floor counts.\n"
+        "gathering it again for the backward pass, as the floor counts.\n\n"
+        "The other large presets, full depth, sequence 8192, full remat, with the flags (`spmd-train describe "
+        "ARGS --json`, ARGS in `OTHERS` of the script). Parameter traffic: every collective over the floor's "
+        "axes but the MoE token all-to-alls (items under 5 MB left out of the list, not of the total); for "
+        "Mixtral the floor spans fsdp and expert and the ratio is the `total` row of `zero_floor.by_axes`.\n\n"
+        "| preset, mesh, slice | parameter traffic (GB) | total (GB) | floor (GB) | / floor | peak |\n"
+        "|---|---|---:|---:|---:|---:|\n" + "\n".join(others) + "\n"
     )
-    update_section("zero_bytes", "ZeRO-3 bytes on v5p:4x4x4: libtpu flags vs defaults vs the floor "
+    update_section("zero_bytes", "ZeRO-3 bytes on TPU slices: libtpu flags vs defaults vs the floor "
                    "(`benchmarks/zero_bytes.py`)", body)
 
 

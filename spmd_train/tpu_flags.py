@@ -7,8 +7,12 @@ v5e/v6e, 64 of a v5p), so each weight gather and gradient reduce-scatter moves t
 - an all-gather becomes an all-reduce of a zero-padded full buffer unless async all-gathers are preferred
   (`xla_tpu_prefer_async_allgather_to_allreduce` with async all-gathers enabled);
 - a reduce-scatter over such a group is split by the reduce-scatter decomposer into all-reduce + slice
-  unless the N-dimensional reduce-scatter may run on the SparseCores
-  (`xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter`).
+  unless reduce-scatters may run on the SparseCores, N-dimensional ones
+  (`xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter`) and the rest
+  (`xla_tpu_enable_sparse_core_collective_offload_reduce_scatter`: without it a gradient scattered on a
+  dimension the layout does not put first, such as a down projection's or an attention weight's model
+  dimension, still becomes an all-reduce on a v6e 4x4 or among the strided fsdp groups of fsdp x expert
+  on a v5p 4x4x4). Chips without SparseCores (v5e) compile the same collectives with them set.
 
 These are the settings large TPU recipes (MaxText's among them) run with. A flag the user already put in
 LIBTPU_INIT_ARGS keeps the user's value; `SPMD_TRAIN_TPU_FLAGS=0` leaves the variable untouched.
@@ -24,6 +28,7 @@ TPU_FLAGS: dict[str, str] = {
     "xla_enable_async_all_gather": "true",
     "xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true",
     "xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter": "true",
+    "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter": "true",
 }
 """Flag name -> value that spmd_train adds to LIBTPU_INIT_ARGS (see the module docstring for why)."""
 

@@ -53,3 +53,24 @@ def test_a_64_way_gather_and_reduce_scatter_stay_what_they_are_on_a_3d_torus():
     x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=shard)
     kinds = {c.kind for c in parse_collectives(jax.jit(step).lower(w, x).compile().as_text(), 64)}
     assert kinds == {"all-gather", "reduce-scatter"}, kinds
+
+
+@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+def test_gradients_scattered_on_a_trailing_model_dimension_are_reduce_scatters_on_a_2d_torus():
+    # Without xla_tpu_enable_sparse_core_collective_offload_reduce_scatter these two are all-reduces on a
+    # v6e 4x4 (16-way fsdp); the gate/up projection, scattered on its leading dimension, never was.
+    devices = tpu_topology_devices("v6e:4x4")
+    mesh = Mesh(jax.experimental.mesh_utils.create_device_mesh((16,), devices, allow_split_physical_axes=True),
+                ("fsdp",))
+    rows = NamedSharding(mesh, P("fsdp"))
+    # Llama-3.2-1B's shapes (smaller ones compile to reduce-scatters either way).
+    for equation, a, b, spec in [("blf,bld->fd", (8192,), (2048,), P(None, "fsdp")),  # a down projection
+                                 ("bld,blhk->dhk", (2048,), (32, 64), P("fsdp", None, None))]:  # a query projection
+
+        def grad(x, y, equation=equation, spec=spec):
+            return jax.lax.with_sharding_constraint(jnp.einsum(equation, x, y), NamedSharding(mesh, spec))
+
+        x = jax.ShapeDtypeStruct((16, 256, *a), jnp.bfloat16, sharding=rows)
+        y = jax.ShapeDtypeStruct((16, 256, *b), jnp.bfloat16, sharding=rows)
+        kinds = {c.kind for c in parse_collectives(jax.jit(grad).lower(x, y).compile().as_text(), 16)}
+        assert kinds == {"reduce-scatter"}, (equation, kinds)

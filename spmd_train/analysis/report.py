@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -136,15 +137,28 @@ class StepReport:
     """The least parameter traffic data parallelism and ZeRO need per device per step (`analysis.zero_floor`)."""
 
     def floor_ratios(self) -> list[dict[str, Any]]:
-        """Per mesh axes with a floor: compiled bytes over them (every collective), the floor bytes, the ratio."""
-        compiled: dict[tuple[str, ...], float] = {}
+        """Per mesh axes with a floor: compiled bytes over them (every collective), the floor bytes, the ratio.
+
+        Where the floor or the parameter traffic spans more than one set of axes (data x fsdp, fsdp x
+        expert) a last row, `total` true, compares the whole floor with every collective over its axes
+        but the MoE token all-to-alls: the compiler may reduce over the axes together (a reduce-scatter
+        over fsdp x expert, then a gather of the shard over expert, instead of a reduce-scatter over fsdp
+        and an all-reduce over expert), which only the total compares.
+        """
+        done = self.per_device.get("flops") is not None  # False: did not compile
+        compiled: dict[tuple[str, ...], float] = defaultdict(float)
         for c in self.collectives:
-            compiled[c.axes] = compiled.get(c.axes, 0.0) + c.bytes
-        rows = []
-        for axes, floor in floor_by_axes(self.zero_floor).items():
-            got = None if self.per_device.get("flops") is None else compiled.get(axes, 0.0)  # None: did not compile
-            rows.append({"axes": list(axes), "floor_bytes": floor, "compiled_bytes": got,
-                         "ratio": got / floor if got is not None and floor else None})
+            compiled[c.axes] += c.bytes
+        floor = floor_by_axes(self.zero_floor)
+        rows = [_ratio_row(list(axes), b, compiled[axes] if done else None) for axes, b in floor.items()]
+        union = {a for axes in floor for a in axes}
+        tokens = set(self.resolved.get("rules", {}).get("activations", {}).get("experts", ())) if self.moe else set()
+        params = [c for c in self.collectives
+                  if set(c.axes) <= union and not (c.op == "all-to-all" and set(c.axes) <= tokens)]
+        if len({c.axes for c in params} | set(floor)) > 1:
+            total = sum(c.bytes for c in params) if done else None
+            axes = [a for a in self.mesh if a in union]
+            rows.append({**_ratio_row(axes, sum(floor.values()), total), "total": True})
         return rows
 
     def to_json(self) -> dict[str, Any]:
@@ -330,3 +344,8 @@ def _bytes_per_device(tree: Any) -> int:
 
 def _ways(sharding: NamedSharding) -> int:
     return ways(spec_axes(sharding.spec), sharding.mesh.shape)
+
+
+def _ratio_row(axes: list[str], floor: float, compiled: float | None) -> dict[str, Any]:
+    return {"axes": axes, "floor_bytes": floor, "compiled_bytes": compiled,
+            "ratio": compiled / floor if compiled is not None and floor else None}

@@ -80,7 +80,8 @@ def render(report: StepReport, console: Console | None = None) -> None:
         coll.add_row(c.op, ", ".join(c.axes), str(c.group_size), str(c.count), human_bytes(c.bytes))
     console.print(coll if report.collectives else "No collectives: every device computes alone.")
     for row in report.floor_ratios():
-        console.print(f"ZeRO floor over {', '.join(row['axes'])}: {human_bytes(row['floor_bytes'])} per device per "
+        over = ("all of " if row.get("total") else "") + ", ".join(row["axes"])
+        console.print(f"ZeRO floor over {over}: {human_bytes(row['floor_bytes'])} per device per "
                       f"step (weight gathers, gradient reductions); compiled {human_bytes(row['compiled_bytes'])} over "
                       f"those axes, ratio {row['ratio']:.2f}")
     for note in report.notes:

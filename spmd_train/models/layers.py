@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,17 +29,38 @@ def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std:
     return nnx.Param(value.astype(dtype), logical_axes=P(*axes))
 
 
-def weight(p: nnx.Param, dtype) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Pinned:
+    """A parameter already pinned to its stored layout (`pin`), for a weight with more than one use."""
+
+    value: jax.Array
+    names: tuple[str, ...]
+
+
+def pin(p: nnx.Param, dtype) -> Pinned:
+    """Cast a parameter to the compute dtype and pin it to its stored layout once, for a weight used twice.
+
+    Each `weight`/`dense` of an nnx.Param pins it itself, so the two uses of a tied embedding table
+    would each move their own gradient into the shard; through one pin autodiff adds the two
+    cotangents first (XLA's partitioner still reduces each use's partial sums where that use is
+    partitioned, but the moves after it run once).
+    """
+    names = _names(p)
+    return Pinned(stored_param(p[...].astype(dtype), names), names)
+
+
+def weight(p: nnx.Param | Pinned, dtype) -> jax.Array:
     """A parameter cast to the compute dtype, then laid out for compute.
 
     The compute layout maps the parameter's logical axes through the activation rules, so
     FSDP shards are gathered (after the cast: bf16 compute gathers bf16) while tensor-parallel
     splits stay.
     """
-    return _compute_layout(p[...], _names(p), dtype)
+    value, names, pinned = _unpack(p)
+    return _compute_layout(value, names, dtype, pinned=pinned)
 
 
-def dense(equation: str, x: jax.Array, p: nnx.Param, dtype) -> jax.Array:
+def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Array:
     """`einsum(equation, x, weight(p))`, keeping only the stored (sharded) weight for backward.
 
     Autodiff would otherwise keep each gathered weight alive from the forward to the backward
@@ -45,17 +68,24 @@ def dense(equation: str, x: jax.Array, p: nnx.Param, dtype) -> jax.Array:
     the gather with the matmul makes the backward pass gather again instead, as FSDP does;
     the matmul itself is not recomputed (its output is not needed by its own gradient).
     """
-    names = _names(p)
+    value, names, pinned = _unpack(p)
 
     def apply(x, w):
-        return jnp.einsum(equation, x, _compute_layout(w, names, dtype))
+        return jnp.einsum(equation, x, _compute_layout(w, names, dtype, pinned=pinned))
 
-    return jax.checkpoint(apply, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, p[...])
+    return jax.checkpoint(apply, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, value)
+
+
+def _unpack(p: nnx.Param | Pinned) -> tuple[jax.Array, tuple[str, ...], bool]:
+    return (p.value, p.names, True) if isinstance(p, Pinned) else (p[...], _names(p), False)
 
 
 def _names(p: nnx.Param) -> tuple[str, ...]:
     return tuple(p.get_metadata()["logical_axes"])[-p[...].ndim :]  # inside the layer scan `layers` is sliced off
 
 
-def _compute_layout(value: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
-    return constrain(stored_param(value, names).astype(dtype), names)
+def _compute_layout(value: jax.Array, names: tuple[str, ...], dtype, *, pinned: bool = False) -> jax.Array:
+    # Cast, then pin: the gradient then leaves the pin in the compute dtype, so every move of it into
+    # its shard (reduce-scatter, gathers over replica axes, all-to-alls) runs in bf16, not fp32.
+    cast = value.astype(dtype)
+    return constrain(cast if pinned else stored_param(cast, names), names)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd_train.config.schema import BackendsConfig, ModelConfig
-from spmd_train.models.layers import dense, param, weight
+from spmd_train.models.layers import Pinned, dense, param, pin, weight
 from spmd_train.models.moe import MoE
 from spmd_train.models.remat import apply_remat
 from spmd_train.ops.rope import apply_rope, rope_tables
@@ -150,26 +150,32 @@ class Transformer(nnx.Module):
     def forward(self, tokens: jax.Array, *, remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
         """(logits, stats): stats holds each MoE layer's router statistics stacked on a leading axis."""
         graphdef, stacked = nnx.split(self.blocks)
-        x, stats = apply_blocks(graphdef, stacked, self.embed(tokens), self.cfg, remat)
-        return self.head(x), stats
+        # A tied table is pinned once for both uses, so its two gradients are added before the one reduce-scatter.
+        table = pin(self.embedding, self.cfg.compute_dtype) if self.cfg.tie_embeddings else None
+        x, stats = apply_blocks(graphdef, stacked, self.embed(tokens, table), self.cfg, remat)
+        return self.head(x, table), stats
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        """Token ids [batch, length] -> the residual stream [batch, length, d_model] in the compute dtype."""
+    def embed(self, tokens: jax.Array, table: Pinned | None = None) -> jax.Array:
+        """Token ids [batch, length] -> the residual stream [batch, length, d_model] in the compute dtype.
+
+        `table`: the embedding already pinned (`layers.pin`) when another use shares it.
+        """
         # The table in its compute layout (FSDP shards gathered, vocabulary still split): XLA's
         # partitioner cannot gather rows from a table split along `embed` inside shard_map.
         # Each vocabulary shard looks up its own rows into a full-length partial sum, which is
         # then reduced (and under sequence parallelism scattered on length) into the residual.
         with jax.named_scope("embedding"):
-            table = weight(self.embedding, self.cfg.compute_dtype)
-            x = constrain(jnp.take(table, tokens, axis=0), ("batch", "length", "embed"))
+            rows = weight(self.embedding if table is None else table, self.cfg.compute_dtype)
+            x = constrain(jnp.take(rows, tokens, axis=0), ("batch", "length", "embed"))
             return constrain(x, RESIDUAL)
 
-    def head(self, x: jax.Array) -> jax.Array:
-        """Final norm and LM head: the residual stream -> logits [batch, length, vocab]."""
+    def head(self, x: jax.Array, table: Pinned | None = None) -> jax.Array:
+        """Final norm and LM head: the residual stream -> logits [batch, length, vocab] (`table` as in `embed`)."""
         x = self.final_norm(x)
         dt = self.cfg.compute_dtype
         if self.cfg.tie_embeddings:
-            return constrain(dense("bld,vd->blv", x, self.embedding, dt), ("batch", "length", "vocab"))
+            tied = self.embedding if table is None else table
+            return constrain(dense("bld,vd->blv", x, tied, dt), ("batch", "length", "vocab"))
         return constrain(dense("bld,dv->blv", x, self.lm_head, dt), ("batch", "length", "vocab"))
 
 

@@ -68,10 +68,8 @@ def _stored_fwd(x, names, layout):
 
 
 def _stored_bwd(names, layout, _, ct):
-    scatter = layout.vocab_scatter_spec(P(*names), ct.shape)
-    # Not inside a pipeline stage: there the extra layout costs a full buffer (GPipe on v5e:2x4 no longer fits).
-    if scatter is not None and "pipeline" not in manual_axes():
-        ct = _apply(ct, layout, scatter)
+    for spec in layout.scatter_path(P(*names), ct.shape, manual_axes()):
+        ct = _apply(ct, layout, spec)
     return (_apply(ct, layout, layout.param_spec(P(*names), None, fsdp=layout.zero_stage >= 2)),)
 
 

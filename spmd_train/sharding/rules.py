@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from spmd_train.config.rules import ResolvedRules, resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
-from spmd_train.sharding.arithmetic import entry_axes, ways
+from spmd_train.sharding.arithmetic import entry_axes, spec_axes, ways
 
 LogicalSpec = P
 """A PartitionSpec whose entries are logical axis names (or None), e.g. P('embed', 'mlp')."""
@@ -36,15 +36,15 @@ class Layout:
     zero_stage: int
     rules: ResolvedRules | None = None
     """The resolved rules the tables came from (None for a layout built from tables by hand)."""
-    scatter_vocab_gradients: bool = False
-    """Reduce-scatter vocabulary tables' gradients along `vocab` first (`vocab_scatter_spec`); on TPU meshes."""
+    tpu_scatter_paths: bool = False
+    """Move gradients into their shards along `scatter_path` (TPU meshes: what libtpu compiles well)."""
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> Layout:
         """The layout a config asks for, on a given mesh."""
         rules = resolve_rules(cfg)
         return cls(mesh=mesh, params=rules.params, activations=rules.activations, zero_stage=cfg.parallel.zero_stage,
-                   rules=rules, scatter_vocab_gradients=mesh.devices.flat[0].platform == "tpu")
+                   rules=rules, tpu_scatter_paths=mesh.devices.flat[0].platform == "tpu")
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -61,28 +61,48 @@ class Layout:
         table = self.params if fsdp else {k: tuple(a for a in v if a != "fsdp") for k, v in self.params.items()}
         return self._spec(logical, table, shape, what=what)
 
-    def vocab_scatter_spec(self, logical: LogicalSpec, shape: tuple[int, ...]) -> P | None:
-        """Where a vocabulary table's gradient is reduce-scattered before it moves into its shard (TPU only).
+    def scatter_path(self, logical: LogicalSpec, shape: tuple[int, ...], manual: Collection[str] = ()) -> tuple[P, ...]:
+        """The layouts a weight's gradient passes through, in order, before it moves into its stored shard.
 
-        libtpu runs a reduce-scatter over an fsdp group that spans several torus dimensions as an
-        all-reduce + slice (2x the bytes) for some slabs, among them a 128256-wide table scattered on
-        its model dimension, but not when the scatter runs along the vocabulary. So on TPU, from ZeRO-2,
-        a table's gradient is scattered with `fsdp` on its `vocab` dimension and then moved into the
-        stored layout (an all-to-all of one shard). None: no such step (not a TPU layout, not a vocabulary
-        table, `fsdp` not split, or the vocabulary does not divide).
+        Empty: straight into the shard. Only on TPU meshes (`tpu_scatter_paths`), from ZeRO-2, in two cases
+        (`manual`: the axes an enclosing shard_map made manual, whose reductions are done by hand):
+
+        - Replica axes: batch axes left to the compiler that the weight is not split over (`expert` for an
+          MoE model's dense weights). A gradient split over `fsdp` (N) and replicated over them (M) compiles
+          to one all-reduce over both, sliced afterwards: 2 (NM-1)/NM of the gradient. Scattering over
+          `fsdp` x replica axes first, then gathering the shard over the replica axes, moves
+          (NM-1)/NM + (M-1)/NM: about half. (XLA:CPU compiles the joint reduce-scatter as an all-reduce too,
+          so elsewhere the extra gather would only add bytes.)
+        - Vocabulary tables (not inside a pipeline stage): libtpu runs a
+          reduce-scatter over an fsdp group that spans several torus dimensions as an all-reduce + slice
+          (2x the bytes) for some slabs, among them a 128256-wide table scattered on its model dimension,
+          but not when the scatter runs along the vocabulary. So the table's gradient is scattered on its
+          `vocab` dimension (and gathered over the replica axes there, while it is one shard: from there
+          XLA would gather the whole table instead), then moved into the stored layout (an all-to-all).
         """
-        if not self.scatter_vocab_gradients or self.zero_stage < 2 or "vocab" not in logical:
-            return None
+        if not self.tpu_scatter_paths or self.zero_stage < 2 or self.mesh.shape["fsdp"] == 1:
+            return ()
         stored = self.param_spec(logical, None, fsdp=True)
         fsdp_dims = [d for d in range(len(logical)) if "fsdp" in entry_axes(stored, d)]
-        vocab = list(logical).index("vocab")
-        if not fsdp_dims or fsdp_dims == [vocab]:
-            return None
-        spec = [tuple(a for a in entry_axes(stored, d) if a != "fsdp") or None for d in range(len(logical))]
-        spec[vocab] = (*(spec[vocab] or ()), "fsdp")
-        if shape[vocab] % ways(spec[vocab], self.mesh.shape):
-            return None
-        return P(*spec)
+        if not fsdp_dims:
+            return ()
+        used = spec_axes(stored)
+        replicas = tuple(a for a in self.batch_axes if a not in used and a not in manual and self.mesh.shape[a] > 1)
+        target = fsdp_dims[0]
+        if "vocab" in logical and "pipeline" not in manual:
+            # Inside a pipeline stage the extra layout costs a full buffer (GPipe on v5e:2x4 no longer fits).
+            target = list(logical).index("vocab")
+        base = [tuple(a for a in entry_axes(stored, d) if a != "fsdp") for d in range(len(logical))]
+
+        def on_target(*axes: str) -> P | None:
+            spec = list(base)
+            spec[target] = (*spec[target], *axes)
+            return None if shape[target] % ways(spec[target], self.mesh.shape) else P(*(a or None for a in spec))
+
+        path = [on_target("fsdp", *replicas)] if replicas else []
+        if target not in fsdp_dims:
+            path.append(on_target("fsdp"))
+        return tuple(spec for spec in path if spec is not None)
 
     def tree_shardings(self, logical_tree: Any, shape_tree: Any, *, fsdp: bool) -> Any:
         """NamedShardings for a parameter-shaped tree (logical PartitionSpecs beside shapes)."""

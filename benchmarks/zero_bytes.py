@@ -60,12 +60,9 @@ def row(remat: str, flags: bool, report: dict) -> str:
 def other_row(name: str, report: dict) -> str:
     """One preset: its parameter traffic against the whole floor (the `total` row where it spans several axes)."""
     *_, ratio = report["zero_floor"]["by_axes"]
-    axes = set(ratio["axes"])
-    moe = set(report["resolved"]["rules"]["activations"]["experts"]) if report.get("moe") else set()
     ops = defaultdict(float)
-    for c in report["collectives"]:
-        if set(c["axes"]) <= axes and not (c["op"] == "all-to-all" and set(c["axes"]) <= moe):
-            ops[c["op"], ", ".join(c["axes"])] += c["bytes"]
+    for c in report["zero_floor"]["traffic"]:
+        ops[c["op"], ", ".join(c["axes"])] += c["bytes"]
     listed = ", ".join(f"{op} over {ax}: {b / 1e9:.2f}" for (op, ax), b in sorted(ops.items()) if b >= 5e6)
     return (f"| {name} | {listed} | **{ratio['compiled_bytes'] / 1e9:.2f}** | {ratio['floor_bytes'] / 1e9:.2f} | "
             f"{ratio['ratio']:.2f} | {report['per_device']['peak_bytes'] / 2**30:.2f} GiB |")

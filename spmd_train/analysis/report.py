@@ -151,15 +151,20 @@ class StepReport:
             compiled[c.axes] += c.bytes
         floor = floor_by_axes(self.zero_floor)
         rows = [_ratio_row(list(axes), b, compiled[axes] if done else None) for axes, b in floor.items()]
-        union = {a for axes in floor for a in axes}
-        tokens = set(self.resolved.get("rules", {}).get("activations", {}).get("experts", ())) if self.moe else set()
-        params = [c for c in self.collectives
-                  if set(c.axes) <= union and not (c.op == "all-to-all" and set(c.axes) <= tokens)]
+        params = self.parameter_traffic()
         if len({c.axes for c in params} | set(floor)) > 1:
             total = sum(c.bytes for c in params) if done else None
+            union = {a for axes in floor for a in axes}
             axes = [a for a in self.mesh if a in union]
             rows.append({**_ratio_row(axes, sum(floor.values()), total), "total": True})
         return rows
+
+    def parameter_traffic(self) -> list[CollectiveSummary]:
+        """The collectives the floor is compared with: all over its axes but the MoE token all-to-alls."""
+        union = {a for t in self.zero_floor for a in t.axes}
+        tokens = set(self.resolved.get("rules", {}).get("activations", {}).get("experts", ())) if self.moe else set()
+        return [c for c in self.collectives
+                if set(c.axes) <= union and not (c.op == "all-to-all" and set(c.axes) <= tokens)]
 
     def to_json(self) -> dict[str, Any]:
         """The public JSON form (keys mesh, devices, param_count, per_device, collectives, pipeline, ...)."""
@@ -184,7 +189,8 @@ class StepReport:
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
             "moe": self.moe,
             "resolved": self.resolved,
-            "zero_floor": {"terms": [t.to_json() for t in self.zero_floor], "by_axes": self.floor_ratios()},
+            "zero_floor": {"terms": [t.to_json() for t in self.zero_floor], "by_axes": self.floor_ratios(),
+                           "traffic": [c.to_json() for c in self.parameter_traffic()]},
         }
 
 

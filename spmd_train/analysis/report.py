@@ -208,12 +208,13 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         raise ConfigError(f"{err} (on TPU slice {topology} with {len(devices)} devices)") from None
     state = engine.abstract_state()
     t = cfg.train
-    tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1), "int32", sharding=engine.batch_sharding)
+    batch = engine.abstract_batch()
+    batch_bytes = sum(math.prod(a.shape) * 4 for a in jax.tree.leaves(batch)) / _ways(engine.batch_sharding)
     pipeline = _pipeline_report(engine) if engine.plan is not None else None
     moe = moe_section(engine)
     floor = zero_floor(engine)
     start = time.perf_counter()
-    lowered = engine.train_step.lower(state, tokens)
+    lowered = engine.train_step.lower(state, batch)
     mesh = engine.mesh
     rows = _param_rows(engine, state.params)
     opt_bytes = _bytes_per_device(state.opt_state)
@@ -230,7 +231,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
             mesh=dict(mesh.shape), devices=mesh.size, device_kind=device.device_kind, topology=topology,
             param_count=engine.num_params, params=rows,
             per_device={"param_bytes": sum(r.bytes_per_device for r in rows), "opt_state_bytes": opt_bytes,
-                        "batch_bytes": math.prod(tokens.shape) * 4 / _ways(engine.batch_sharding),
+                        "batch_bytes": batch_bytes,
                         "argument_bytes": None, "output_bytes": None, "temp_bytes": None, "alias_bytes": None,
                         "peak_bytes": None, "flops": None, "model_flops": model_flops, "xla_cost_flops": None},
             collectives=[], hbm_bytes=spec.hbm_bytes if spec else None, fits=False,
@@ -250,7 +251,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     per_device = {
         "param_bytes": sum(r.bytes_per_device for r in rows),
         "opt_state_bytes": opt_bytes,
-        "batch_bytes": math.prod(tokens.shape) * 4 / _ways(engine.batch_sharding),
+        "batch_bytes": batch_bytes,
         "argument_bytes": mem.argument_size_in_bytes,
         "output_bytes": mem.output_size_in_bytes,
         "temp_bytes": mem.temp_size_in_bytes,

@@ -30,6 +30,10 @@ def check_config(cfg: Config) -> None:
     if d.source == "text" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for data.source=text, whose tokens are "
                           "bytes (valid: at least 256)")
+    if d.source == "markov" and d.document_mask:
+        raise ConfigError("data.document_mask=true needs documents, and data.source=markov draws one endless "
+                          "sequence per row (valid: data.source=tokens with packed documents, or "
+                          "data.document_mask=false)")
     if d.source != "markov" and not d.paths:
         raise ConfigError(f"data.source={d.source} needs data.paths (one or more files or globs)")
     prof = cfg.run.profile_steps

@@ -250,6 +250,15 @@ class DataConfig:
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     val_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.01
     packing: bool = True
+    document_mask: bool | None = None
+    """Attention and the loss stay inside each document of a packed window; default: true for packed token files."""
+    eot_id: NonNegativeInt | None = None
+    """Token ending each document in .bin files without NAME.docs.npy (GPT-2: 50256); default: the sidecar's."""
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether batches carry document segments: `document_mask`, or by default packed token files."""
+        return (self.source == "tokens" and self.packing) if self.document_mask is None else self.document_mask
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from spmd_train.config.schema import Config
+from spmd_train.data.batch import Batch, as_batch
 from spmd_train.data.markov import MarkovChain
 from spmd_train.data.prepare import prepare_data
 from spmd_train.data.source import TokenSource, host_rows
@@ -17,7 +18,7 @@ def make_source(cfg: Config) -> TokenSource:
                            concentration=d.concentration, seed=t.seed)
     return TokenFiles(list(d.paths), t.seq_len, t.global_batch_size, seed=t.seed, token_dtype=d.token_dtype,
                       val_fraction=d.val_fraction, packing=d.packing, text=d.source == "text",
-                      vocab_size=cfg.model.vocab_size)
+                      vocab_size=cfg.model.vocab_size, document_mask=d.document_mask, eot_id=d.eot_id)
 
 
-__all__ = ["MarkovChain", "TokenFiles", "TokenSource", "host_rows", "make_source", "prepare_data"]
+__all__ = ["Batch", "MarkovChain", "TokenFiles", "TokenSource", "as_batch", "host_rows", "make_source", "prepare_data"]

@@ -11,12 +11,16 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from spmd_train.data.batch import Batch
+
 
 class TokenSource:
     """Batches of [global_batch, seq_len + 1] int32 tokens: inputs and their shifted targets."""
 
     loss_floor: float | None = None
     """Best achievable mean loss (nats per token) where it is known exactly, else None."""
+    documents: bool = False
+    """Whether batches carry document segments and positions (`Batch`), for document masking."""
 
     def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int):
         self.vocab_size, self.seq_len, self.global_batch, self.seed = vocab_size, seq_len, global_batch, seed
@@ -29,11 +33,19 @@ class TokenSource:
         """The whole global batch of a step (0-based), on the host."""
         raise NotImplementedError
 
-    def batch(self, step: int, sharding: NamedSharding, split: str = "train") -> jax.Array:
-        """The step's batch as a global array; this process materialises only the rows its devices hold."""
+    def document_rows(self, step: int, rows: np.ndarray, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
+        """(segments, positions) of the given rows, for sources with `documents`."""
+        raise NotImplementedError(f"{type(self).__name__} has no documents")
+
+    def batch(self, step: int, sharding: NamedSharding, split: str = "train") -> Batch:
+        """The step's batch as global arrays; this process materialises only the rows its devices hold."""
         shape = (self.global_batch, self.seq_len + 1)
         local = host_rows(sharding, shape)
-        return jax.make_array_from_process_local_data(sharding, self.rows(step, local, split), shape)
+        put = lambda rows: jax.make_array_from_process_local_data(sharding, rows, shape)
+        if not self.documents:
+            return Batch(put(self.rows(step, local, split)))
+        segments, positions = self.document_rows(step, local, split)
+        return Batch(put(self.rows(step, local, split)), put(segments), put(positions))
 
 
 def host_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> np.ndarray:

@@ -7,6 +7,12 @@ sidecar the dtype comes from `data.token_dtype`. Training windows of seq_len + 1
 drawn at random offsets from the first (1 - val_fraction) of each file, the held-out split
 from the rest. With packing (the default) a window may span documents, so documents shorter
 than seq_len are packed together; without it every window lies inside one document.
+
+Where documents begin: `NAME.docs.npy` when present (prepare-data writes the offset of every
+input file, exact for every tokenizer, including `byte`, which has no end-of-text token);
+otherwise after each end-of-document token (`eot_id` of the sidecar, or `data.eot_id` for
+files written by other tools, e.g. 50256 for GPT-2 tokens); otherwise the file is one
+document. With document masking each row also carries its documents' segments and positions.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import glob
 import itertools
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from spmd_train.data.batch import document_layout, document_layout_from_eot
 from spmd_train.data.source import TokenSource
 from spmd_train.errors import ConfigError
 
@@ -26,9 +34,13 @@ class TokenFiles(TokenSource):
     """Windows sampled from one or more token files; a pure function of (seed, step, split)."""
 
     def __init__(self, paths: list[str], seq_len: int, global_batch: int, *, seed: int = 0, token_dtype: str = "auto",
-                 val_fraction: float = 0.01, packing: bool = True, text: bool = False, vocab_size: int | None = None):
+                 val_fraction: float = 0.01, packing: bool = True, text: bool = False, vocab_size: int | None = None,
+                 document_mask: bool | None = None, eot_id: int | None = None):
         files = _expand(paths)
-        self.streams = [_open(f, "uint8" if text else token_dtype) for f in files]
+        self.streams = [_open(f, "uint8" if text else token_dtype, eot_id) for f in files]
+        # Unasked, only packed token files mask documents: a text file is one document, and
+        # unpacked windows never span two.
+        self.documents = (packing and not text) if document_mask is None else document_mask
         vocabs = [v for _, _, v, _ in self.streams if v is not None]
         vocab = 256 if text else (max(vocabs) if vocabs else vocab_size)
         super().__init__(vocab or 0, seq_len, global_batch, seed)
@@ -45,8 +57,15 @@ class TokenFiles(TokenSource):
                 raise ConfigError(f"data file {path} has {len(tokens)} tokens, too few for windows of seq_len + 1 = "
                                   f"{window} after holding out val_fraction={val_fraction} (valid: a longer file, or "
                                   "a smaller train.seq_len)")
-            spans = [(0, len(tokens))] if packing else _doc_spans(docs, len(tokens))
+            spans = [(0, len(tokens))] if packing or docs.starts is None else _doc_spans(docs.starts, len(tokens))
             self.ranges.append((train_end, spans))
+        if document_mask is True and not text:
+            for path, _, _, docs in self.streams:
+                if docs.starts is None and docs.eot_id is None:
+                    raise ConfigError(f"data.document_mask=true, but data file {path} marks no documents: it has no "
+                                      f"{path.with_suffix('.docs.npy').name} (written by spmd-train prepare-data) and "
+                                      "no eot_id in its sidecar (valid: data.eot_id=ID, the token that ends each "
+                                      "document, e.g. 50256 for GPT-2 tokens, or data.document_mask=false)")
         if not packing and not any(b - a >= window for _, spans in self.ranges for a, b in spans):
             raise ConfigError(f"train.seq_len={seq_len} is longer than every document in {', '.join(paths)} and "
                               "data.packing=false (valid: data.packing=true, or seq_len below the longest document)")
@@ -59,6 +78,23 @@ class TokenFiles(TokenSource):
         for i, r in enumerate(rows):
             out[i] = self.streams[files[r]][1][offsets[r]: offsets[r] + window]
         return out
+
+    def document_rows(self, step: int, rows: np.ndarray, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
+        """(segments, positions) [len(rows), seq_len + 1] of the requested rows: where their documents lie."""
+        files, offsets = self._plan(step, split)
+        window = self.seq_len + 1
+        segments = np.zeros((len(rows), window), np.int32)
+        positions = np.empty((len(rows), window), np.int32)
+        for i, r in enumerate(rows):
+            _, tokens, _, docs = self.streams[files[r]]
+            if docs.starts is not None:
+                segments[i], positions[i] = document_layout(docs.starts, int(offsets[r]), window)
+            elif docs.eot_id is not None:
+                chunk = tokens[offsets[r]: offsets[r] + window]
+                segments[i], positions[i] = document_layout_from_eot(chunk, docs.eot_id)
+            else:
+                positions[i] = np.arange(window)
+        return segments, positions
 
     def global_batch_array(self, step: int, split: str = "train") -> np.ndarray:
         """The whole global batch of a step (0-based)."""
@@ -98,7 +134,14 @@ def _expand(paths: list[str]) -> list[Path]:
     return files
 
 
-def _open(path: Path, token_dtype: str):
+class _Documents(NamedTuple):
+    """Where a file's documents begin: offsets (`NAME.docs.npy`), or after each `eot_id`, or unknown (both None)."""
+
+    starts: np.ndarray | None
+    eot_id: int | None
+
+
+def _open(path: Path, token_dtype: str, eot_id: int | None = None):
     if not path.is_file():
         raise ConfigError(f"data file {path} does not exist")
     meta_path = path.with_suffix(".json")
@@ -118,8 +161,9 @@ def _open(path: Path, token_dtype: str):
     except OSError as err:
         raise ConfigError(f"data file {path} cannot be read: {err.strerror}") from None
     docs_path = path.with_suffix(".docs.npy")
-    docs = np.load(docs_path, allow_pickle=False) if docs_path.is_file() else np.zeros(1, np.int64)
-    return path, tokens, meta.get("vocab_size"), docs
+    starts = np.load(docs_path, allow_pickle=False).astype(np.int64) if docs_path.is_file() else None
+    eot = eot_id if eot_id is not None else meta.get("eot_id")
+    return path, tokens, meta.get("vocab_size"), _Documents(starts, eot)
 
 
 def _doc_spans(starts: np.ndarray, total: int) -> list[tuple[int, int]]:

@@ -51,13 +51,13 @@ class Attention(nnx.Module):
         self.compute_dtype = cfg.compute_dtype
         self.backends = backends
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         dt = self.compute_dtype
         q = constrain(dense("bld,dhk->blhk", x, self.wq, dt), ("batch", "length", "heads", "head_dim"))
         k = constrain(dense("bld,dhk->blhk", x, self.wk, dt), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(dense("bld,dhk->blhk", x, self.wv, dt), ("batch", "length", "kv_heads", "head_dim"))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, backends=self.backends)
+        out = attention(q, k, v, backends=self.backends, segments=segments)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return constrain(dense("blhk,hkd->bld", out, self.wo, dt), RESIDUAL)
 
@@ -85,7 +85,8 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)); the MLP may be an MoE layer.
 
-    Returns (x, stats): the MoE layer's router statistics, or an empty dict.
+    Returns (x, stats): the MoE layer's router statistics, or an empty dict. `segments` [batch, length]:
+    each token's document, when attention must stay inside documents.
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack=None, moe: bool = False):
@@ -94,9 +95,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, stack=stack)
         self.mlp = MoE(cfg, rngs, backends, stack=stack) if moe else MLP(cfg, rngs, stack=stack)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 segments: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         with jax.named_scope("attention"):
-            x = x + self.attn(constrain(self.attn_norm(x), RESIDUAL), cos, sin)
+            x = x + self.attn(constrain(self.attn_norm(x), RESIDUAL), cos, sin, segments)
         with jax.named_scope("mlp"):
             out = self.mlp(constrain(self.mlp_norm(x), RESIDUAL))
         out, stats = out if isinstance(out, tuple) else (out, {})
@@ -110,10 +112,11 @@ class MoEGroup(nnx.Module):
         self.dense = Block(cfg, rngs, backends, stack=(stack, cfg.moe_every - 1))
         self.moe = Block(cfg, rngs, backends, stack=stack, moe=True)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 segments: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         graphdef, stacked = nnx.split(self.dense)
-        x, _ = jax.lax.scan(lambda c, p: (nnx.merge(graphdef, p)(c, cos, sin)[0], None), x, stacked)
-        return self.moe(x, cos, sin)
+        x, _ = jax.lax.scan(lambda c, p: (nnx.merge(graphdef, p)(c, cos, sin, segments)[0], None), x, stacked)
+        return self.moe(x, cos, sin, segments)
 
 
 def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends) -> nnx.Module:
@@ -144,15 +147,23 @@ class Transformer(nnx.Module):
             self.lm_head = param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std,
                                  dtype=cfg.param_dtype)
 
-    def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
-        return self.forward(tokens, remat=remat)[0]
+    def __call__(self, tokens: jax.Array, *, segments: jax.Array | None = None, positions: jax.Array | None = None,
+                 remat: str = "none") -> jax.Array:
+        return self.forward(tokens, segments=segments, positions=positions, remat=remat)[0]
 
-    def forward(self, tokens: jax.Array, *, remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(logits, stats): stats holds each MoE layer's router statistics stacked on a leading axis."""
+    def forward(self, tokens: jax.Array, *, segments: jax.Array | None = None, positions: jax.Array | None = None,
+                remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(logits, stats): stats holds each MoE layer's router statistics stacked on a leading axis.
+
+        With packed documents, `segments` [batch, length] (each token's document) keeps attention
+        inside documents and `positions` [batch, length] (each token's place in its document) are
+        RoPE's positions.
+        """
         graphdef, stacked = nnx.split(self.blocks)
         # A tied table is pinned once for both uses, so its two gradients are added before the one reduce-scatter.
         table = pin(self.embedding, self.cfg.compute_dtype) if self.cfg.tie_embeddings else None
-        x, stats = apply_blocks(graphdef, stacked, self.embed(tokens, table), self.cfg, remat)
+        x, stats = apply_blocks(graphdef, stacked, self.embed(tokens, table), self.cfg, remat,
+                                segments=segments, positions=positions)
         return self.head(x, table), stats
 
     def embed(self, tokens: jax.Array, table: Pinned | None = None) -> jax.Array:
@@ -180,15 +191,21 @@ class Transformer(nnx.Module):
 
 
 def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: ModelConfig,
-                 remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
+                 remat: str = "none", *, segments: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Run layers whose parameters are stacked on a leading axis (any number of them) with `lax.scan`.
 
     The whole model calls this on all its layers; a pipeline stage on its own slice of them.
     Returns the output and the MoE statistics of every scanned step (empty without MoE).
+    `segments` and `positions` are the documents' layout, as in `Transformer.forward`.
     """
-    cos, sin = rope_tables(x.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
+    if positions is not None:
+        positions = constrain(positions, ("batch", "length"))
+    if segments is not None:
+        segments = constrain(segments, ("batch", "length"))
+    cos, sin = rope_tables(x.shape[1], cfg.resolved_head_dim, cfg.rope_theta, positions)
 
     def layer(carry, layer_params):
-        return nnx.merge(graphdef, layer_params)(carry, cos, sin)
+        return nnx.merge(graphdef, layer_params)(carry, cos, sin, segments)
 
     return jax.lax.scan(apply_remat(layer, remat), x, stacked)

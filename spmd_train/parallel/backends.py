@@ -58,14 +58,17 @@ class Backends:
 
 
 def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
-                     local_q: tuple[int, ...] | None = None, local_kv: tuple[int, ...] | None = None) -> Backends:
+                     local_q: tuple[int, ...] | None = None, local_kv: tuple[int, ...] | None = None, *,
+                     documents: bool = False) -> Backends:
     """The record for `choice` (the config's backends section) running `model` on `platform`, given each
-    device's q and k/v shapes [b, l, heads, head_dim].
+    device's q and k/v shapes [b, l, heads, head_dim] and whether packed documents are masked.
 
     `auto` means our Pallas kernels on TPU (plain XLA if the blocks would not fit the kernels' VMEM
     budget for these shapes), cuDNN on GPU (our Mosaic GPU kernels reach 0.83-1.01x cuDNN's
     forward+backward on an H100: `pallas` selects them), XLA on CPU (Pallas runs there only when
-    asked for, interpreted). Without local shapes the VMEM check uses the whole model's.
+    asked for, interpreted). With documents masked, GPU gets our kernels where they run (bfloat16,
+    head_dim a multiple of 64): they take segment ids, cuDNN through jax only a dense mask.
+    Without local shapes the VMEM check uses the whole model's.
     """
     if choice.attention not in ATTENTION:
         raise ValueError(f"backends.attention={choice.attention!r} is not an implementation "
@@ -87,10 +90,19 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
             reason = (f"auto: Pallas kernels, {need / 2**20:.1f} MiB of VMEM" if impl == "pallas" else
                       f"auto: XLA, the Pallas blocks {blocks.block_q}x{blocks.block_k} would need "
                       f"{need / 2**20:.1f} MiB of VMEM, over the {TPU_VMEM_BUDGET / 2**20:.0f} MiB budget")
+        elif platform == "gpu" and documents and _gpu_kernels_run(model):
+            impl, reason = "pallas", "auto: Pallas kernels on gpu, which mask documents by segment ids"
         else:
             impl = "cudnn" if platform == "gpu" else "xla"
             reason = f"auto: {impl} on {platform}"
+            if impl == "cudnn" and documents:
+                reason += " (documents as a dense mask: our kernels need bfloat16 and head_dim a multiple of 64)"
     if impl != "pallas":
         return Backends(platform=platform, attention=impl, reason=reason, **experts)
     return Backends(platform=platform, attention="pallas", kernels=kernels, interpret=interpret,
                     blocks=(blocks.block_q, blocks.block_k), reason=reason, **experts)
+
+
+def _gpu_kernels_run(model: ModelConfig) -> bool:
+    """Whether the Mosaic GPU kernels take this model's attention (bfloat16 operands, 64-wide head tiles)."""
+    return jnp.dtype(model.compute_dtype) == jnp.bfloat16 and model.resolved_head_dim % 64 == 0

@@ -27,17 +27,18 @@ from spmd_train.sharding.arithmetic import entry_axes, spec_axes
 from spmd_train.sharding.constrain import constrain
 from spmd_train.sharding.rules import Layout
 
-ValueAndGrad = Callable[[Any, jax.Array], tuple[Any, Any]]
-"""(params, tokens of one microbatch) -> (values, gradient of the loss): `jax.value_and_grad` of
+ValueAndGrad = Callable[[Any, Any], tuple[Any, Any]]
+"""(params, batch of one microbatch) -> (values, gradient of the loss): `jax.value_and_grad` of
 the model's loss, or a pipeline schedule that computes the same thing stage by stage. `values`
 is the mean loss, or any pytree of per-batch means (e.g. the loss and MoE router statistics);
 each is averaged over microbatches and devices like the loss."""
 
 
 def loss_and_grads(
-    value_and_grad: ValueAndGrad, params: Any, tokens: jax.Array, *, layout: Layout, logical: Any, grad_accum: int
+    value_and_grad: ValueAndGrad, params: Any, batch: Any, *, layout: Layout, logical: Any, grad_accum: int
 ) -> tuple[jax.Array, Any]:
-    """(mean values, gradient of the mean loss) over the global batch `tokens` [batch, length + 1].
+    """(mean values, gradient of the mean loss) over the global batch: a pytree of arrays with the rows on axis 0
+    (the tokens [batch, length + 1] and what goes with them).
 
     Gradients come back in the ZeRO stage's gradient layout.
     """
@@ -49,7 +50,7 @@ def loss_and_grads(
     manual = tuple(a for a in layout.batch_axes
                    if mesh.shape[a] > 1 and (a != "fsdp" or stage <= 1) and a not in splits)
     if not manual:
-        loss, grads = _accumulate(value_and_grad, params, tokens, grad_accum, scatter=None)
+        loss, grads = _accumulate(value_and_grad, params, batch, grad_accum, scatter=None)
         return loss, jax.lax.with_sharding_constraint(grads, grad_layout)
 
     ways = 1
@@ -58,7 +59,7 @@ def loss_and_grads(
     # Parameters and gradients are replicated over every manual axis (that is what puts an
     # axis in `manual`), so both enter and leave the region whole along them.
 
-    def local(params, tokens):
+    def local(params, batch):
         # Without varying-axis checks (check_vma=False below) autodiff returns this device's own
         # gradient contribution, with no implicit psum in every microbatch's backward pass; the
         # one reduction is the explicit psum below. Checks are off because Pallas kernels (in
@@ -68,7 +69,7 @@ def loss_and_grads(
             # ZeRO-2: each microbatch's gradient is reduce-scattered into its shard as it is made.
             auto_specs = _specs(grad_layout, keep=lambda a: a not in manual)
             scatter = lambda g: jax.lax.with_sharding_constraint(g, auto_specs)
-        loss, grads = _accumulate(value_and_grad, params, tokens, grad_accum, scatter=scatter)
+        loss, grads = _accumulate(value_and_grad, params, batch, grad_accum, scatter=scatter)
         grads = jax.lax.psum(grads, manual)  # the step's single reduction over these axes
         grads = jax.tree.map(lambda g: g / ways, grads)
         return jax.tree.map(lambda v: jax.lax.psum(v, manual) / ways, loss), grads
@@ -80,19 +81,21 @@ def loss_and_grads(
         out_specs=(P(), P()),
         axis_names=set(manual),
         check_vma=False,
-    )(params, tokens)
+    )(params, batch)
     return loss, jax.lax.with_sharding_constraint(grads, grad_layout)
 
 
-def _accumulate(value_and_grad: ValueAndGrad, params: Any, tokens: jax.Array, grad_accum: int, scatter):
+def _accumulate(value_and_grad: ValueAndGrad, params: Any, batch: Any, grad_accum: int, scatter):
     """Mean loss and summed-then-averaged gradients over `grad_accum` microbatches."""
     if grad_accum == 1:
-        loss, grads = value_and_grad(params, tokens)
+        loss, grads = value_and_grad(params, batch)
         return loss, scatter(grads) if scatter else grads
-    batch = tokens.shape[0]
+    rows = jax.tree.leaves(batch)[0].shape[0]
     # Row r of microbatch i is row r * grad_accum + i: every device's rows split evenly among
     # microbatches, so building them moves no data between devices.
-    micro = constrain(tokens.reshape(batch // grad_accum, grad_accum, -1).swapaxes(0, 1), (None, "batch", None))
+    split = lambda a: constrain(a.reshape(rows // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1),
+                                (None, "batch", *(None,) * (a.ndim - 1)))
+    micro = jax.tree.map(split, batch)
 
     def add(carry, mb):
         loss_sum, grad_sum = carry
@@ -101,11 +104,11 @@ def _accumulate(value_and_grad: ValueAndGrad, params: Any, tokens: jax.Array, gr
             grads = scatter(grads)
         return (jax.tree.map(jnp.add, loss_sum, loss), jax.tree.map(jnp.add, grad_sum, grads)), None
 
-    first_loss, first = value_and_grad(params, micro[0])
+    first_loss, first = value_and_grad(params, jax.tree.map(lambda a: a[0], micro))
     if scatter:
         first = scatter(first)
     # Peeling the first microbatch gives the accumulator the exact type (shape, varying axes) of a gradient.
-    (loss_sum, grad_sum), _ = jax.lax.scan(add, (first_loss, first), micro[1:])
+    (loss_sum, grad_sum), _ = jax.lax.scan(add, (first_loss, first), jax.tree.map(lambda a: a[1:], micro))
     return jax.tree.map(lambda v: v / grad_accum, loss_sum), jax.tree.map(lambda g: g / grad_accum, grad_sum)
 
 

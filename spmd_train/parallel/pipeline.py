@@ -30,20 +30,24 @@ from spmd_train.parallel.pipeline_plan import FIELDS, PipelinePlan
 
 AXIS = "pipeline"
 
-StageFn = Callable[[Any, jax.Array], jax.Array]
-"""(one chunk's stacked layer parameters [layers_per_chunk, ...], x) -> y, same shape as x."""
+StageFn = Callable[..., jax.Array]
+"""(one chunk's stacked layer parameters [layers_per_chunk, ...], x[, context]) -> y, same shape as x; `context`
+is the microbatch's slice of run_pipeline's `context`, when one is given (not differentiated)."""
 HeadFn = Callable[[Any, jax.Array, Any], jax.Array]
 """(head parameters, last chunk's output, the microbatch's targets) -> scalar loss of that microbatch."""
 
 
 def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks: Any, head: Any, inputs: jax.Array,
-                 targets: Any, *, mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, Any, Any, jax.Array]:
+                 targets: Any, *, context: Any = None,
+                 mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, Any, Any, jax.Array]:
     """Loss and gradients of the mean over microbatches of head_fn(stages(inputs[i]), targets[i]).
 
     `blocks` has the layers stacked on axis 0 in storage order (split over `pipeline`: device d
     holds its `virtual` chunks one after another), `head` is replicated over `pipeline`,
     `inputs` is [microbatches, ...] (the embedded microbatches), `targets` has a leading
-    microbatch axis. Returns (loss, d loss / d blocks, d loss / d head, d loss / d inputs).
+    microbatch axis, and so does `context` (e.g. each microbatch's document segments), which every
+    stage passes to `stage_fn` with the microbatch it runs. Returns (loss, d loss / d blocks,
+    d loss / d head, d loss / d inputs).
     `mesh` is the device mesh (default: the one set with `jax.set_mesh`); inside another
     shard_map the enclosing abstract mesh is used.
     """
@@ -53,14 +57,19 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         raise ValueError(f"inputs has {inputs.shape[0]} microbatches, the schedule {m}")
     rows = jnp.asarray(plan.rows)
     col = {name: i for i, name in enumerate(FIELDS)}
+    if context is None:
+        context, run_stage = (), lambda params, x, _: stage_fn(params, x)
+    else:
+        run_stage = stage_fn
 
-    def local(blocks, head, inputs, targets):
+    def local(blocks, head, inputs, targets, context):
         stage = jax.lax.axis_index(AXIS)
         # Device d holds rows [d*L/p, (d+1)*L/p) of the stack: its v chunks, in order.
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks)
         chunk_params = lambda k: jax.tree.map(lambda a: a[k], chunks)
         x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
-        vjp_layout = _VjpLayout.of(stage_fn, chunk_params(0), x_like)
+        of_microbatch = lambda tree, mb: jax.tree.map(lambda a: a[mb], tree)
+        vjp_layout = _VjpLayout.of(run_stage, chunk_params(0), x_like, of_microbatch(context, 0))
 
         acts = jnp.zeros((plan.act_slots + 1, *x_like.shape), x_like.dtype)  # + 1: the spare slot
         cts = jnp.zeros((plan.ct_slots + 1, *x_like.shape), x_like.dtype)
@@ -75,10 +84,11 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
             read = row[col["read"]]
             x = jnp.where(read < 0, inputs[mb], acts[read])
             params = chunk_params(k)
-            y, vjp = jax.vjp(stage_fn, params, x)
+            ctx = of_microbatch(context, mb)
+            y, vjp = jax.vjp(lambda params, x: run_stage(params, x, ctx), params, x)
             stash = [buf.at[slot].set(r) for buf, r in zip(stash, vjp_layout.residuals(vjp, params), strict=True)]
             is_last = (stage == p - 1) & (k == v - 1)
-            target = jax.tree.map(lambda t: t[mb], targets)
+            target = of_microbatch(targets, mb)
 
             def with_head(y):
                 loss_mb, (g_head, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, target)
@@ -134,11 +144,11 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(block_spec, rest_spec(head), P(), rest_spec(targets)),
+        in_specs=(block_spec, rest_spec(head), P(), rest_spec(targets), rest_spec(context)),
         out_specs=(P(), block_spec, rest_spec(head), P()),
         axis_names={AXIS},
         check_vma=False,
-    )(blocks, head, inputs, targets)
+    )(blocks, head, inputs, targets, context)
 
 
 class _VjpLayout:
@@ -155,16 +165,17 @@ class _VjpLayout:
         self.treedef, self.weight_index, self.stashed = treedef, weight_index, stashed
 
     @classmethod
-    def of(cls, stage_fn: StageFn, params: Any, x: jax.Array) -> _VjpLayout:
+    def of(cls, stage_fn: StageFn, params: Any, x: jax.Array, context: Any = ()) -> _VjpLayout:
+        """From one abstract trace of stage_fn(params, x, context)."""
         found = {}
 
-        def trace(params, x):
-            _, vjp = jax.vjp(stage_fn, params, x)
+        def trace(params, x, context):
+            _, vjp = jax.vjp(lambda params, x: stage_fn(params, x, context), params, x)
             leaves, found["treedef"] = jax.tree.flatten(vjp)
             found["index"] = _weight_index(leaves, jax.tree.leaves(params))
             return [leaf for leaf, w in zip(leaves, found["index"], strict=True) if w is None]
 
-        stashed = jax.eval_shape(trace, params, x)
+        stashed = jax.eval_shape(trace, params, x, context)
         return cls(found["treedef"], found["index"], stashed)
 
     def residuals(self, vjp, params: Any) -> list[jax.Array]:
@@ -181,9 +192,10 @@ class _VjpLayout:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def stash_layout(stage_fn: StageFn, params: Any, x: Any) -> _VjpLayout:
-    """How a stage's VJP splits into weights and stashed residuals (`.stashed`: their shapes), abstractly."""
-    return _VjpLayout.of(stage_fn, params, x)
+def stash_layout(stage_fn: StageFn, params: Any, x: Any, context: Any = ()) -> _VjpLayout:
+    """How a stage's VJP, stage_fn(params, x, context), splits into weights and stashed residuals (`.stashed`:
+    their shapes), abstractly."""
+    return _VjpLayout.of(stage_fn, params, x, context)
 
 
 def _weight_index(leaves: list, weights: list) -> list[int | None]:

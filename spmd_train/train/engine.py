@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.checks import check_layout
 from spmd_train.config.schema import Config
+from spmd_train.data.batch import Batch, as_batch
 from spmd_train.mesh import build_mesh
 from spmd_train.models.transformer import Transformer
 from spmd_train.ops import cross_entropy
@@ -29,10 +30,11 @@ from spmd_train.parallel.gradients import loss_and_grads
 from spmd_train.parallel.pipeline_plan import PipelinePlan
 from spmd_train.parallel.schedules import check_pipeline
 from spmd_train.sharding.arithmetic import local_shape, rows_per_device
-from spmd_train.sharding.constrain import constrain, use_layout
+from spmd_train.sharding.constrain import use_layout
 from spmd_train.sharding.rules import Layout
 from spmd_train.tpu_flags import tpu_flags_in_effect
 from spmd_train.train.checkpoint import layout_meta
+from spmd_train.train.inputs import model_inputs, with_loss_weights
 from spmd_train.train.optimizer import lr_schedule, make_optimizer
 from spmd_train.train.pipelined import layer_order, pipeline_plan, pipeline_value_and_grad
 
@@ -136,6 +138,12 @@ class Engine:
 
         return jax.jit(init, out_shardings=self.state_shardings)
 
+    def abstract_batch(self) -> Batch:
+        """The step's batch as ShapeDtypeStructs carrying the batch sharding: to lower or compile the step."""
+        t = self.cfg.train
+        rows = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1), "int32", sharding=self.batch_sharding)
+        return Batch(rows, rows, rows) if self.cfg.data.masks_documents else Batch(rows)
+
     def abstract_state(self) -> TrainState:
         """The train state as ShapeDtypeStructs carrying their shardings: to lower, compile or restore into."""
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -183,11 +191,12 @@ class Engine:
         index = np.argsort(saved_order)[current]  # row q takes the saved row holding model layer current[q]
         return jax.jit(lambda s: _take_layers(s, index), out_shardings=self.state_shardings)(state)
 
-    def loss(self, params: Any, tokens: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy of a [batch, seq_len + 1] token array, without the pipeline."""
-        return self.objective(params, tokens)[1]["loss"]
+    def loss(self, params: Any, batch: Batch | jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy of a `Batch` (or a bare [batch, seq_len + 1] token array), without the
+        pipeline; with documents, the mean over targets inside their input's document."""
+        return self.objective(params, batch)[1]["loss"]
 
-    def objective(self, params: Any, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def objective(self, params: Any, batch: Batch | jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(what training minimises, metrics): cross-entropy plus the weighted MoE router losses.
 
         Metrics: `loss` (the cross-entropy alone) and, with MoE layers, `aux_loss` and `z_loss`
@@ -195,13 +204,10 @@ class Engine:
         of the tokens routed to each expert of MoE layer i).
         """
         model = nnx.merge(self.graphdef, self.model_params(params))
-        # Shift first, then lay out: left to itself the partitioner may split the odd-length
-        # token array on length and exchange halos to form the shifted views.
-        inputs = constrain(tokens[:, :-1], ("batch", "length"))
-        targets = constrain(tokens[:, 1:], ("batch", "length"))
-        logits, stats = model.forward(inputs, remat=self.cfg.parallel.remat)
+        inputs, targets, docs, weights = model_inputs(batch)
+        logits, stats = model.forward(inputs, **docs, remat=self.cfg.parallel.remat)
         with jax.named_scope("loss"):
-            loss = cross_entropy(logits, targets)
+            loss = cross_entropy(logits, targets, weights)
         metrics = {"loss": loss}
         if not stats:
             return loss, metrics
@@ -212,18 +218,19 @@ class Engine:
         metrics.update({f"expert_load.{i}": r for i, r in enumerate(jnp.max(load, -1) / jnp.mean(load, -1))})
         return loss + moe.router_aux_weight * aux + moe.router_z_weight * z, metrics
 
-    def step_fn(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step_fn(self, state: TrainState, batch: Batch | jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step (un-jitted; see `train_step`)."""
+        batch = with_loss_weights(as_batch(batch))
         if self.plan is None:
-            def value_and_grad(params, tokens):
-                (_, metrics), grads = jax.value_and_grad(self.objective, has_aux=True)(params, tokens)
+            def value_and_grad(params, batch):
+                (_, metrics), grads = jax.value_and_grad(self.objective, has_aux=True)(params, batch)
                 return metrics, grads
         else:
             value_and_grad = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan,
                                                      self.mesh)
         with use_layout(self.layout):
             values, grads = loss_and_grads(
-                value_and_grad, state.params, tokens,
+                value_and_grad, state.params, batch,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
             )
         with jax.named_scope("optimizer"):
@@ -235,18 +242,18 @@ class Engine:
 
     @functools.cached_property
     def eval_step(self):
-        """The jitted evaluation: (params, tokens) -> mean cross-entropy, without the pipeline schedule."""
+        """The jitted evaluation: (params, batch) -> mean cross-entropy, without the pipeline schedule."""
 
-        def loss(params, tokens):
+        def loss(params, batch):
             with use_layout(self.layout):
-                return self.loss(params, tokens)
+                return self.loss(params, batch)
 
         return jax.jit(loss, in_shardings=(self.state_shardings.params, self.batch_sharding),
                        out_shardings=NamedSharding(self.mesh, P()))
 
     @functools.cached_property
     def train_step(self):
-        """The jitted step: (state, tokens) -> (state, metrics); the input state is donated."""
+        """The jitted step: (state, batch) -> (state, metrics); the input state is donated."""
         replicated = NamedSharding(self.mesh, P())
         return jax.jit(
             self.step_fn,
@@ -279,4 +286,5 @@ def _backends(cfg: Config, layout: Layout) -> Backends:
                     layout.activation_spec(P("batch", "length", "heads", "head_dim")), sizes)
     kv = local_shape((rows, cfg.train.seq_len, m.num_kv_heads, hd),
                      layout.activation_spec(P("batch", "length", "kv_heads", "head_dim")), sizes)
-    return resolve_backends(m, cfg.backends, layout.mesh.devices.flat[0].platform, q, kv)
+    return resolve_backends(m, cfg.backends, layout.mesh.devices.flat[0].platform, q, kv,
+                            documents=cfg.data.masks_documents)

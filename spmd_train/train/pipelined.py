@@ -31,6 +31,7 @@ from spmd_train.parallel.pipeline_plan import PipelinePlan, build_plan
 from spmd_train.parallel.schedules import build_schedule, resolved_microbatches
 from spmd_train.sharding.arithmetic import rows_per_device
 from spmd_train.sharding.constrain import constrain
+from spmd_train.train.inputs import model_inputs
 
 
 def pipeline_plan(cfg: Config, sizes: dict[str, int]) -> PipelinePlan:
@@ -55,18 +56,17 @@ def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
 
 def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: PipelinePlan,
                             mesh) -> Any:
-    """(params, tokens [batch, length + 1]) -> ({"loss": mean loss}, gradients), run by the pipeline schedule."""
+    """(params, batch) -> ({"loss": mean loss}, gradients), run by the pipeline schedule."""
     m = plan.schedule.microbatches
     stage_fn = _stage_fn(cfg, block_graphdef)
 
-    def value_and_grad(params: Any, tokens: jax.Array):
+    def value_and_grad(params: Any, batch: Any):
         blocks = params["blocks"]
         rest = {k: v for k, v in params.items() if k != "blocks"}
         # Shape-only stand-ins: the embedding and the head never touch the layer stack.
         absent = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks)
         model = lambda rest: nnx.merge(graphdef, {**rest, "blocks": absent})
-        inputs = constrain(tokens[:, :-1], ("batch", "length"))
-        targets = constrain(tokens[:, 1:], ("batch", "length"))
+        inputs, targets, docs, weights = model_inputs(batch)
         rows = inputs.shape[0]
         if rows % m:
             raise ValueError(f"{rows} rows per device cannot form {m} equal microbatches")
@@ -79,10 +79,14 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
         x, embed_vjp = jax.vjp(lambda rest: split(model(rest).embed(inputs)), rest)
 
         def head_fn(rest, y, target):
-            return cross_entropy(model(rest).head(y), target)
+            target, weight = target
+            return cross_entropy(model(rest).head(y), target, weight)
 
-        loss, block_grads, head_grads, d_x = run_pipeline(stage_fn, head_fn, plan, blocks, rest, x, split(targets),
-                                                          mesh=mesh)
+        # Each microbatch's documents travel with it to every stage (replicated over `pipeline`, like the tokens).
+        context = None if not docs else (split(docs["segments"]), split(docs["positions"]))
+        loss, block_grads, head_grads, d_x = run_pipeline(stage_fn, head_fn, plan, blocks, rest, x,
+                                                          (split(targets), None if weights is None else split(weights)),
+                                                          context=context, mesh=mesh)
         (embed_grads,) = embed_vjp(d_x)
         grads = jax.tree.map(lambda a, b: a + b, head_grads, embed_grads)
         return {"loss": loss}, {**grads, "blocks": block_grads}
@@ -91,10 +95,13 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
 
 
 def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef):
-    """One chunk of stacked layers as a pure function (chunk params, x) -> x."""
+    """One chunk of stacked layers as a pure function (chunk params, x, documents) -> x.
 
-    def stage_fn(chunk, x):
-        return apply_blocks(block_graphdef, chunk, x, cfg.model, cfg.parallel.remat)[0]  # MoE stages are refused
+    documents: () or the microbatch's (segments, positions)."""
+
+    def stage_fn(chunk, x, documents=()):
+        docs = dict(zip(("segments", "positions"), documents, strict=False))
+        return apply_blocks(block_graphdef, chunk, x, cfg.model, cfg.parallel.remat, **docs)[0]  # no MoE stages
 
     return stage_fn
 
@@ -109,7 +116,8 @@ def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_
     sched = plan.schedule
     per_chunk = cfg.model.num_layers // (sched.stages * sched.virtual)
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per_chunk, *a.shape[1:]), a.dtype), block_shapes)
-    x = jax.ShapeDtypeStruct((rows_per_device // sched.microbatches, cfg.train.seq_len, cfg.model.d_model),
-                             jnp.dtype(cfg.model.compute_dtype))
-    layout = stash_layout(_stage_fn(cfg, block_graphdef), chunk, x)
+    rows = rows_per_device // sched.microbatches
+    x = jax.ShapeDtypeStruct((rows, cfg.train.seq_len, cfg.model.d_model), jnp.dtype(cfg.model.compute_dtype))
+    docs = (jax.ShapeDtypeStruct((rows, cfg.train.seq_len), jnp.int32),) * 2 if cfg.data.masks_documents else ()
+    layout = stash_layout(_stage_fn(cfg, block_graphdef), chunk, x, docs)
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stashed)

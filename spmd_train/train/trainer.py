@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from spmd_train.config.schema import Config
-from spmd_train.data import make_source
+from spmd_train.data import Batch, make_source
 from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
@@ -226,7 +226,7 @@ class Trainer:
             self.init()
         self.compile()
 
-    def _batch(self, step: int) -> jax.Array:
+    def _batch(self, step: int) -> Batch:
         return self.data.batch(step, self.engine.batch_sharding)
 
     def _restore_latest(self, source: Checkpointer, where: Path, *,

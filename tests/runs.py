@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from spmd_train import Engine, load_config
-from spmd_train.data import make_source
+from spmd_train.data import make_source, prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -64,3 +64,12 @@ def cli(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.Complete
 def abstract_like(shapes, shardings):
     """ShapeDtypeStructs of a tree of shapes, each carrying its sharding (for lowering without arrays)."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def write_corpus(folder, lengths, seed=0):
+    """prepare-data over byte documents of the given lengths; returns the .bin path and the documents."""
+    rng = np.random.default_rng(seed)
+    docs = [bytes(rng.integers(97, 123, n, dtype=np.uint8)).decode() for n in lengths]
+    for i, text in enumerate(docs):
+        (folder / f"doc{i}.txt").write_text(text)
+    return prepare_data([folder / f"doc{i}.txt" for i in range(len(docs))], folder / "out"), docs

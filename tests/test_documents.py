@@ -9,13 +9,13 @@ import pytest
 
 from spmd_train import Engine, load_config
 from spmd_train.config.schema import BackendsConfig, ModelConfig
-from spmd_train.data import Batch, TokenFiles, make_source, prepare_data
+from spmd_train.data import Batch, TokenFiles, make_source
 from spmd_train.data.batch import document_layout, document_layout_from_eot
 from spmd_train.errors import ConfigError
 from spmd_train.ops.attention import dot_product_attention
 from spmd_train.parallel.attention import cudnn_attention
 from spmd_train.parallel.backends import resolve_backends
-from tests.runs import TINY, cli, relative_error, run_steps
+from tests.runs import TINY, cli, relative_error, run_steps, write_corpus
 
 FP32 = ["model.param_dtype=float32", "model.compute_dtype=float32"]
 
@@ -33,17 +33,8 @@ def test_document_layout_from_eot_keeps_the_end_token_in_its_document():
     np.testing.assert_array_equal(positions, [0, 1, 0, 1, 0, 0, 1])
 
 
-def _corpus(folder, lengths, seed=0):
-    """prepare-data over byte documents of the given lengths; returns the .bin path and the documents."""
-    rng = np.random.default_rng(seed)
-    docs = [bytes(rng.integers(97, 123, n, dtype=np.uint8)).decode() for n in lengths]
-    for i, text in enumerate(docs):
-        (folder / f"doc{i}.txt").write_text(text)
-    return prepare_data([folder / f"doc{i}.txt" for i in range(len(docs))], folder / "out"), docs
-
-
 def test_token_files_rows_carry_their_documents(tmp_path):
-    path, docs = _corpus(tmp_path, [5, 9, 3, 14, 7, 11, 6, 8] * 4)
+    path, docs = write_corpus(tmp_path, [5, 9, 3, 14, 7, 11, 6, 8] * 4)
     source = TokenFiles([str(path)], seq_len=16, global_batch=8, seed=3, val_fraction=0.0)
     assert source.documents  # packed token files mask documents by default
     tokens = source.global_batch_array(2)
@@ -59,7 +50,7 @@ def test_token_files_rows_carry_their_documents(tmp_path):
 
 
 def test_without_packing_or_documents_no_segments_travel(tmp_path):
-    path, _ = _corpus(tmp_path, [40] * 8)
+    path, _ = write_corpus(tmp_path, [40] * 8)
     assert not TokenFiles([str(path)], seq_len=16, global_batch=4, packing=False, val_fraction=0.0).documents
     assert not TokenFiles([str(path)], seq_len=16, global_batch=4, document_mask=False, val_fraction=0.0).documents
 
@@ -117,7 +108,7 @@ def test_auto_on_gpu_picks_kernels_that_take_segment_ids(dtype, head_dim, chosen
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("docs")
     lengths = np.random.default_rng(1).integers(2, 24, 400)
-    return str(_corpus(folder, lengths)[0])
+    return str(write_corpus(folder, lengths)[0])
 
 
 def _doc_run(corpus, overrides, devices, steps=3):

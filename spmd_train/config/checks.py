@@ -101,18 +101,38 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
         )
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
-    # Until context-parallel attention lands, `sequence` must stay 1; `expert` is already valid
-    # because outside MoE layers it is one more batch axis.
-    if sizes["sequence"] != 1:
-        raise ConfigError(
-            f"mesh.sequence={sizes['sequence']} is not supported yet: sequence (context) parallelism is not "
-            "implemented in this version (valid: 1)"
-        )
+    check_context(cfg, sizes)
 
 
 def divisors(n: int) -> str:
     """The divisors of n, as a 'valid values' list for error messages."""
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """mesh.sequence > 1: the context-parallel scheme against the rules, the heads, the backend and the other layers."""
+    n = sizes["sequence"]
+    if n == 1:
+        return
+    m, how = cfg.model, cfg.parallel.context_parallel
+    length = tuple(a for a in resolve_rules(cfg).activations.get("length", ()) if sizes[a] > 1)
+    if length != ("sequence",):
+        raise ConfigError(f"mesh.rules.activations.length={list(length)} with mesh.sequence={n}: context-parallel "
+                          "attention needs the tokens split over sequence alone (valid: [sequence])")
+    if how == "ulysses":
+        heads = m.num_heads // sizes["tensor"]
+        if heads % n:
+            raise ConfigError(
+                f"parallel.context_parallel=ulysses with mesh.sequence={n} needs the query heads on a device "
+                f"(model.num_heads={m.num_heads} / mesh.tensor={sizes['tensor']} = {heads}) to divide by {n} "
+                f"(valid mesh.sequence: {divisors(heads)}); parallel.context_parallel=allgather has no such limit")
+    if how == "allgather" and cfg.backends.attention == "cudnn":
+        raise ConfigError("backends.attention=cudnn with parallel.context_parallel=allgather: the chunks' results "
+                          "are merged by log-sum-exp, which cuDNN through jax does not return (valid: "
+                          "backends.attention=pallas, xla or auto, or parallel.context_parallel=ulysses)")
+    if m.moe is not None:
+        raise ConfigError(f"mesh.sequence={n} with MoE layers (model.moe) is not supported yet: the expert "
+                          "dispatch does not split tokens over sequence (valid: mesh.sequence=1 for MoE models)")
 
 
 def check_attention(cfg: Config, platform: str) -> None:

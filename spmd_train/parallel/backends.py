@@ -41,6 +41,10 @@ class Backends:
     """With moe=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts)."""
     reason: str = ""
     """Why attention is what it is, when `auto` chose it."""
+    context: str | None = None
+    """With mesh.sequence > 1: how attention joins the devices' chunks ("allgather" or "ulysses")."""
+    sequence: int = 1
+    """The size of the `sequence` mesh axis: how many chunks each sequence is split into."""
 
     def to_json(self) -> dict:
         """Plain values, for config.json and `describe --json`."""
@@ -54,12 +58,13 @@ class Backends:
             detail = f" ({where}, blocks {self.blocks[0]}x{self.blocks[1]})"
         why = f"; {self.reason}" if self.reason else ""
         experts = f"{self.moe} (factor {self.capacity_factor})" if self.capacity_factor is not None else self.moe
-        return f"attention {self.attention}{detail}, experts {experts} on {self.platform}{why}"
+        context = f", context-parallel {self.context} over sequence={self.sequence}" if self.context else ""
+        return f"attention {self.attention}{detail}{context}, experts {experts} on {self.platform}{why}"
 
 
 def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
                      local_q: tuple[int, ...] | None = None, local_kv: tuple[int, ...] | None = None, *,
-                     documents: bool = False) -> Backends:
+                     documents: bool = False, context: str = "allgather", sequence: int = 1) -> Backends:
     """The record for `choice` (the config's backends section) running `model` on `platform`, given each
     device's q and k/v shapes [b, l, heads, head_dim] and whether packed documents are masked.
 
@@ -68,7 +73,9 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
     forward+backward on an H100: `pallas` selects them), XLA on CPU (Pallas runs there only when
     asked for, interpreted). With documents masked, GPU gets our kernels where they run (bfloat16,
     head_dim a multiple of 64): they take segment ids, cuDNN through jax only a dense mask.
-    Without local shapes the VMEM check uses the whole model's.
+    Without local shapes the VMEM check uses the whole model's. With `sequence` > 1, `context` is
+    the context-parallel scheme; `allgather` merges partial results by log-sum-exp, which cuDNN
+    through jax does not return, so on GPU `auto` takes our kernels where they run, else XLA.
     """
     if choice.attention not in ATTENTION:
         raise ValueError(f"backends.attention={choice.attention!r} is not an implementation "
@@ -79,7 +86,9 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
     interpret = platform == "cpu"
     blocks = BlockSizes(*choice.attention_blocks) if choice.attention_blocks else default_blocks(kernels, interpret)
     impl, reason = choice.attention, ""
-    experts = {"moe": choice.moe, "capacity_factor": choice.capacity_factor if choice.moe == "capacity" else None}
+    experts = {"moe": choice.moe, "capacity_factor": choice.capacity_factor if choice.moe == "capacity" else None,
+               "context": context if sequence > 1 else None, "sequence": sequence}
+    needs_lse = sequence > 1 and context == "allgather"
     if impl == "auto":
         if platform == "tpu":
             hd = model.resolved_head_dim
@@ -92,6 +101,9 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
                       f"{need / 2**20:.1f} MiB of VMEM, over the {TPU_VMEM_BUDGET / 2**20:.0f} MiB budget")
         elif platform == "gpu" and documents and _gpu_kernels_run(model):
             impl, reason = "pallas", "auto: Pallas kernels on gpu, which mask documents by segment ids"
+        elif platform == "gpu" and needs_lse:
+            impl = "pallas" if _gpu_kernels_run(model) else "xla"
+            reason = f"auto: {impl} on gpu, context-parallel allgather merges by log-sum-exp (cuDNN returns none)"
         else:
             impl = "cudnn" if platform == "gpu" else "xla"
             reason = f"auto: {impl} on {platform}"

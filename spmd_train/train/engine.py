@@ -287,4 +287,5 @@ def _backends(cfg: Config, layout: Layout) -> Backends:
     kv = local_shape((rows, cfg.train.seq_len, m.num_kv_heads, hd),
                      layout.activation_spec(P("batch", "length", "kv_heads", "head_dim")), sizes)
     return resolve_backends(m, cfg.backends, layout.mesh.devices.flat[0].platform, q, kv,
-                            documents=cfg.data.masks_documents)
+                            documents=cfg.data.masks_documents, context=cfg.parallel.context_parallel,
+                            sequence=sizes["sequence"])

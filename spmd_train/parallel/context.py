@@ -1,0 +1,110 @@
+"""Context parallelism: attention when the tokens of every activation are split over `sequence`.
+
+Outside attention each device holds 1/N of every sequence's tokens (the rules put `length` and
+`norm_length` on `sequence`) and nothing crosses devices; attention needs the other devices'
+keys. These run per device, inside the attention region (manual over every mesh axis), with
+q [b, L/N, h, d], k/v [b, L/N, kvh, d] and segments [b, L/N] of one contiguous chunk:
+
+- `allgather`: K, V and the keys' documents are all-gathered over `sequence`; each device attends
+  its query chunk to the whole sequence chunk by chunk with the kernel's log-sum-exp, merging the
+  partial results exactly; chunks wholly in its future are skipped (`lax.switch`), the diagonal
+  chunk is causal and the past ones are unmasked. Autodiff transposes the all-gathers into one
+  reduce-scatter each of dK and dV. Bytes per layer: 2 x (N-1)/N of the K/V activation forward
+  and the same backward; under grouped-query attention that is kvh/h of the query's.
+  Contiguous chunks leave the causal work uneven: device i computes i full chunks and one
+  causal one, (2i + 1) halves against N for the average.
+- `ulysses`: one `all_to_all` takes q, k and v together from length-split to head-split,
+  full-length causal attention runs over h/N of the heads, one `all_to_all` brings the output
+  back; the documents are all-gathered (int32, no gradient). K/V heads are repeated to
+  lcm(kvh, N) when a device has fewer than N (query groups stay aligned). Bytes per layer:
+  (N-1)/N of q + k + v and of the output forward, the same backward (two all-to-alls each way).
+  Needs the query heads on a device to divide by N.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+AXIS = "sequence"
+IMPLEMENTATIONS = ("allgather", "ulysses")
+
+# kernel(q, k, v, segments, causal, return_lse) -> out [b, lq, h, d], or (out, lse [b, h, lq]) with
+# return_lse; segments is None, one [b, l] array for both sides, or a (q, kv) pair.
+Kernel = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, *, how: str,
+                      ways: int, kernel: Kernel) -> jax.Array:
+    """Causal attention of this device's chunk of queries over the whole sequence, `ways` chunks on `sequence`."""
+    if how == "allgather":
+        return _allgather(q, k, v, segments, ways, kernel)
+    if how == "ulysses":
+        return _ulysses(q, k, v, segments, ways, kernel)
+    raise ValueError(f"parallel.context_parallel={how!r} is not an implementation "
+                     f"(valid: {', '.join(IMPLEMENTATIONS)})")
+
+
+def _gather(x: jax.Array) -> jax.Array:
+    return jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
+
+
+def _allgather(q, k, v, segments, n, kernel):
+    b, lc, h, d = q.shape
+    me = jax.lax.axis_index(AXIS)
+    chunks = lambda x: jnp.moveaxis(x.reshape(b, n, lc, *x.shape[2:]), 1, 0)  # [n, b, lc, ...]
+    k_all, v_all = chunks(_gather(k)), chunks(_gather(v))
+    kv_seg = None if segments is None else chunks(_gather(segments))
+
+    def past(q, k, v, seg):
+        return kernel(q, k, v, seg, False, True)
+
+    def diagonal(q, k, v, seg):
+        return kernel(q, k, v, seg, True, True)
+
+    def future(q, k, v, seg):
+        return jnp.zeros((b, lc, h, d), q.dtype), jnp.full((b, h, lc), -jnp.inf, jnp.float32)
+
+    def step(carry, chunk):
+        acc, top, total = carry
+        j, kj, vj, sj = chunk
+        seg = None if sj is None else (segments, sj)
+        out, lse = jax.lax.switch(jnp.sign(j - me) + 1, (past, diagonal, future), q, kj, vj, seg)
+        # Merge by log-sum-exp, relative to a running maximum that carries no gradient (the result
+        # does not depend on it); chunks a row cannot see have lse -inf and weigh exactly 0.
+        new_top = jax.lax.stop_gradient(jnp.maximum(top, lse))
+        ref = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+        rescale, weight = jnp.exp(top - ref), jnp.exp(lse - ref)
+        per_row = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # [b, h, lc] -> [b, lc, h, 1]
+        acc = acc * per_row(rescale) + out.astype(jnp.float32) * per_row(weight)
+        return (acc, new_top, total * rescale + weight), None
+
+    init = (jnp.zeros((b, lc, h, d), jnp.float32), jnp.full((b, h, lc), -jnp.inf, jnp.float32),
+            jnp.zeros((b, h, lc), jnp.float32))
+    (acc, _, total), _ = jax.lax.scan(step, init, (jnp.arange(n), k_all, v_all, kv_seg))
+    # Every query sees at least itself (the diagonal chunk), so total > 0.
+    return (acc / jnp.swapaxes(total, 1, 2)[..., None]).astype(q.dtype)
+
+
+def kv_repeats(kv_heads: int, ways: int) -> int:
+    """How many times ulysses repeats each K/V head so that `ways` devices get whole, aligned groups."""
+    return math.lcm(kv_heads, ways) // kv_heads
+
+
+def _ulysses(q, k, v, segments, n, kernel):
+    repeats = kv_repeats(k.shape[2], n)
+    if repeats > 1:
+        k, v = jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2)
+    b, lc, h, d = q.shape
+    kvh = k.shape[2]
+    # Device j's heads of q, k and v side by side, so one all-to-all moves all three.
+    per_device = lambda x: x.reshape(b, lc, n, x.shape[2] // n, d)
+    qkv = jnp.concatenate([per_device(q), per_device(k), per_device(v)], axis=3)
+    qkv = jax.lax.all_to_all(qkv, AXIS, split_axis=2, concat_axis=1, tiled=True)[:, :, 0]
+    q, k, v = jnp.split(qkv, [h // n, h // n + kvh // n], axis=2)
+    seg = None if segments is None else _gather(segments)
+    out = kernel(q, k, v, seg, True, False)
+    return jax.lax.all_to_all(out, AXIS, split_axis=1, concat_axis=2, tiled=True)

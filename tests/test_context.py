@@ -1,0 +1,166 @@
+"""Context parallelism: tokens split over `sequence`, attention joined by all-gather or Ulysses all-to-all."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from spmd_train import Engine, load_config
+from spmd_train.analysis import collectives_of
+from spmd_train.errors import ConfigError
+from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
+from spmd_train.ops.attention import dot_product_attention
+from spmd_train.parallel.context import context_attention, kv_repeats
+from tests.runs import TINY, cli, relative_error, run_steps, write_corpus
+
+FP32 = ["model.param_dtype=float32", "model.compute_dtype=float32"]
+
+
+def _kernel(name):
+    if name == "xla":
+        return lambda q, k, v, seg, causal, lse: dot_product_attention(q, k, v, causal=causal, segment_ids=seg,
+                                                                       return_lse=lse)
+    return lambda q, k, v, seg, causal, lse: flash_attention(q, k, v, causal=causal, segment_ids=seg, return_lse=lse,
+                                                             block_sizes=BlockSizes(8, 8), interpret=True,
+                                                             backend="tpu")
+
+
+def test_kv_heads_are_repeated_only_as_far_as_the_devices_need():
+    assert [kv_repeats(kvh, 4) for kvh in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    assert kv_repeats(6, 4) == 2  # 12 heads: 3 whole groups per device
+
+
+@pytest.mark.parametrize("how", ["allgather", "ulysses"])
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_each_device_chunk_attends_like_the_whole_sequence(devices, how, kernel):
+    # 4 chunks of 8 tokens, 4 query heads over 2 K/V heads (ulysses repeats them), three documents
+    # whose boundaries fall inside chunks: values and gradients equal the unsplit reference.
+    n, (b, length, h, kvh, d) = 4, (2, 32, 4, 2, 16)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(b, length, heads, d)), jnp.float32) for heads in (h, kvh, kvh))
+    segments = jnp.asarray([np.repeat([0, 1, 2], sizes) for sizes in ([5, 14, 13], [20, 6, 6])], jnp.int32)
+    cotangent = jnp.asarray(rng.normal(size=(b, length, h, d)), jnp.float32)
+    mesh = Mesh(np.array(devices[:n]), ("sequence",))
+    split = P(None, "sequence")
+    local = functools.partial(context_attention, how=how, ways=n, kernel=_kernel(kernel))
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(split, split, split, split), out_specs=split,
+                            check_vma=False)
+    reference = lambda q, k, v: dot_product_attention(q, k, v, causal=True, segment_ids=segments)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * cotangent)
+    got, got_grads = jax.jit(jax.value_and_grad(loss(lambda q, k, v: sharded(q, k, v, segments)), (0, 1, 2)))(q, k, v)
+    want, want_grads = jax.value_and_grad(loss(reference), (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+    # Without the documents the result differs: the masks reach every chunk.
+    plain = jax.jit(lambda q, k, v: jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh,
+                                                  in_specs=(split,) * 3, out_specs=split, check_vma=False)(q, k, v))
+    assert not np.allclose(plain(q, k, v), reference(q, k, v), atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    lengths = np.random.default_rng(1).integers(2, 24, 400)
+    return str(write_corpus(tmp_path_factory.mktemp("docs"), lengths)[0])
+
+
+def _documents(corpus):
+    return ["data.source=tokens", f"data.paths=[{corpus}]", "data.val_fraction=0.0"]
+
+
+@pytest.fixture(scope="module")
+def references(corpus, devices):
+    plain = run_steps([*FP32, "mesh.fsdp=1"], devices[:1])[:2]
+    documents = run_steps([*FP32, "mesh.fsdp=1", *_documents(corpus)], devices[:1])[:2]
+    return {False: plain, True: documents}
+
+
+LAYOUTS = {
+    "allgather_sequence8": (False, ["mesh.fsdp=1", "mesh.sequence=8"]),
+    "ulysses_sequence8_kv_heads_repeated": (False, ["mesh.fsdp=1", "mesh.sequence=8",
+                                                    "parallel.context_parallel=ulysses"]),
+    "allgather_sequence4_fsdp2_documents": (True, ["mesh.fsdp=2", "mesh.sequence=4"]),
+    "ulysses_sequence2_tensor2_fsdp2_sp_documents": (True, ["mesh.fsdp=2", "mesh.tensor=2", "mesh.sequence=2",
+                                                            "parallel.sequence_parallel=true",
+                                                            "parallel.context_parallel=ulysses"]),
+    "allgather_sequence2_data2_fsdp2_zero1_accum2_remat": (False, ["mesh.data=2", "mesh.fsdp=2", "mesh.sequence=2",
+                                                                   "parallel.zero_stage=1", "train.grad_accum=2",
+                                                                   "parallel.remat=full"]),
+    "allgather_sequence2_pipeline2_fsdp2_1f1b_documents": (True, ["mesh.pipeline=2", "mesh.fsdp=2",
+                                                                  "mesh.sequence=2",
+                                                                  "parallel.pipeline_schedule=1f1b",
+                                                                  "parallel.pipeline_microbatches=4"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sequence_split_runs_equal_one_device(corpus, references, devices, layout):
+    documents, overrides = LAYOUTS[layout]
+    ref_losses, ref_params = references[documents]
+    losses, params, engine, _ = run_steps([*FP32, *overrides, *(_documents(corpus) if documents else [])], devices)
+    assert engine.backends.context and engine.backends.sequence > 1
+    assert engine.cfg.data.masks_documents == documents
+    assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5, (losses, ref_losses)
+    assert relative_error(params, ref_params) <= 1e-5
+
+
+def _sequence_collectives(devices, how, n=4):
+    cfg = load_config(None, [*TINY, *FP32, "mesh.fsdp=2", f"mesh.sequence={n}", f"parallel.context_parallel={how}"])
+    engine = Engine.build(cfg, devices[:2 * n])
+    compiled = engine.train_step.lower(engine.abstract_state(), engine.abstract_batch()).compile()
+    found = {}
+    for c in collectives_of(compiled.as_text(), engine.mesh):
+        if c.axes == ("sequence",):
+            found[c.op] = (found.get(c.op, (0, 0))[0] + c.count, found.get(c.op, (0, 0))[1] + c.bytes)
+    return cfg, found
+
+
+def test_allgather_gathers_k_and_v_forward_and_reduce_scatters_their_gradients(devices):
+    cfg, found = _sequence_collectives(devices, "allgather")
+    m, t, n = cfg.model, cfg.train, 4
+    rows = t.global_batch_size // 2  # fsdp 2 splits the batch
+    kv_bytes = rows * t.seq_len * m.num_kv_heads * m.resolved_head_dim * 4  # one layer's K (or V), gathered
+    per_layer = 2 * kv_bytes * (n - 1) / n
+    assert found["all-gather"] == (2 * m.num_layers, pytest.approx(m.num_layers * per_layer))
+    assert found["reduce-scatter"] == (2 * m.num_layers, pytest.approx(m.num_layers * per_layer))
+    assert "all-to-all" not in found
+
+
+def test_ulysses_moves_qkv_in_one_all_to_all_and_the_output_in_another(devices):
+    cfg, found = _sequence_collectives(devices, "ulysses")
+    m, t, n = cfg.model, cfg.train, 4
+    rows = t.global_batch_size // 2
+    token_bytes = rows * t.seq_len * m.resolved_head_dim * 4 // n  # per head, one device's chunk
+    heads = m.num_heads + 2 * m.num_kv_heads * kv_repeats(m.num_kv_heads, n)
+    per_layer = 2 * (heads + m.num_heads) * token_bytes * (n - 1) / n  # forward and backward
+    assert found["all-to-all"] == (4 * m.num_layers, pytest.approx(m.num_layers * per_layer))
+    assert "all-gather" not in found and "reduce-scatter" not in found
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.num_heads=4", "mesh.tensor=2", "mesh.sequence=4", "parallel.context_parallel=ulysses"],
+     r"parallel\.context_parallel=ulysses with mesh\.sequence=4 needs the query heads on a device \(model\.num_heads"
+     r"=4 / mesh\.tensor=2 = 2\) to divide by 4 \(valid mesh\.sequence: 1, 2\)"),
+    (["mesh.sequence=2", "backends.attention=cudnn"], r"backends\.attention=cudnn with parallel\.context_parallel="
+                                                      r"allgather.*valid: backends\.attention=pallas, xla or auto"),
+    (["mesh.sequence=2", "mesh.rules.activations.length=[]"], r"mesh\.rules\.activations\.length=\[\] with "
+                                                               r"mesh\.sequence=2.*valid: \[sequence\]"),
+    (["model.preset=moe-tiny", "mesh.sequence=2"], r"mesh\.sequence=2 with MoE layers"),
+])
+def test_layouts_context_parallelism_cannot_run_are_refused(devices, overrides, message):
+    cfg = load_config(None, [*TINY, "mesh.fsdp=-1", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        Engine.build(cfg, devices)
+
+
+def test_the_cli_refuses_ulysses_heads_that_do_not_divide():
+    result = cli("train", "configs/tiny.yaml", "model.num_heads=4", "mesh.fsdp=1", "mesh.sequence=4",
+                 "parallel.context_parallel=ulysses", "train.steps=1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "parallel.context_parallel=ulysses" in result.stderr and "allgather" in result.stderr

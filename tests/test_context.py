@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -17,6 +18,7 @@ from spmd_train.errors import ConfigError
 from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
 from spmd_train.ops.attention import dot_product_attention
 from spmd_train.parallel.context import context_attention, kv_repeats
+from spmd_train.parallel.ring import zigzag_order
 from tests.runs import TINY, cli, relative_error, run_steps, write_corpus
 
 FP32 = ["model.param_dtype=float32", "model.compute_dtype=float32"]
@@ -36,7 +38,7 @@ def test_kv_heads_are_repeated_only_as_far_as_the_devices_need():
     assert kv_repeats(6, 4) == 2  # 12 heads: 3 whole groups per device
 
 
-@pytest.mark.parametrize("how", ["allgather", "ulysses"])
+@pytest.mark.parametrize("how", ["ring", "allgather", "ulysses"])
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])
 def test_each_device_chunk_attends_like_the_whole_sequence(devices, how, kernel):
     # 4 chunks of 8 tokens, 4 query heads over 2 K/V heads (ulysses repeats them), three documents
@@ -46,12 +48,21 @@ def test_each_device_chunk_attends_like_the_whole_sequence(devices, how, kernel)
     q, k, v = (jnp.asarray(rng.normal(size=(b, length, heads, d)), jnp.float32) for heads in (h, kvh, kvh))
     segments = jnp.asarray([np.repeat([0, 1, 2], sizes) for sizes in ([5, 14, 13], [20, 6, 6])], jnp.int32)
     cotangent = jnp.asarray(rng.normal(size=(b, length, h, d)), jnp.float32)
+    if how == "ring":  # the ring's devices hold zigzag pairs of chunks
+        order = zigzag_order(length, n)
+        q, k, v, segments, cotangent = (a[:, order] for a in (q, k, v, segments, cotangent))
+        positions = jnp.asarray(order)
+    else:
+        positions = jnp.arange(length)
     mesh = Mesh(np.array(devices[:n]), ("sequence",))
     split = P(None, "sequence")
     local = functools.partial(context_attention, how=how, ways=n, kernel=_kernel(kernel))
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(split, split, split, split), out_specs=split,
                             check_vma=False)
-    reference = lambda q, k, v: dot_product_attention(q, k, v, causal=True, segment_ids=segments)
+    # The reference in true token order (a permutation of rows commutes with attention).
+    back = jnp.argsort(positions)
+    reference = lambda q, k, v: dot_product_attention(q[:, back], k[:, back], v[:, back], causal=True,
+                                                      segment_ids=segments[:, back])[:, positions]
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * cotangent)
     got, got_grads = jax.jit(jax.value_and_grad(loss(lambda q, k, v: sharded(q, k, v, segments)), (0, 1, 2)))(q, k, v)
     want, want_grads = jax.value_and_grad(loss(reference), (0, 1, 2))(q, k, v)
@@ -85,13 +96,14 @@ LAYOUTS = {
     "allgather_sequence8": (False, ["mesh.fsdp=1", "mesh.sequence=8"]),
     "ulysses_sequence8_kv_heads_repeated": (False, ["mesh.fsdp=1", "mesh.sequence=8",
                                                     "parallel.context_parallel=ulysses"]),
-    "allgather_sequence4_fsdp2_documents": (True, ["mesh.fsdp=2", "mesh.sequence=4"]),
+    "ring_sequence8": (False, ["mesh.fsdp=1", "mesh.sequence=8", "parallel.context_parallel=ring"]),
+    "ring_sequence4_fsdp2_documents": (True, ["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=ring"]),
     "ulysses_sequence2_tensor2_fsdp2_sp_documents": (True, ["mesh.fsdp=2", "mesh.tensor=2", "mesh.sequence=2",
                                                             "parallel.sequence_parallel=true",
                                                             "parallel.context_parallel=ulysses"]),
-    "allgather_sequence2_data2_fsdp2_zero1_accum2_remat": (False, ["mesh.data=2", "mesh.fsdp=2", "mesh.sequence=2",
-                                                                   "parallel.zero_stage=1", "train.grad_accum=2",
-                                                                   "parallel.remat=full"]),
+    "ring_sequence2_data2_fsdp2_zero1_accum2_remat": (False, ["mesh.data=2", "mesh.fsdp=2", "mesh.sequence=2",
+                                                              "parallel.context_parallel=ring", "parallel.zero_stage=1",
+                                                              "train.grad_accum=2", "parallel.remat=full"]),
     "allgather_sequence2_pipeline2_fsdp2_1f1b_documents": (True, ["mesh.pipeline=2", "mesh.fsdp=2",
                                                                   "mesh.sequence=2",
                                                                   "parallel.pipeline_schedule=1f1b",
@@ -132,6 +144,62 @@ def test_allgather_gathers_k_and_v_forward_and_reduce_scatters_their_gradients(d
     assert "all-to-all" not in found
 
 
+def test_ring_passes_k_and_v_n_minus_1_times_forward_and_brings_their_gradients_home(devices):
+    cfg, found = _sequence_collectives(devices, "ring")
+    m, t, n = cfg.model, cfg.train, 4
+    rows = t.global_batch_size // 2
+    block = rows * t.seq_len // n * m.num_kv_heads * m.resolved_head_dim * 4  # one device's K (or V)
+    # Forward: K and V go N-1 hops. Backward: again N-1 hops each, and N hops each of the fp32 dK, dV.
+    hops = 2 * (n - 1) + 2 * (n - 1) + 2 * n
+    assert found["collective-permute"][0] == m.num_layers * hops
+    assert found["collective-permute"][1] == pytest.approx(m.num_layers * hops * block, rel=1e-3)
+    assert "all-gather" not in found and "all-to-all" not in found
+
+
+def _branch_flops(jaxpr) -> list[list[int]]:
+    """For each `cond` in a jaxpr (nested ones included): the matmul FLOPs of each of its branches."""
+    out = []
+
+    def flops(jaxpr):
+        total = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                (contract, _), _ = eqn.params["dimension_numbers"]
+                lhs = eqn.invars[0].aval.shape
+                total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(np.prod([lhs[d] for d in contract]))
+            for sub in jaxprs_in_params(eqn.params):
+                total += flops(sub)
+        return total
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "cond":
+                out.append([flops(b.jaxpr) for b in eqn.params["branches"]])
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr)
+    return out
+
+
+def test_zigzag_gives_every_ring_device_the_same_attention_work(devices):
+    # Every ring step after the first is one `cond` between the block from an earlier device and
+    # the block from a later one; the device index picks the branch. Equal matmul FLOPs in both
+    # branches, forward and backward, means every device does the same work at every step.
+    n, (b, length, h, kvh, d) = 4, (1, 32, 4, 2, 8)
+    q, k, v = (jnp.ones((b, length, heads, d), jnp.float32) for heads in (h, kvh, kvh))
+    mesh = Mesh(np.array(devices[:n]), ("sequence",))
+    split = P(None, "sequence")
+    local = functools.partial(context_attention, segments=None, how="ring", ways=n, kernel=_kernel("xla"))
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(split,) * 3, out_specs=split, check_vma=False)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(sharded(q, k, v)), (0, 1, 2)))(q, k, v)
+    branches = _branch_flops(jaxpr.jaxpr)
+    assert len(branches) == 2 * (n - 1)  # forward and backward, one per ring step after the first
+    for pair in branches:
+        assert len(pair) == 2 and pair[0] == pair[1] > 0, pair
+    # Contiguous chunks (allgather) would leave device N-1 (2N-1)/N of the average work.
+
+
 def test_ulysses_moves_qkv_in_one_all_to_all_and_the_output_in_another(devices):
     cfg, found = _sequence_collectives(devices, "ulysses")
     m, t, n = cfg.model, cfg.train, 4
@@ -149,6 +217,8 @@ def test_ulysses_moves_qkv_in_one_all_to_all_and_the_output_in_another(devices):
      r"=4 / mesh\.tensor=2 = 2\) to divide by 4 \(valid mesh\.sequence: 1, 2\)"),
     (["mesh.sequence=2", "backends.attention=cudnn"], r"backends\.attention=cudnn with parallel\.context_parallel="
                                                       r"allgather.*valid: backends\.attention=pallas, xla or auto"),
+    (["mesh.sequence=4", "parallel.context_parallel=ring", "train.seq_len=12"],
+     r"train\.seq_len=12 with parallel\.context_parallel=ring over mesh\.sequence=4.*valid: a multiple of 8"),
     (["mesh.sequence=2", "mesh.rules.activations.length=[]"], r"mesh\.rules\.activations\.length=\[\] with "
                                                                r"mesh\.sequence=2.*valid: \[sequence\]"),
     (["model.preset=moe-tiny", "mesh.sequence=2"], r"mesh\.sequence=2 with MoE layers"),
@@ -163,4 +233,4 @@ def test_the_cli_refuses_ulysses_heads_that_do_not_divide():
     result = cli("train", "configs/tiny.yaml", "model.num_heads=4", "mesh.fsdp=1", "mesh.sequence=4",
                  "parallel.context_parallel=ulysses", "train.steps=1")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "parallel.context_parallel=ulysses" in result.stderr and "allgather" in result.stderr
+    assert "parallel.context_parallel=ulysses" in result.stderr and "context_parallel=ring" in result.stderr

@@ -125,11 +125,16 @@ def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
             raise ConfigError(
                 f"parallel.context_parallel=ulysses with mesh.sequence={n} needs the query heads on a device "
                 f"(model.num_heads={m.num_heads} / mesh.tensor={sizes['tensor']} = {heads}) to divide by {n} "
-                f"(valid mesh.sequence: {divisors(heads)}); parallel.context_parallel=allgather has no such limit")
-    if how == "allgather" and cfg.backends.attention == "cudnn":
-        raise ConfigError("backends.attention=cudnn with parallel.context_parallel=allgather: the chunks' results "
+                f"(valid mesh.sequence: {divisors(heads)}); parallel.context_parallel=ring or allgather has no such "
+                "limit")
+    if how in ("allgather", "ring") and cfg.backends.attention == "cudnn":
+        raise ConfigError(f"backends.attention=cudnn with parallel.context_parallel={how}: the blocks' results "
                           "are merged by log-sum-exp, which cuDNN through jax does not return (valid: "
                           "backends.attention=pallas, xla or auto, or parallel.context_parallel=ulysses)")
+    if how == "ring" and cfg.train.seq_len % (2 * n):
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} with parallel.context_parallel=ring over "
+                          f"mesh.sequence={n}: the zigzag layout gives each device 2 of {2 * n} equal chunks "
+                          f"(valid: a multiple of {2 * n}, or parallel.context_parallel=allgather)")
     if m.moe is not None:
         raise ConfigError(f"mesh.sequence={n} with MoE layers (model.moe) is not supported yet: the expert "
                           "dispatch does not split tokens over sequence (valid: mesh.sequence=1 for MoE models)")

@@ -190,7 +190,7 @@ class ParallelConfig:
 
     zero_stage: Literal[0, 1, 2, 3] = 3
     sequence_parallel: bool = False
-    context_parallel: Literal["allgather", "ulysses"] = "allgather"
+    context_parallel: Literal["allgather", "ring", "ulysses"] = "allgather"
     """How attention sees the other devices' tokens when mesh.sequence > 1 (docs/context.md)."""
     remat: RematPolicy = "none"
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"

@@ -55,8 +55,8 @@ def _local_kernel(backends: Backends):
     if backends.attention == "cudnn":
         def cudnn(q, k, v, seg, causal, lse):
             if lse or not causal or isinstance(seg, tuple):
-                raise ValueError("cuDNN through jax.nn.dot_product_attention returns no log-sum-exp and takes no "
-                                 "query offset: parallel.context_parallel=allgather needs backends.attention="
+                raise ValueError("cuDNN through jax.nn.dot_product_attention returns no log-sum-exp: "
+                                 "parallel.context_parallel=allgather or ring needs backends.attention="
                                  "pallas or xla (or use ulysses)")
             return cudnn_attention(q, k, v, seg)
         return cudnn

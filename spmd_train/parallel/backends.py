@@ -42,9 +42,14 @@ class Backends:
     reason: str = ""
     """Why attention is what it is, when `auto` chose it."""
     context: str | None = None
-    """With mesh.sequence > 1: how attention joins the devices' chunks ("allgather" or "ulysses")."""
+    """With mesh.sequence > 1: how attention joins the devices' chunks ("allgather", "ring" or "ulysses")."""
     sequence: int = 1
     """The size of the `sequence` mesh axis: how many chunks each sequence is split into."""
+
+    @property
+    def zigzag(self) -> int:
+        """N when ring attention needs the tokens in zigzag order over N devices (`parallel.ring`), else 1."""
+        return self.sequence if self.context == "ring" else 1
 
     def to_json(self) -> dict:
         """Plain values, for config.json and `describe --json`."""
@@ -74,7 +79,7 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
     asked for, interpreted). With documents masked, GPU gets our kernels where they run (bfloat16,
     head_dim a multiple of 64): they take segment ids, cuDNN through jax only a dense mask.
     Without local shapes the VMEM check uses the whole model's. With `sequence` > 1, `context` is
-    the context-parallel scheme; `allgather` merges partial results by log-sum-exp, which cuDNN
+    the context-parallel scheme; `allgather` and `ring` merge partial results by log-sum-exp, which cuDNN
     through jax does not return, so on GPU `auto` takes our kernels where they run, else XLA.
     """
     if choice.attention not in ATTENTION:
@@ -88,7 +93,7 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
     impl, reason = choice.attention, ""
     experts = {"moe": choice.moe, "capacity_factor": choice.capacity_factor if choice.moe == "capacity" else None,
                "context": context if sequence > 1 else None, "sequence": sequence}
-    needs_lse = sequence > 1 and context == "allgather"
+    needs_lse = sequence > 1 and context in ("allgather", "ring")
     if impl == "auto":
         if platform == "tpu":
             hd = model.resolved_head_dim
@@ -103,7 +108,7 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
             impl, reason = "pallas", "auto: Pallas kernels on gpu, which mask documents by segment ids"
         elif platform == "gpu" and needs_lse:
             impl = "pallas" if _gpu_kernels_run(model) else "xla"
-            reason = f"auto: {impl} on gpu, context-parallel allgather merges by log-sum-exp (cuDNN returns none)"
+            reason = f"auto: {impl} on gpu, context-parallel {context} merges by log-sum-exp (cuDNN returns none)"
         else:
             impl = "cudnn" if platform == "gpu" else "xla"
             reason = f"auto: {impl} on {platform}"

@@ -3,7 +3,11 @@
 Outside attention each device holds 1/N of every sequence's tokens (the rules put `length` and
 `norm_length` on `sequence`) and nothing crosses devices; attention needs the other devices'
 keys. These run per device, inside the attention region (manual over every mesh axis), with
-q [b, L/N, h, d], k/v [b, L/N, kvh, d] and segments [b, L/N] of one contiguous chunk:
+q [b, L/N, h, d], k/v [b, L/N, kvh, d] and segments [b, L/N] of the device's tokens: one
+contiguous chunk, or for `ring` the zigzag pair of chunks i and 2N-1-i (`parallel.ring`):
+
+- `ring`: K/V blocks travel a ppermute ring, results merged by log-sum-exp, explicit backward
+  (see `parallel.ring`); memory for two K/V blocks, every device the same causal work.
 
 - `allgather`: K, V and the keys' documents are all-gathered over `sequence`; each device attends
   its query chunk to the whole sequence chunk by chunk with the kernel's log-sum-exp, merging the
@@ -29,8 +33,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from spmd_train.parallel.blockwise import empty, finish, merge, nothing
+from spmd_train.parallel.ring import ring_attention
+
 AXIS = "sequence"
-IMPLEMENTATIONS = ("allgather", "ulysses")
+IMPLEMENTATIONS = ("ring", "allgather", "ulysses")
 
 # kernel(q, k, v, segments, causal, return_lse) -> out [b, lq, h, d], or (out, lse [b, h, lq]) with
 # return_lse; segments is None, one [b, l] array for both sides, or a (q, kv) pair.
@@ -40,6 +47,8 @@ Kernel = Callable[..., tuple[jax.Array, jax.Array]]
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, *, how: str,
                       ways: int, kernel: Kernel) -> jax.Array:
     """Causal attention of this device's chunk of queries over the whole sequence, `ways` chunks on `sequence`."""
+    if how == "ring":
+        return ring_attention(q, k, v, segments, ways, kernel)
     if how == "allgather":
         return _allgather(q, k, v, segments, ways, kernel)
     if how == "ulysses":
@@ -53,7 +62,7 @@ def _gather(x: jax.Array) -> jax.Array:
 
 
 def _allgather(q, k, v, segments, n, kernel):
-    b, lc, h, d = q.shape
+    b, lc = q.shape[:2]
     me = jax.lax.axis_index(AXIS)
     chunks = lambda x: jnp.moveaxis(x.reshape(b, n, lc, *x.shape[2:]), 1, 0)  # [n, b, lc, ...]
     k_all, v_all = chunks(_gather(k)), chunks(_gather(v))
@@ -66,27 +75,15 @@ def _allgather(q, k, v, segments, n, kernel):
         return kernel(q, k, v, seg, True, True)
 
     def future(q, k, v, seg):
-        return jnp.zeros((b, lc, h, d), q.dtype), jnp.full((b, h, lc), -jnp.inf, jnp.float32)
+        return nothing(q)
 
-    def step(carry, chunk):
-        acc, top, total = carry
+    def step(merged, chunk):
         j, kj, vj, sj = chunk
         seg = None if sj is None else (segments, sj)
-        out, lse = jax.lax.switch(jnp.sign(j - me) + 1, (past, diagonal, future), q, kj, vj, seg)
-        # Merge by log-sum-exp, relative to a running maximum that carries no gradient (the result
-        # does not depend on it); chunks a row cannot see have lse -inf and weigh exactly 0.
-        new_top = jax.lax.stop_gradient(jnp.maximum(top, lse))
-        ref = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
-        rescale, weight = jnp.exp(top - ref), jnp.exp(lse - ref)
-        per_row = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # [b, h, lc] -> [b, lc, h, 1]
-        acc = acc * per_row(rescale) + out.astype(jnp.float32) * per_row(weight)
-        return (acc, new_top, total * rescale + weight), None
+        return merge(merged, *jax.lax.switch(jnp.sign(j - me) + 1, (past, diagonal, future), q, kj, vj, seg)), None
 
-    init = (jnp.zeros((b, lc, h, d), jnp.float32), jnp.full((b, h, lc), -jnp.inf, jnp.float32),
-            jnp.zeros((b, h, lc), jnp.float32))
-    (acc, _, total), _ = jax.lax.scan(step, init, (jnp.arange(n), k_all, v_all, kv_seg))
-    # Every query sees at least itself (the diagonal chunk), so total > 0.
-    return (acc / jnp.swapaxes(total, 1, 2)[..., None]).astype(q.dtype)
+    merged, _ = jax.lax.scan(step, empty(q), (jnp.arange(n), k_all, v_all, kv_seg))
+    return finish(merged, q.dtype)[0]
 
 
 def kv_repeats(kv_heads: int, ways: int) -> int:

@@ -204,7 +204,7 @@ class Engine:
         of the tokens routed to each expert of MoE layer i).
         """
         model = nnx.merge(self.graphdef, self.model_params(params))
-        inputs, targets, docs, weights = model_inputs(batch)
+        inputs, targets, docs, weights = model_inputs(batch, self.backends.zigzag)
         logits, stats = model.forward(inputs, **docs, remat=self.cfg.parallel.remat)
         with jax.named_scope("loss"):
             loss = cross_entropy(logits, targets, weights)
@@ -227,7 +227,7 @@ class Engine:
                 return metrics, grads
         else:
             value_and_grad = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan,
-                                                     self.mesh)
+                                                     self.mesh, zigzag=self.backends.zigzag)
         with use_layout(self.layout):
             values, grads = loss_and_grads(
                 value_and_grad, state.params, batch,

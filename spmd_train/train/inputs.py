@@ -3,23 +3,41 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from spmd_train.data.batch import Batch, as_batch, loss_weights
+from spmd_train.parallel.ring import zigzag_order
 from spmd_train.sharding.constrain import constrain
 
 
-def model_inputs(batch: Batch | jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], jax.Array | None]:
+def model_inputs(batch: Batch | jax.Array, zigzag: int = 1
+                 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], jax.Array | None]:
     """(inputs, targets, the documents' segments and positions of the inputs as keywords, target weights).
 
     Shift first, then lay out: left to itself the partitioner may split the odd-length token
-    array on length and exchange halos to form the shifted views.
+    array on length and exchange halos to form the shifted views. `zigzag` = N > 1 (ring
+    attention over N devices): every per-token array is put in `zigzag_order` before it is laid
+    out (a local gather, the rows are not yet split on length), and the inputs' true positions
+    travel with them for RoPE; the loss is a mean over tokens, so their order does not matter.
     """
     batch = with_loss_weights(as_batch(batch))
+    length = batch.tokens.shape[1] - 1
+    if zigzag > 1:
+        order = jnp.asarray(zigzag_order(length, zigzag))
+        ordered = lambda a: None if a is None else a[:, order]
+        positions = batch.positions[:, :-1] if batch.documents else jnp.broadcast_to(jnp.arange(length),
+                                                                                     (batch.tokens.shape[0], length))
+        shift = lambda a: None if a is None else (a[:, :-1], a[:, 1:])
+        (inputs, targets), segments = shift(batch.tokens), batch.segments
+        inputs, targets, weights, positions = map(ordered, (inputs, targets, batch.weights, positions))
+        segments = None if segments is None else ordered(segments[:, :-1])
+    else:
+        inputs, targets, weights = batch.tokens[:, :-1], batch.tokens[:, 1:], batch.weights
+        segments = None if not batch.documents else batch.segments[:, :-1]
+        positions = None if not batch.documents else batch.positions[:, :-1]
     rows = lambda a: constrain(a, ("batch", "length"))
-    docs = {} if not batch.documents else {"segments": rows(batch.segments[:, :-1]),
-                                           "positions": rows(batch.positions[:, :-1])}
-    weights = None if batch.weights is None else rows(batch.weights)
-    return rows(batch.tokens[:, :-1]), rows(batch.tokens[:, 1:]), docs, weights
+    docs = {name: rows(a) for name, a in (("segments", segments), ("positions", positions)) if a is not None}
+    return rows(inputs), rows(targets), docs, None if weights is None else rows(weights)
 
 
 def with_loss_weights(batch: Batch) -> Batch:

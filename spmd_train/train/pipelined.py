@@ -55,8 +55,9 @@ def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
 
 
 def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: PipelinePlan,
-                            mesh) -> Any:
-    """(params, batch) -> ({"loss": mean loss}, gradients), run by the pipeline schedule."""
+                            mesh, *, zigzag: int = 1) -> Any:
+    """(params, batch) -> ({"loss": mean loss}, gradients), run by the pipeline schedule (`zigzag`: as in
+    `model_inputs`)."""
     m = plan.schedule.microbatches
     stage_fn = _stage_fn(cfg, block_graphdef)
 
@@ -66,7 +67,7 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
         # Shape-only stand-ins: the embedding and the head never touch the layer stack.
         absent = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks)
         model = lambda rest: nnx.merge(graphdef, {**rest, "blocks": absent})
-        inputs, targets, docs, weights = model_inputs(batch)
+        inputs, targets, docs, weights = model_inputs(batch, zigzag)
         rows = inputs.shape[0]
         if rows % m:
             raise ValueError(f"{rows} rows per device cannot form {m} equal microbatches")

@@ -1,0 +1,141 @@
+"""Ring attention: K/V blocks travel a `ppermute` ring over `sequence`, with zigzag load balance.
+
+Each device holds two chunks of every sequence, i and 2N-1-i of 2N (`zigzag_order` lays the
+tokens out so), so under the causal mask every device does the same work: at ring step 0 its
+own pair (causal, local order is true order), and at each later step exactly two chunk pairs
+of unmasked attention: all its queries against the arriving block's first chunk when that block
+comes from an earlier device, or its second query chunk against the whole block when it comes
+from a later one. Blocks' results are merged by log-sum-exp (`blockwise`).
+
+The backward is explicit (`jax.custom_vjp`): K/V go round the ring again, each device adds its
+dK/dV contribution to accumulators (fp32) that travel with the block, and one more hop brings the
+accumulators home. Each block's gradient is the kernel's own VJP given cotangents on its output
+and its log-sum-exp derived from the merged result, so any kernel that returns its lse works;
+the block's forward is recomputed for that VJP. No device ever holds more than two K/V blocks
+(the one it computes on and the one arriving). Every send is issued before the compute it may
+overlap with.
+
+Collectives per layer, N = `sequence`: forward N-1 collective-permutes of each of K and V (and
+the document ids); backward N-1 of each again and N of each of dK and dV.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmd_train.parallel.blockwise import empty, finish, merge
+
+AXIS = "sequence"
+
+
+def zigzag_order(length: int, ways: int) -> np.ndarray:
+    """Token order that gives device i chunks i and 2N-1-i of 2N when `length` is split over `ways` devices."""
+    chunk = length // (2 * ways)
+    pieces = [np.arange(c * chunk, (c + 1) * chunk) for i in range(ways) for c in (i, 2 * ways - 1 - i)]
+    return np.concatenate(pieces)
+
+
+def ring_attention(q, k, v, segments, ways: int, kernel):
+    """Causal attention of this device's zigzag chunk pair of queries over the whole sequence."""
+    return _ring(q, k, v, segments, ways, kernel)
+
+
+def _send(x, n):
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, [(i, (i + 1) % n) for i in range(n)]), x)
+
+
+def _halves(x):
+    c = x.shape[1] // 2
+    return x[:, :c], x[:, c:]
+
+
+def _pair(seg_q, seg_kv):
+    return None if seg_q is None else (seg_q, seg_kv)
+
+
+def _forward(q, k, v, segments, n, kernel):
+    me = jax.lax.axis_index(AXIS)
+    q_late = _halves(q)[1]
+    seg_late = None if segments is None else _halves(segments)[1]
+    block = (k, v, segments)
+    merged = empty(q)
+    for step in range(n):
+        arriving = _send(block, n) if step < n - 1 else None
+        kb, vb, sb = block
+        if step == 0:
+            merged = merge(merged, *kernel(q, k, v, segments, True, True))
+        else:
+            def earlier(kb=kb, vb=vb, sb=sb):  # the block's second chunk is in every query's future
+                first = lambda x: None if x is None else _halves(x)[0]
+                return kernel(q, first(kb), first(vb), _pair(segments, first(sb)), False, True)
+
+            def later(kb=kb, vb=vb, sb=sb):  # only the second query chunk sees this block, all of it
+                out, lse = kernel(q_late, kb, vb, _pair(seg_late, sb), False, True)
+                return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
+                        jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=2))
+
+            merged = merge(merged, *jax.lax.cond(step <= me, earlier, later))
+        block = arriving
+    return finish(merged, q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, segments, n, kernel):
+    return _forward(q, k, v, segments, n, kernel)[0]
+
+
+def _ring_fwd(q, k, v, segments, n, kernel):
+    out, lse = _forward(q, k, v, segments, n, kernel)
+    return out, (q, k, v, segments, out, lse)
+
+
+def _block_grads(kernel, q, k, v, segments, causal, out, lse, d_out):
+    """dq, dk, dv of one block's share of the merged output, through the kernel's VJP."""
+    (out_b, lse_b), vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, segments, causal, True), q, k, v)
+    weight = jnp.exp(lse_b - lse)  # the block's share of each row; 0 where the row sees none of it
+    rows = jnp.swapaxes(weight, 1, 2)[..., None]
+    d_out32 = d_out.astype(jnp.float32)
+    d_lse = weight * jnp.swapaxes(jnp.sum(d_out32 * (out_b.astype(jnp.float32) - out.astype(jnp.float32)), -1), 1, 2)
+    return vjp(((rows * d_out32).astype(out_b.dtype), d_lse))
+
+
+def _ring_bwd(n, kernel, residuals, d_out):
+    q, k, v, segments, out, lse = residuals
+    me = jax.lax.axis_index(AXIS)
+    late = lambda x: None if x is None else _halves(x)[1]
+    first = lambda x: None if x is None else _halves(x)[0]
+    f32 = lambda x: x.astype(jnp.float32)
+    dq, dk, dv = map(f32, _block_grads(kernel, q, k, v, segments, True, out, lse, d_out))
+    block, grads = (k, v, segments), (dk, dv)
+    for step in range(1, n):
+        block = _send(block, n)  # issued before this step's compute, which needs it, and the previous send
+        grads = _send(grads, n)
+        kb, vb, sb = block
+
+        def earlier(kb=kb, vb=vb, sb=sb):
+            gq, gk, gv = map(f32, _block_grads(kernel, q, first(kb), first(vb), _pair(segments, first(sb)), False,
+                                               out, lse, d_out))
+            pad = lambda g: jnp.concatenate([g, jnp.zeros_like(g)], axis=1)
+            return gq, pad(gk), pad(gv)
+
+        def later(kb=kb, vb=vb, sb=sb):
+            gq, gk, gv = map(f32, _block_grads(kernel, late(q), kb, vb, _pair(late(segments), sb), False,
+                                               late(out), _halves_lse(lse)[1], late(d_out)))
+            return jnp.concatenate([jnp.zeros_like(gq), gq], axis=1), gk, gv
+
+        gq, gk, gv = jax.lax.cond(step <= me, earlier, later)
+        dq, grads = dq + gq, (grads[0] + gk, grads[1] + gv)
+    dk, dv = _send(grads, n)  # home: the accumulators of this device's own block
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+def _halves_lse(lse):
+    c = lse.shape[2] // 2
+    return lse[:, :, :c], lse[:, :, c:]
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmd_train import Engine, load_config
-from spmd_train.analysis import collectives_of
+from spmd_train.analysis import describe
 from spmd_train.errors import ConfigError
 from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
 from spmd_train.ops.attention import dot_product_attention
@@ -122,15 +122,15 @@ def test_sequence_split_runs_equal_one_device(corpus, references, devices, layou
     assert relative_error(params, ref_params) <= 1e-5
 
 
-def _sequence_collectives(devices, how, n=4):
-    cfg = load_config(None, [*TINY, *FP32, "mesh.fsdp=2", f"mesh.sequence={n}", f"parallel.context_parallel={how}"])
-    engine = Engine.build(cfg, devices[:2 * n])
-    compiled = engine.train_step.lower(engine.abstract_state(), engine.abstract_batch()).compile()
-    found = {}
-    for c in collectives_of(compiled.as_text(), engine.mesh):
-        if c.axes == ("sequence",):
-            found[c.op] = (found.get(c.op, (0, 0))[0] + c.count, found.get(c.op, (0, 0))[1] + c.bytes)
-    return cfg, found
+def _sequence_collectives(devices, how, overrides=(), n=4):
+    """(config, compiled collectives over `sequence` by op as (count, bytes)) of the tiny model's step; the
+    describe section's prediction must equal the compiled figures."""
+    cfg = load_config(None, [*TINY, *FP32, "mesh.fsdp=2", f"mesh.sequence={n}", f"parallel.context_parallel={how}",
+                             *overrides])
+    context = describe(cfg, devices=devices[:2 * n]).context
+    assert context["compiled"] == context["collectives"]
+    assert context["exact"]
+    return cfg, {op: (c["count"], c["bytes_per_device"]) for op, c in context["compiled"].items()}
 
 
 def test_allgather_gathers_k_and_v_forward_and_reduce_scatters_their_gradients(devices):
@@ -154,6 +154,15 @@ def test_ring_passes_k_and_v_n_minus_1_times_forward_and_brings_their_gradients_
     assert found["collective-permute"][0] == m.num_layers * hops
     assert found["collective-permute"][1] == pytest.approx(m.num_layers * hops * block, rel=1e-3)
     assert "all-gather" not in found and "all-to-all" not in found
+
+
+def test_ring_with_documents_remat_and_accumulation_compiles_to_the_described_collectives(corpus, devices):
+    # Document ids go round once per microbatch (hoisted out of the layer loop, reused backward); the
+    # forward hops full remat recomputes are the backward ring's own, so they add nothing.
+    cfg, found = _sequence_collectives(devices, "ring", [*_documents(corpus), "parallel.remat=full",
+                                                         "train.grad_accum=2"])
+    n, layers = 4, cfg.model.num_layers
+    assert found["collective-permute"][0] == 2 * (layers * (2 * (n - 1) + 2 * (n - 1) + 2 * n) + (n - 1))
 
 
 def _branch_flops(jaxpr) -> list[list[int]]:

@@ -12,6 +12,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
+from spmd_train.analysis.context_report import compiled_over_sequence, context_section
 from spmd_train.analysis.hlo import matmul_flops
 from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.topology import tpu_topology_devices
@@ -135,6 +136,8 @@ class StepReport:
     """The effective sharding rules and the backends the engine chose (`Engine.resolved`)."""
     zero_floor: list[FloorTerm] = field(default_factory=list)
     """The least parameter traffic data parallelism and ZeRO need per device per step (`analysis.zero_floor`)."""
+    context: dict[str, Any] | None = None
+    """Context-parallel attention and its `sequence` traffic, predicted and compiled, with mesh.sequence > 1."""
 
     def floor_ratios(self) -> list[dict[str, Any]]:
         """Per mesh axes with a floor: compiled bytes over them (every collective), the floor bytes, the ratio.
@@ -148,7 +151,8 @@ class StepReport:
         done = self.per_device.get("flops") is not None  # False: did not compile
         compiled: dict[tuple[str, ...], float] = defaultdict(float)
         for c in self.collectives:
-            compiled[c.axes] += c.bytes
+            if not self._attention_traffic(c):
+                compiled[c.axes] += c.bytes
         floor = floor_by_axes(self.zero_floor)
         rows = [_ratio_row(list(axes), b, compiled[axes] if done else None) for axes, b in floor.items()]
         params = self.parameter_traffic()
@@ -164,7 +168,12 @@ class StepReport:
         union = {a for t in self.zero_floor for a in t.axes}
         tokens = set(self.resolved.get("rules", {}).get("activations", {}).get("experts", ())) if self.moe else set()
         return [c for c in self.collectives
-                if set(c.axes) <= union and not (c.op == "all-to-all" and set(c.axes) <= tokens)]
+                if set(c.axes) <= union and not (c.op == "all-to-all" and set(c.axes) <= tokens)
+                and not self._attention_traffic(c)]
+
+    def _attention_traffic(self, c: CollectiveSummary) -> bool:
+        """Whether a collective is context-parallel attention's (its ops over `sequence` alone), not parameters'."""
+        return self.context is not None and tuple(c.axes) == ("sequence",) and c.op in self.context["collectives"]
 
     def to_json(self) -> dict[str, Any]:
         """The public JSON form (keys mesh, devices, param_count, per_device, collectives, pipeline, ...)."""
@@ -188,6 +197,7 @@ class StepReport:
             "notes": self.notes,
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
             "moe": self.moe,
+            "context": self.context,
             "resolved": self.resolved,
             "zero_floor": {"terms": [t.to_json() for t in self.zero_floor], "by_axes": self.floor_ratios(),
                            "traffic": [c.to_json() for c in self.parameter_traffic()]},
@@ -212,6 +222,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     batch_bytes = sum(math.prod(a.shape) * 4 for a in jax.tree.leaves(batch)) / _ways(engine.batch_sharding)
     pipeline = _pipeline_report(engine) if engine.plan is not None else None
     moe = moe_section(engine)
+    context = context_section(engine)
     floor = zero_floor(engine)
     start = time.perf_counter()
     lowered = engine.train_step.lower(state, batch)
@@ -241,6 +252,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
             moe=moe,
             resolved=engine.resolved(),
             zero_floor=floor,
+            context=context,
         )
     compile_seconds = time.perf_counter() - start
     hlo = compiled.as_text()
@@ -262,6 +274,8 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         "xla_cost_flops": float(cost.get("flops", float("nan"))) if cost else float("nan"),
     }
     collectives = collectives_of(hlo, mesh)
+    if context is not None:
+        context = {**context, "compiled": compiled_over_sequence(collectives, context["collectives"])}
     notes = []
     if device.platform == "cpu":
         notes.append("XLA:CPU lowers reduce-scatters it creates itself as all-reduce + slice; compile for a "
@@ -289,6 +303,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         moe=moe,
         resolved=engine.resolved(),
         zero_floor=floor,
+        context=context,
     )
 
 

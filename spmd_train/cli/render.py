@@ -59,6 +59,8 @@ def render(report: StepReport, console: Console | None = None) -> None:
         render_pipeline(report.pipeline, console)
     if report.moe is not None:
         render_moe(report.moe, console)
+    if report.context is not None:
+        render_context(report.context, console)
 
     if d["flops"] is None:
         for note in report.notes:
@@ -153,3 +155,24 @@ def render_moe(moe: dict, console: Console) -> None:
         table.add_row(f"split over expert: {p['path']}", spec)
     console.print(table)
     console.print(f"[dim]all-to-all bytes: {moe['all_to_all']['formula']}[/dim]")
+
+
+def render_context(context: dict, console: Console) -> None:
+    """Context-parallel attention: the scheme, the chunk layout, its `sequence` collectives predicted and compiled."""
+    layout = (f"zigzag: chunks i and 2N-1-i of {2 * context['ways']}, {context['chunk_tokens']:,} tokens each"
+              if context["layout"] == "zigzag" else f"contiguous: chunk i of {context['ways']}")
+    console.print(f"Context parallelism: {context['implementation']} over sequence={context['ways']} "
+                  f"(local kernel {context['kernel']}); {context['tokens_per_device']:,} tokens per device, {layout}; "
+                  f"one device's K block {human_bytes(context['kv_block_bytes'])}")
+    table = Table(title="Attention collectives over sequence per step", title_justify="left")
+    for column in ("op", "predicted count", "compiled count", "predicted bytes / device", "compiled bytes / device"):
+        table.add_column(column, justify="left" if column == "op" else "right")
+    compiled = context.get("compiled")
+    for op, want in sorted(context["collectives"].items()):
+        got = (compiled or {}).get(op, {"count": 0, "bytes_per_device": 0.0})
+        table.add_row(op, str(want["count"]), "-" if compiled is None else str(got["count"]),
+                      human_bytes(want["bytes_per_device"]),
+                      "-" if compiled is None else human_bytes(got["bytes_per_device"]))
+    console.print(table)
+    exact = "" if context["exact"] else " (approximate: XLA decides what this remat policy or pipeline recomputes)"
+    console.print(f"[dim]predicted: {context['formula']}{exact}[/dim]")

@@ -1,0 +1,128 @@
+"""The context-parallel section of `spmd-train describe`: how attention joins the `sequence` chunks, by formula.
+
+Computed from the config, the mesh and the layout; nothing is compiled. `describe` puts the
+compiled program's collectives over `sequence` beside these, and tests/test_context.py holds
+the two equal. Per attention layer and microbatch, with r rows per device, L = train.seq_len,
+N = mesh.sequence, kvh and h the K/V and query heads per device (after `tensor`), d the head
+dimension and B the compute dtype's bytes (docs/context.md derives each):
+
+- allgather: forward 2 all-gathers of r·L·kvh·d·B·(N-1)/N (K, V); backward 2 reduce-scatters of
+  the same;
+- ulysses: forward 2 all-to-alls, r·(L/N)·(h + 2·kvh')·d·B·(N-1)/N (q, k, v; kvh' = lcm(kvh, N))
+  and r·(L/N)·h·d·B·(N-1)/N (the output); backward the same;
+- ring: forward 2·(N-1) collective-permutes of a K block r·(L/N)·kvh·d·B; backward 2·(N-1) again
+  and 2·N of fp32 dK/dV blocks r·(L/N)·kvh·d·4.
+
+With documents, the int32 ids are exchanged once per microbatch, not per layer (the same for
+every layer, XLA hoists them out of the layer loop and the backward reuses them): one all-gather
+of r·L·4·(N-1)/N (allgather, ulysses) or N-1 permutes of r·(L/N)·4 (ring). Full remat runs the
+forward all-gathers and all-to-alls a second time in the backward pass; the ring's recomputed
+forward hops are the backward ring's own (the same blocks to the same neighbours; XLA keeps one of
+each), so they add nothing. Measured on the compiled program (tests/test_context.py). Under the
+save_* policies XLA decides what it recomputes, so the prediction is marked inexact there (and
+inside pipeline stages, whose per-tick branches a static count cannot resolve).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from spmd_train.parallel.context import kv_repeats
+from spmd_train.sharding.arithmetic import entry_axes, rows_per_device, ways
+
+AXIS = "sequence"
+
+
+def context_section(engine) -> dict[str, Any] | None:
+    """Context-parallel layout and expected `sequence` traffic of an `Engine`'s train step; None without it.
+
+    Keys: implementation, kernel (the local attention), ways (mesh.sequence), layout ("contiguous"
+    or "zigzag"), tokens_per_device, chunk_tokens, kv_block_bytes (one device's K or V of one
+    layer), collectives ({op: {count, bytes_per_device}} per step), exact, formula.
+    """
+    cfg, backends = engine.cfg, engine.backends
+    if backends.context is None:
+        return None
+    m, t, layout, sizes = cfg.model, cfg.train, engine.layout, dict(engine.mesh.shape)
+    n, how = backends.sequence, backends.context
+    heads = m.num_heads // ways(entry_axes(layout.activation_spec(P(None, None, "heads")), 2), sizes)
+    kv_heads = m.num_kv_heads // ways(entry_axes(layout.activation_spec(P(None, None, "kv_heads")), 2), sizes)
+    rows = rows_per_device(cfg, sizes)
+    local = t.seq_len // n
+    width = jnp.dtype(m.compute_dtype).itemsize
+    block = rows * local * kv_heads * m.resolved_head_dim * width
+    ids = rows * local * 4
+    share = (n - 1) / n
+    forward: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    backward: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+
+    def add(table, op, count, each):
+        table[op][0] += count
+        table[op][1] += count * each
+
+    once: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # per microbatch, not per layer
+    documents = cfg.data.masks_documents
+    if how == "allgather":
+        add(forward, "all-gather", 2, block * n * share)
+        add(backward, "reduce-scatter", 2, block * n * share)
+        if documents:
+            add(once, "all-gather", 1, ids * n * share)
+    elif how == "ulysses":
+        qkv = rows * local * (heads + 2 * kv_heads * kv_repeats(kv_heads, n)) * m.resolved_head_dim * width
+        out = rows * local * heads * m.resolved_head_dim * width
+        for table in (forward, backward):
+            add(table, "all-to-all", 1, qkv * share)
+            add(table, "all-to-all", 1, out * share)
+        if documents:
+            add(once, "all-gather", 1, ids * n * share)
+    else:
+        add(forward, "collective-permute", 2 * (n - 1), block)
+        add(backward, "collective-permute", 2 * (n - 1), block)
+        add(backward, "collective-permute", 2 * n, block * 4 // width)
+        if documents:
+            add(once, "collective-permute", n - 1, ids)
+    remat = cfg.parallel.remat
+    layers = m.num_layers * t.grad_accum
+    again = 2 if remat == "full" and how != "ring" else 1
+    collectives: dict[str, dict[str, float]] = {}
+    for table, times in ((forward, layers * again), (backward, layers), (once, t.grad_accum)):
+        for op, (count, total) in table.items():
+            entry = collectives.setdefault(op, {"count": 0, "bytes_per_device": 0.0})
+            entry["count"] += times * count
+            entry["bytes_per_device"] += times * total
+    return {
+        "implementation": how,
+        "kernel": backends.attention,
+        "ways": n,
+        "layout": "zigzag" if how == "ring" else "contiguous",
+        "tokens_per_device": local,
+        "chunk_tokens": local // 2 if how == "ring" else local,
+        "kv_block_bytes": block,
+        "collectives": collectives,
+        "exact": remat in ("none", "full") and sizes["pipeline"] == 1,
+        "formula": f"{m.num_layers} layers x {t.grad_accum} microbatches x the per-layer collectives of "
+                   f"{how} (docs/context.md) with r={rows} rows, {local} tokens, {heads} heads and {kv_heads} K/V "
+                   f"heads per device, {width}-byte activations"
+                   + ("; full remat repeats the forward's" if again == 2 else "")
+                   + ("; document ids once per microbatch" if documents else ""),
+    }
+
+
+def compiled_over_sequence(collectives, ops) -> dict[str, dict[str, float]]:
+    """The compiled program's collectives of these ops over `sequence` alone: {op: {count, bytes_per_device}}.
+
+    Attention's ops only: the gradients' all-reduce over `sequence` (parameters are replicated over
+    it) and the halo of the token shift (a row of targets) are not attention's.
+    """
+    out: dict[str, dict[str, float]] = {op: {"count": 0, "bytes_per_device": 0.0} for op in ops}
+    for c in collectives:
+        if tuple(c.axes) == (AXIS,) and c.op in out:
+            entry = out.setdefault(c.op, {"count": 0, "bytes_per_device": 0.0})
+            entry["count"] += c.count
+            entry["bytes_per_device"] += c.bytes
+    return out
+

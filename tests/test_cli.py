@@ -34,7 +34,7 @@ def test_train_writes_metrics_and_learns(tmp_path):
     assert "backends: attention xla, experts capacity (factor 1.25) on cpu; auto: xla on cpu" in proc.stderr
     record = json.loads((run_dir / "config.json").read_text())
     assert record["resolved"]["backends"]["attention"] == "xla"
-    assert record["resolved"]["rules"]["params"]["embed"] == ["fsdp"]
+    assert record["resolved"]["rules"]["params"]["embed"] == ["fsdp", "sequence"]
     hlo = (run_dir / "compiled" / "train_step.hlo.txt").read_text()  # the program the run ran
     assert hlo.startswith("HloModule") and "all-reduce" in hlo
     assert load_config(run_dir / "config.json") == load_config(ROOT / "configs" / "tiny.yaml",
@@ -80,7 +80,7 @@ def test_describe_rules_prints_the_effective_rules_with_those_the_code_adds():
     assert proc.returncode == 0, proc.stderr
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
             for line in proc.stdout.splitlines() if line.startswith("│")}
-    assert rows["batch"][0] == "data, fsdp, expert" and rows["embed"] == ["-", "fsdp"]
+    assert rows["batch"][0] == "data, fsdp, expert" and rows["embed"] == ["-", "fsdp, sequence"]
     assert rows["norm_length"][0] == "sequence, tensor" and rows["vocab"] == ["tensor", "-"]
     assert "added by the code: activations.norm_length += tensor (parallel.sequence_parallel=true" in proc.stdout
     as_json = json.loads(cli("describe", "configs/pipeline.yaml", "--rules", "--json").stdout)

@@ -19,7 +19,7 @@ def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
     # Runs either train on 8 simulated CPU devices or are plans for real slices (describe --topology).
-    assert cfg.run.simulate_devices == 8 or (cfg.run.simulate_devices is None and "_v5p-" in path.stem)
+    assert cfg.run.simulate_devices == 8 or (cfg.run.simulate_devices is None and "_v5p" in path.stem)
 
 
 def test_presets_fill_in_and_explicit_values_win(tmp_path):
@@ -46,7 +46,7 @@ def test_rules_are_a_preset_with_overrides_and_the_code_added_rules_are_named(tm
     cfg = load_config(None, ["mesh.rules.params.vocab=[]", "mesh.rules.activations.heads=[]",
                              "parallel.sequence_parallel=true", "mesh.pipeline=2"])
     rules = resolve_rules(cfg)
-    assert rules.params["vocab"] == () and rules.params["embed"] == ("fsdp",)  # override, preset
+    assert rules.params["vocab"] == () and rules.params["embed"] == ("fsdp", "sequence")  # override, preset
     assert rules.params["mlp"] == ("tensor",)  # inherited from the activation rules
     assert rules.activations["heads"] == () and rules.params["heads"] == ()
     assert rules.activations["norm_length"] == ("sequence", "tensor") and rules.params["layers"] == ("pipeline",)

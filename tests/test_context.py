@@ -149,7 +149,7 @@ def test_ring_passes_k_and_v_n_minus_1_times_forward_and_brings_their_gradients_
     m, t, n = cfg.model, cfg.train, 4
     rows = t.global_batch_size // 2
     block = rows * t.seq_len // n * m.num_kv_heads * m.resolved_head_dim * 4  # one device's K (or V)
-    # Forward: K and V go N-1 hops. Backward: again N-1 hops each, and N hops each of the fp32 dK, dV.
+    # Forward: K and V go N-1 hops. Backward: again N-1 hops each, and N hops each of dK, dV (all fp32 here).
     hops = 2 * (n - 1) + 2 * (n - 1) + 2 * n
     assert found["collective-permute"][0] == m.num_layers * hops
     assert found["collective-permute"][1] == pytest.approx(m.num_layers * hops * block, rel=1e-3)

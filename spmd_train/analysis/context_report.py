@@ -10,8 +10,8 @@ dimension and B the compute dtype's bytes (docs/context.md derives each):
   the same;
 - ulysses: forward 2 all-to-alls, r·(L/N)·(h + 2·kvh')·d·B·(N-1)/N (q, k, v; kvh' = lcm(kvh, N))
   and r·(L/N)·h·d·B·(N-1)/N (the output); backward the same;
-- ring: forward 2·(N-1) collective-permutes of a K block r·(L/N)·kvh·d·B; backward 2·(N-1) again
-  and 2·N of fp32 dK/dV blocks r·(L/N)·kvh·d·4.
+- ring: forward 2·(N-1) collective-permutes of a K block r·(L/N)·kvh·d·B; backward 2·(N-1) again,
+  2·(N-1) of fp32 dK/dV blocks r·(L/N)·kvh·d·4 and the 2 hops home in the compute dtype.
 
 With documents, the int32 ids are exchanged once per microbatch, not per layer (the same for
 every layer, XLA hoists them out of the layer loop and the backward reuses them): one all-gather
@@ -82,7 +82,8 @@ def context_section(engine) -> dict[str, Any] | None:
     else:
         add(forward, "collective-permute", 2 * (n - 1), block)
         add(backward, "collective-permute", 2 * (n - 1), block)
-        add(backward, "collective-permute", 2 * n, block * 4 // width)
+        add(backward, "collective-permute", 2 * (n - 1), block * 4 // width)
+        add(backward, "collective-permute", 2, block)
         if documents:
             add(once, "collective-permute", n - 1, ids)
     remat = cfg.parallel.remat

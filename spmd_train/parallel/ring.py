@@ -9,14 +9,15 @@ from a later one. Blocks' results are merged by log-sum-exp (`blockwise`).
 
 The backward is explicit (`jax.custom_vjp`): K/V go round the ring again, each device adds its
 dK/dV contribution to accumulators (fp32) that travel with the block, and one more hop brings the
-accumulators home. Each block's gradient is the kernel's own VJP given cotangents on its output
+accumulators home (in K/V's dtype). Each block's gradient is the kernel's own VJP given cotangents on its output
 and its log-sum-exp derived from the merged result, so any kernel that returns its lse works;
 the block's forward is recomputed for that VJP. No device ever holds more than two K/V blocks
 (the one it computes on and the one arriving). Every send is issued before the compute it may
 overlap with.
 
 Collectives per layer, N = `sequence`: forward N-1 collective-permutes of each of K and V (and
-the document ids); backward N-1 of each again and N of each of dK and dV.
+the document ids); backward N-1 of each again and N of each of dK and dV (fp32, the last hop in
+K/V's dtype).
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ def _ring_bwd(n, kernel, residuals, d_out):
 
         gq, gk, gv = jax.lax.cond(step <= me, earlier, later)
         dq, grads = dq + gq, (grads[0] + gk, grads[1] + gv)
-    dk, dv = _send(grads, n)  # home: the accumulators of this device's own block
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    # Home: the accumulators of this device's own block, already in K/V's dtype (the same rounding
+    # as casting on arrival, at half the bytes in bf16).
+    dk, dv = _send((grads[0].astype(k.dtype), grads[1].astype(v.dtype)), n)
+    return dq.astype(q.dtype), dk, dv, None
 
 
 def _halves_lse(lse):

@@ -19,13 +19,19 @@ LogicalSpec = P
 """A PartitionSpec whose entries are logical axis names (or None), e.g. P('embed', 'mlp')."""
 
 
+ZERO_AXES = ("fsdp", "sequence")
+"""Mesh axes the ZeRO stage shards parameters, gradients and optimizer state over (where the rules
+put them: by default a weight's `embed` dimension goes to both)."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """The resolved sharding rules for one run: which mesh axes each logical name maps to.
 
     `params` is the table for fully sharded parameters. The ZeRO stage chooses per tree
-    whether `fsdp` is kept: parameters keep it at stage 3, gradients at stage >= 2, optimizer
-    state at stage >= 1; otherwise that tree is replicated over `fsdp`. The tables are the
+    whether the ZeRO axes (`ZERO_AXES`: `fsdp`, and `sequence`, whose devices hold different tokens
+    of the same rows) are kept: parameters keep them at stage 3, gradients at stage >= 2, optimizer
+    state at stage >= 1; otherwise that tree is replicated over them. The tables are the
     resolved rules (`config.rules.resolve_rules`: the preset, the config's entries and the
     rules the code adds); a mesh axis may split only one dimension of an array.
     """
@@ -57,8 +63,8 @@ class Layout:
 
     def param_spec(self, logical: LogicalSpec, shape: tuple[int, ...] | None, *, fsdp: bool,
                    what: str = "parameter") -> P:
-        """Mesh PartitionSpec for a parameter-shaped array; `fsdp=False` replicates it over `fsdp`."""
-        table = self.params if fsdp else {k: tuple(a for a in v if a != "fsdp") for k, v in self.params.items()}
+        """Mesh PartitionSpec for a parameter-shaped array; `fsdp=False` replicates it over the ZeRO axes."""
+        table = self.params if fsdp else {k: tuple(a for a in v if a not in ZERO_AXES) for k, v in self.params.items()}
         return self._spec(logical, table, shape, what=what)
 
     def scatter_path(self, logical: LogicalSpec, shape: tuple[int, ...], manual: Collection[str] = ()) -> tuple[P, ...]:

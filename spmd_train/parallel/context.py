@@ -8,7 +8,6 @@ contiguous chunk, or for `ring` the zigzag pair of chunks i and 2N-1-i (`paralle
 
 - `ring`: K/V blocks travel a ppermute ring, results merged by log-sum-exp, explicit backward
   (see `parallel.ring`); memory for two K/V blocks, every device the same causal work.
-
 - `allgather`: K, V and the keys' documents are all-gathered over `sequence`; each device attends
   its query chunk to the whole sequence chunk by chunk with the kernel's log-sum-exp, merging the
   partial results exactly; chunks wholly in its future are skipped (`lax.switch`), the diagonal

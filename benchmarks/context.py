@@ -36,6 +36,7 @@ import jax  # noqa: E402
 
 from benchmarks.report import provenance, update_section  # noqa: E402
 from spmd_train import Engine, load_config  # noqa: E402
+from spmd_train.analysis import describe  # noqa: E402
 from spmd_train.data import make_source  # noqa: E402
 
 SCHEMES = ("allgather", "ring", "ulysses")
@@ -74,7 +75,7 @@ def cpu_row(name: str, overrides: list[str], seq_len: int, steps: int) -> dict:
             - mem.alias_size_in_bytes, "loss": float(metrics["loss"])}
 
 
-def describe(args: list[str]) -> dict:
+def describe_json(args: list[str]) -> dict:
     """`spmd-train describe ARGS --json` in a fresh process (libtpu reads its flags once per process)."""
     cmd = [sys.executable, "-m", "spmd_train", "describe", *args, "--json"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -91,7 +92,7 @@ def speed(args) -> None:
     cpu = "\n".join(f"| {r['name']} | {r['seconds'] * 1e3:.0f} ms | {r['seconds'] / base['seconds']:.2f} | "
                     f"{gib(r['temp'])} | {r['temp'] / base['temp']:.3f} | {gib(r['peak'])} | {r['loss']:.4f} |"
                     for r in rows)
-    tpu = [(name, describe([*TPU_BASE, *overrides])) for name, overrides in layouts().items()]
+    tpu = [(name, describe_json([*TPU_BASE, *overrides])) for name, overrides in layouts().items()]
     tbase = tpu[0][1]["per_device"]
     lines = []
     for name, report in tpu:
@@ -120,13 +121,11 @@ def speed(args) -> None:
 
 def memory() -> None:
     def cpu(overrides, devices):
-        from spmd_train.analysis import describe as describe_here
-
         cfg = load_config(None, [*SMALL, "train.global_batch_size=1", "backends.attention=pallas", *overrides])
-        return describe_here(cfg, devices=devices).per_device
+        return describe(cfg, devices=devices).per_device
 
     def tpu(topology, overrides):
-        return describe(["configs/tiny.yaml", "--topology", topology, *SMALL, "train.global_batch_size=4",
+        return describe_json(["configs/tiny.yaml", "--topology", topology, *SMALL, "train.global_batch_size=4",
                          "backends.attention=auto", *overrides])["per_device"]
 
     cases = {"sequence 1": (["mesh.fsdp=1"], ["mesh.fsdp=4"])}
@@ -142,7 +141,7 @@ def memory() -> None:
     table = "\n".join(f"| {name} | {gib(c['temp_bytes'])} | {c['temp_bytes'] / base_cpu['temp_bytes']:.3f} | "
                        f"{gib(t['temp_bytes'])} | {t['temp_bytes'] / base_tpu['temp_bytes']:.3f} |"
                        for name, c, t in rows)
-    full = describe(["configs/llama3-8b_128k_v5p.yaml", "--topology", "v5p:4x4x4"])
+    full = describe_json(["configs/llama3-8b_128k_v5p.yaml", "--topology", "v5p:4x4x4"])
     d, ctx = full["per_device"], full["context"]
     moved = sum(c["bytes_per_device"] for c in ctx["compiled"].values())
     hops = ctx["compiled"]["collective-permute"]["count"]

@@ -17,3 +17,14 @@ def devices():
     found = jax.devices()
     assert len(found) == 8, f"expected 8 simulated devices, got {len(found)}"
     return found
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A token file of 400 packed byte documents of 2 to 23 tokens (the path, as a string)."""
+    import numpy as np
+
+    from tests.runs import write_corpus
+
+    lengths = np.random.default_rng(1).integers(2, 24, 400)
+    return str(write_corpus(tmp_path_factory.mktemp("docs"), lengths)[0])

@@ -14,6 +14,7 @@ from spmd_train import Engine, load_config
 from spmd_train.data import make_source, prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
+FP32 = ["model.param_dtype=float32", "model.compute_dtype=float32"]
 TINY = [
     "model.preset=tiny",
     "train.global_batch_size=32",
@@ -64,6 +65,11 @@ def cli(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.Complete
 def abstract_like(shapes, shardings):
     """ShapeDtypeStructs of a tree of shapes, each carrying its sharding (for lowering without arrays)."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def token_files(path: str) -> list[str]:
+    """Overrides that train on the token file at `path`, all of it (no held-out split)."""
+    return ["data.source=tokens", f"data.paths=[{path}]", "data.val_fraction=0.0"]
 
 
 def write_corpus(folder, lengths, seed=0):

@@ -15,22 +15,19 @@ from jax.sharding import PartitionSpec as P
 from spmd_train import Engine, load_config
 from spmd_train.analysis import describe
 from spmd_train.errors import ConfigError
-from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
 from spmd_train.ops.attention import dot_product_attention
+from spmd_train.parallel.attention import local_kernel
+from spmd_train.parallel.backends import Backends
 from spmd_train.parallel.context import context_attention, kv_repeats
 from spmd_train.parallel.ring import zigzag_order
-from tests.runs import TINY, cli, relative_error, run_steps, write_corpus
-
-FP32 = ["model.param_dtype=float32", "model.compute_dtype=float32"]
+from tests.runs import FP32, TINY, cli, relative_error, run_steps, token_files
 
 
 def _kernel(name):
+    """The local kernel the model's attention region hands the schemes (Pallas: TPU kernels, interpreted)."""
     if name == "xla":
-        return lambda q, k, v, seg, causal, lse: dot_product_attention(q, k, v, causal=causal, segment_ids=seg,
-                                                                       return_lse=lse)
-    return lambda q, k, v, seg, causal, lse: flash_attention(q, k, v, causal=causal, segment_ids=seg, return_lse=lse,
-                                                             block_sizes=BlockSizes(8, 8), interpret=True,
-                                                             backend="tpu")
+        return local_kernel(Backends(platform="cpu", attention="xla"))
+    return local_kernel(Backends(platform="cpu", attention="pallas", kernels="tpu", interpret=True, blocks=(8, 8)))
 
 
 def test_kv_heads_are_repeated_only_as_far_as_the_devices_need():
@@ -76,19 +73,9 @@ def test_each_device_chunk_attends_like_the_whole_sequence(devices, how, kernel)
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    lengths = np.random.default_rng(1).integers(2, 24, 400)
-    return str(write_corpus(tmp_path_factory.mktemp("docs"), lengths)[0])
-
-
-def _documents(corpus):
-    return ["data.source=tokens", f"data.paths=[{corpus}]", "data.val_fraction=0.0"]
-
-
-@pytest.fixture(scope="module")
 def references(corpus, devices):
     plain = run_steps([*FP32, "mesh.fsdp=1"], devices[:1])[:2]
-    documents = run_steps([*FP32, "mesh.fsdp=1", *_documents(corpus)], devices[:1])[:2]
+    documents = run_steps([*FP32, "mesh.fsdp=1", *token_files(corpus)], devices[:1])[:2]
     return {False: plain, True: documents}
 
 
@@ -115,7 +102,7 @@ LAYOUTS = {
 def test_sequence_split_runs_equal_one_device(corpus, references, devices, layout):
     documents, overrides = LAYOUTS[layout]
     ref_losses, ref_params = references[documents]
-    losses, params, engine, _ = run_steps([*FP32, *overrides, *(_documents(corpus) if documents else [])], devices)
+    losses, params, engine, _ = run_steps([*FP32, *overrides, *(token_files(corpus) if documents else [])], devices)
     assert engine.backends.context and engine.backends.sequence > 1
     assert engine.cfg.data.masks_documents == documents
     assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5, (losses, ref_losses)
@@ -159,7 +146,7 @@ def test_ring_passes_k_and_v_n_minus_1_times_forward_and_brings_their_gradients_
 def test_ring_with_documents_remat_and_accumulation_compiles_to_the_described_collectives(corpus, devices):
     # Document ids go round once per microbatch (hoisted out of the layer loop, reused backward); the
     # forward hops full remat recomputes are the backward ring's own, so they add nothing.
-    cfg, found = _sequence_collectives(devices, "ring", [*_documents(corpus), "parallel.remat=full",
+    cfg, found = _sequence_collectives(devices, "ring", [*token_files(corpus), "parallel.remat=full",
                                                          "train.grad_accum=2"])
     n, layers = 4, cfg.model.num_layers
     assert found["collective-permute"][0] == 2 * (layers * (2 * (n - 1) + 2 * (n - 1) + 2 * n) + (n - 1))

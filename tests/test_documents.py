@@ -15,9 +15,7 @@ from spmd_train.errors import ConfigError
 from spmd_train.ops.attention import dot_product_attention
 from spmd_train.parallel.attention import cudnn_attention
 from spmd_train.parallel.backends import resolve_backends
-from tests.runs import TINY, cli, relative_error, run_steps, write_corpus
-
-FP32 = ["model.param_dtype=float32", "model.compute_dtype=float32"]
+from tests.runs import FP32, TINY, cli, relative_error, run_steps, token_files, write_corpus
 
 
 def test_document_layout_from_starts_restarts_positions_at_each_document():
@@ -104,16 +102,8 @@ def test_auto_on_gpu_picks_kernels_that_take_segment_ids(dtype, head_dim, chosen
     assert resolve_backends(model, BackendsConfig(), "gpu", documents=False).attention == "cudnn"
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("docs")
-    lengths = np.random.default_rng(1).integers(2, 24, 400)
-    return str(write_corpus(folder, lengths)[0])
-
-
 def _doc_run(corpus, overrides, devices, steps=3):
-    return run_steps([*FP32, "data.source=tokens", f"data.paths=[{corpus}]", "data.val_fraction=0.0",
-                      *overrides], devices, steps=steps)
+    return run_steps([*FP32, *token_files(corpus), *overrides], devices, steps=steps)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +132,7 @@ def test_sharded_runs_with_documents_equal_one_device(corpus, doc_reference, dev
 
 
 def test_documents_reach_the_batch_the_engine_compiles(corpus, devices):
-    cfg = load_config(None, [*TINY, "data.source=tokens", f"data.paths=[{corpus}]", "data.val_fraction=0.0"])
+    cfg = load_config(None, [*TINY, *token_files(corpus)])
     engine = Engine.build(cfg, devices)
     batch = make_source(cfg).batch(0, engine.batch_sharding)
     abstract = engine.abstract_batch()

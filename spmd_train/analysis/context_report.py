@@ -31,10 +31,8 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.parallel.context import kv_repeats
+from spmd_train.parallel.context import AXIS, kv_repeats
 from spmd_train.sharding.arithmetic import entry_axes, rows_per_device, ways
-
-AXIS = "sequence"
 
 
 def context_section(engine) -> dict[str, Any] | None:

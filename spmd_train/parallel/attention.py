@@ -27,7 +27,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backends: Backends,
     with `sequence` > 1 which context-parallel scheme joins the devices' chunks of the sequence.
     `segments` [b, l]: each token's document; a query sees only keys of its own document."""
     layout = active_layout()
-    local = _local_kernel(backends)
+    local = local_kernel(backends)
     if backends.context is not None and layout is not None:
         def kernel(*args):
             q, k, v, *seg = args
@@ -42,7 +42,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backends: Backends,
     return _per_device(kernel, q, k, v, segments, layout, length=())
 
 
-def _local_kernel(backends: Backends):
+def local_kernel(backends: Backends):
     """kernel(q, k, v, segments, causal, return_lse) for one device's arrays, by implementation."""
     if backends.attention == "xla":
         return lambda q, k, v, seg, causal, lse: dot_product_attention(q, k, v, causal=causal, segment_ids=seg,

@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from spmd_train.parallel.blockwise import empty, finish, merge, nothing
-from spmd_train.parallel.ring import ring_attention
+from spmd_train.parallel.ring import AXIS, ring_attention
 
-AXIS = "sequence"
 IMPLEMENTATIONS = ("ring", "allgather", "ulysses")
 
 # kernel(q, k, v, segments, causal, return_lse) -> out [b, lq, h, d], or (out, lse [b, h, lq]) with

@@ -49,9 +49,14 @@ def _send(x, n):
     return jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, [(i, (i + 1) % n) for i in range(n)]), x)
 
 
-def _halves(x):
-    c = x.shape[1] // 2
-    return x[:, :c], x[:, c:]
+def _first(x, axis=1):
+    """The first half of `x` along `axis` (the device's earlier chunk); None stays None."""
+    return None if x is None else jnp.split(x, 2, axis=axis)[0]
+
+
+def _second(x, axis=1):
+    """The second half of `x` along `axis` (the device's later chunk); None stays None."""
+    return None if x is None else jnp.split(x, 2, axis=axis)[1]
 
 
 def _pair(seg_q, seg_kv):
@@ -60,8 +65,6 @@ def _pair(seg_q, seg_kv):
 
 def _forward(q, k, v, segments, n, kernel):
     me = jax.lax.axis_index(AXIS)
-    q_late = _halves(q)[1]
-    seg_late = None if segments is None else _halves(segments)[1]
     block = (k, v, segments)
     merged = empty(q)
     for step in range(n):
@@ -71,11 +74,10 @@ def _forward(q, k, v, segments, n, kernel):
             merged = merge(merged, *kernel(q, k, v, segments, True, True))
         else:
             def earlier(kb=kb, vb=vb, sb=sb):  # the block's second chunk is in every query's future
-                first = lambda x: None if x is None else _halves(x)[0]
-                return kernel(q, first(kb), first(vb), _pair(segments, first(sb)), False, True)
+                return kernel(q, _first(kb), _first(vb), _pair(segments, _first(sb)), False, True)
 
             def later(kb=kb, vb=vb, sb=sb):  # only the second query chunk sees this block, all of it
-                out, lse = kernel(q_late, kb, vb, _pair(seg_late, sb), False, True)
+                out, lse = kernel(_second(q), kb, vb, _pair(_second(segments), sb), False, True)
                 return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
                         jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=2))
 
@@ -107,8 +109,6 @@ def _block_grads(kernel, q, k, v, segments, causal, out, lse, d_out):
 def _ring_bwd(n, kernel, residuals, d_out):
     q, k, v, segments, out, lse = residuals
     me = jax.lax.axis_index(AXIS)
-    late = lambda x: None if x is None else _halves(x)[1]
-    first = lambda x: None if x is None else _halves(x)[0]
     f32 = lambda x: x.astype(jnp.float32)
     dq, dk, dv = map(f32, _block_grads(kernel, q, k, v, segments, True, out, lse, d_out))
     block, grads = (k, v, segments), (dk, dv)
@@ -118,14 +118,14 @@ def _ring_bwd(n, kernel, residuals, d_out):
         kb, vb, sb = block
 
         def earlier(kb=kb, vb=vb, sb=sb):
-            gq, gk, gv = map(f32, _block_grads(kernel, q, first(kb), first(vb), _pair(segments, first(sb)), False,
+            gq, gk, gv = map(f32, _block_grads(kernel, q, _first(kb), _first(vb), _pair(segments, _first(sb)), False,
                                                out, lse, d_out))
             pad = lambda g: jnp.concatenate([g, jnp.zeros_like(g)], axis=1)
             return gq, pad(gk), pad(gv)
 
         def later(kb=kb, vb=vb, sb=sb):
-            gq, gk, gv = map(f32, _block_grads(kernel, late(q), kb, vb, _pair(late(segments), sb), False,
-                                               late(out), _halves_lse(lse)[1], late(d_out)))
+            gq, gk, gv = map(f32, _block_grads(kernel, _second(q), kb, vb, _pair(_second(segments), sb), False,
+                                               _second(out), _second(lse, axis=2), _second(d_out)))
             return jnp.concatenate([jnp.zeros_like(gq), gq], axis=1), gk, gv
 
         gq, gk, gv = jax.lax.cond(step <= me, earlier, later)
@@ -134,11 +134,6 @@ def _ring_bwd(n, kernel, residuals, d_out):
     # as casting on arrival, at half the bytes in bf16).
     dk, dv = _send((grads[0].astype(k.dtype), grads[1].astype(v.dtype)), n)
     return dq.astype(q.dtype), dk, dv, None
-
-
-def _halves_lse(lse):
-    c = lse.shape[2] // 2
-    return lse[:, :, :c], lse[:, :, c:]
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -21,20 +21,16 @@ def model_inputs(batch: Batch | jax.Array, zigzag: int = 1
     travel with them for RoPE; the loss is a mean over tokens, so their order does not matter.
     """
     batch = with_loss_weights(as_batch(batch))
-    length = batch.tokens.shape[1] - 1
+    inputs, targets, weights = batch.tokens[:, :-1], batch.tokens[:, 1:], batch.weights
+    segments = batch.segments[:, :-1] if batch.documents else None
+    positions = batch.positions[:, :-1] if batch.documents else None
     if zigzag > 1:
+        length = inputs.shape[1]
+        if positions is None:  # once reordered, RoPE needs every token's true position
+            positions = jnp.broadcast_to(jnp.arange(length), inputs.shape)
         order = jnp.asarray(zigzag_order(length, zigzag))
-        ordered = lambda a: None if a is None else a[:, order]
-        positions = batch.positions[:, :-1] if batch.documents else jnp.broadcast_to(jnp.arange(length),
-                                                                                     (batch.tokens.shape[0], length))
-        shift = lambda a: None if a is None else (a[:, :-1], a[:, 1:])
-        (inputs, targets), segments = shift(batch.tokens), batch.segments
-        inputs, targets, weights, positions = map(ordered, (inputs, targets, batch.weights, positions))
-        segments = None if segments is None else ordered(segments[:, :-1])
-    else:
-        inputs, targets, weights = batch.tokens[:, :-1], batch.tokens[:, 1:], batch.weights
-        segments = None if not batch.documents else batch.segments[:, :-1]
-        positions = None if not batch.documents else batch.positions[:, :-1]
+        inputs, targets, weights, segments, positions = (
+            None if a is None else a[:, order] for a in (inputs, targets, weights, segments, positions))
     rows = lambda a: constrain(a, ("batch", "length"))
     docs = {name: rows(a) for name, a in (("segments", segments), ("positions", positions)) if a is not None}
     return rows(inputs), rows(targets), docs, None if weights is None else rows(weights)

@@ -10,7 +10,9 @@ train step):
   device sends (rounded to whole bytes: the bandwidth-optimal formulas give fractions of a byte for
   small tensors, e.g. 2 (N-1)/N x 4 bytes);
 - per-device memory of the compiled step: argument, output, temp, alias and total
-  (argument + output + temp - alias).
+  (argument + output + temp - alias). Temp and total are compared to within `MEMORY_SLACK` (0.1%): the
+  buffer assigner moves tens of KB when the same computation is written in another order, while a lost
+  mesh axis or a new copy of an activation moves far more.
 Also recorded, never compared: the jax (and libtpu) version and the config overrides used.
 
 `tests/test_golden_layouts.py` recomputes the record and compares. Regenerate after an intended change:
@@ -190,10 +192,20 @@ def compare(golden: dict[str, Any], current: dict[str, Any], sections: tuple[str
     if "memory" in sections:
         old, new = golden.get("memory", {}), current.get("memory", {})
         for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
+            if old.get(key) != new.get(key) and not _within_slack(key, old.get(key), new.get(key)):
                 lines.append(f"memory {key}: {_fmt(old.get(key, 'absent'))} -> {_fmt(new.get(key, 'absent'))}"
                              + _delta(old.get(key), new.get(key)))
     return lines
+
+
+MEMORY_SLACK = 0.001
+"""Relative change of temp/total bytes that is not a difference (argument, output and alias stay exact)."""
+
+
+def _within_slack(key: str, old: Any, new: Any) -> bool:
+    if key not in ("temp_bytes", "total_bytes") or not isinstance(old, int) or not isinstance(new, int):
+        return False
+    return abs(new - old) <= MEMORY_SLACK * max(old, 1)
 
 
 def _compare_params(old: dict, new: dict) -> list[str]:

@@ -74,3 +74,19 @@ def test_a_lost_mesh_axis_is_named_in_the_message():
     message = failure_message("mesh_presets-fsdp_tp", lines * 30, golden, current)
     assert "... and 20 more differences" in message and "make golden CONFIG=mesh_presets-fsdp_tp" in message
     assert compare(golden, copy.deepcopy(golden)) == []
+
+
+def test_temp_memory_within_a_tenth_of_a_percent_is_not_a_difference():
+    # The buffer assigner moves tens of KB when the same step is written in another order (the 128k
+    # preset: 4,286,448,544 -> 4,286,514,016 temp bytes); a lost axis or an extra activation moves far more.
+    golden = load_golden("tiny")
+    current = copy.deepcopy(golden)
+    temp = golden["memory"]["temp_bytes"]
+    current["memory"]["temp_bytes"] = temp + temp // 2000
+    current["memory"]["total_bytes"] += temp // 2000
+    assert compare(golden, current) == []
+    current["memory"]["temp_bytes"] = temp + temp // 500
+    assert [line.split(":")[0] for line in compare(golden, current)] == ["memory temp_bytes"]
+    current = copy.deepcopy(golden)
+    current["memory"]["argument_bytes"] += 1  # the layout's own bytes stay exact
+    assert [line.split(":")[0] for line in compare(golden, current)] == ["memory argument_bytes"]

@@ -217,7 +217,6 @@ def test_ulysses_moves_qkv_in_one_all_to_all_and_the_output_in_another(devices):
      r"train\.seq_len=12 with parallel\.context_parallel=ring over mesh\.sequence=4.*valid: a multiple of 8"),
     (["mesh.sequence=2", "mesh.rules.activations.length=[]"], r"mesh\.rules\.activations\.length=\[\] with "
                                                                r"mesh\.sequence=2.*valid: \[sequence\]"),
-    (["model.preset=moe-tiny", "mesh.sequence=2"], r"mesh\.sequence=2 with MoE layers"),
 ])
 def test_layouts_context_parallelism_cannot_run_are_refused(devices, overrides, message):
     cfg = load_config(None, [*TINY, "mesh.fsdp=-1", *overrides])

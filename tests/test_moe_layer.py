@@ -117,10 +117,13 @@ MESHES = {
     "expert4_tensor2": ["mesh.expert=4", "mesh.fsdp=1", "mesh.tensor=2"],
     "expert1_tensor2": ["mesh.expert=1", "mesh.tensor=2"],
     "expert2_fsdp2_tensor2_zero1": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=1"],
+    # Context parallelism: each device routes its part of the length (in a region even without exchange).
+    "expert1_sequence2": ["mesh.expert=1", "mesh.sequence=2"],
+    "expert2_sequence2_tensor2": ["mesh.expert=2", "mesh.fsdp=1", "mesh.sequence=2", "mesh.tensor=2"],
 }
 CASES = [(m, k) for m in ("single", "expert1", "expert2", "expert4", "expert8") for k in (1, 2)] + [
     ("expert2_fsdp2_tensor2", 2), ("expert4_tensor2", 2), ("expert4_tensor2", 1), ("expert1_tensor2", 2),
-    ("expert2_fsdp2_tensor2_zero1", 2),
+    ("expert2_fsdp2_tensor2_zero1", 2), ("expert1_sequence2", 2), ("expert2_sequence2_tensor2", 2),
 ]
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from spmd_train import Engine, Trainer, load_config
 from spmd_train.analysis import collectives_of
+from spmd_train.analysis.context_report import compiled_over_sequence, context_section
 from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
 from spmd_train.config.rules import resolve_rules
@@ -27,6 +28,9 @@ MESHES = {
     # Replica axes (manual in the gradient step): routing fractions are averaged over them.
     "data2_expert4_replicas": ["mesh.data=2", "mesh.fsdp=1"],
     "expert4_fsdp2_zero1_replicas": ["parallel.zero_stage=1"],
+    # Context parallelism: each device routes its part of every row (zigzag chunks under ring).
+    "sequence2_data2_expert2_ring": ["mesh.data=2", "mesh.fsdp=1", "mesh.expert=2", "mesh.sequence=2",
+                                     "parallel.context_parallel=ring"],
 }
 MOE_METRICS = ("aux_loss", "z_loss", "dropped_fraction", "expert_load.0", "expert_load.1")
 
@@ -121,6 +125,8 @@ STRUCTURE = {
     "data2_expert2_fsdp2": (["mesh.data=2", "mesh.expert=2", "mesh.fsdp=2"], 4, 1),
     # Any remat policy reruns the forward all-to-alls in the backward pass; microbatches each exchange.
     "expert4_fsdp2_accum2_remat": (["train.grad_accum=2", "parallel.remat=full"], 6, 2),
+    # Context parallelism: a group is a device's half of its rows; tokens are never gathered over sequence.
+    "sequence2_expert2_fsdp2": (["mesh.expert=2", "mesh.fsdp=2", "mesh.sequence=2"], 4, 1),
 }
 
 
@@ -130,12 +136,15 @@ def test_train_step_has_four_all_to_alls_per_moe_layer_with_slot_bytes(devices, 
     engine = Engine.build(load_config(CONFIG, overrides), devices)
     cfg, mesh = engine.cfg, engine.mesh
     m, t, n = cfg.model, cfg.train, mesh.shape["expert"]
-    a2a = [c for c in _compiled_collectives(engine) if c.op == "all-to-all"]
+    collectives = _compiled_collectives(engine)
+    a2a = [c for c in collectives if c.op == "all-to-all"]
     moe_layers = m.num_layers // m.moe_every
-    # One group = the tokens one device holds of a microbatch (batch split over data x fsdp x expert).
+    # One group = the tokens one device holds of a microbatch (batch split over data x fsdp x expert,
+    # length over sequence).
     rows = t.global_batch_size // (accum * mesh.shape["data"] * mesh.shape["fsdp"] * n)
+    tokens = rows * t.seq_len // mesh.shape["sequence"]
     factor = cfg.backends.capacity_factor
-    slots = m.moe.num_experts * capacity(m.moe.experts_per_token, rows * t.seq_len, factor, m.moe.num_experts)
+    slots = m.moe.num_experts * capacity(m.moe.experts_per_token, tokens, factor, m.moe.num_experts)
     assert [(c.axes, c.group_size) for c in a2a] == [(("expert",), n)]
     assert a2a[0].count == per_layer * moe_layers * accum
     assert a2a[0].bytes == pytest.approx(a2a[0].count * slots * m.d_model * 4 * (n - 1) / n)
@@ -144,6 +153,13 @@ def test_train_step_has_four_all_to_alls_per_moe_layer_with_slot_bytes(devices, 
     assert section["all_to_all"]["count"] == a2a[0].count
     assert section["all_to_all"]["bytes_per_device"] == pytest.approx(a2a[0].bytes)
     assert section["capacity_slots"] * m.moe.num_experts == slots
+    assert section["group_tokens"] == tokens
+    if mesh.shape["sequence"] > 1:
+        # Over sequence only attention's collectives (and the token shift's one-row halo, a
+        # collective-permute): no token is gathered for routing, dispatch or the router's statistics.
+        ops, context = ("all-gather", "reduce-scatter", "all-to-all"), context_section(engine)
+        zero = {"count": 0, "bytes_per_device": 0.0}
+        assert compiled_over_sequence(collectives, ops) == {op: context["collectives"].get(op, zero) for op in ops}
 
 
 @pytest.mark.heavy

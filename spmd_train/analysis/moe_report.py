@@ -30,8 +30,9 @@ def moe_section(engine) -> dict[str, Any] | None:
 
     Keys: moe_layers, layers (model layer index of each MoE layer, in `expert_load.<i>`
     order), num_experts, experts_per_token, num_shared_experts, moe_d_ff, impl,
-    capacity_factor, expert_axis (mesh.expert), experts_per_device, group_rows, group_tokens
-    (tokens per group), groups (per microbatch), capacity_slots (per expert per group; None
+    capacity_factor, expert_axis (mesh.expert), experts_per_device, batch_axes and length_axes
+    (the mesh axes a group is split by), group_rows, group_tokens (tokens per group: the rows'
+    share of the length under context parallelism), groups (per microbatch), capacity_slots (per expert per group; None
     when dropless), slot_buffer_bytes (E x C x d_model x compute-dtype bytes, per device and
     exchange), expert_params (path and PartitionSpec of every parameter split over `expert`),
     active_params (per token, the MFU convention) and all_to_all (count and bytes per device
@@ -45,9 +46,12 @@ def moe_section(engine) -> dict[str, Any] | None:
     mesh, layout = engine.mesh, engine.layout
     ways = mesh.shape[AXIS]
     batch_axes = [a for a in entry_axes(layout.activation_spec(P("batch")), 0) if mesh.shape[a] > 1]
-    groups = math.prod(mesh.shape[a] for a in batch_axes)
-    rows = t.global_batch_size // (t.grad_accum * groups)
-    tokens = rows * t.seq_len
+    # Under context parallelism a device holds 1/sequence of each row: its group is that part.
+    length_axes = [a for a in entry_axes(layout.activation_spec(P(None, "length")), 1) if mesh.shape[a] > 1]
+    length_ways = math.prod(mesh.shape[a] for a in length_axes)
+    groups = math.prod(mesh.shape[a] for a in batch_axes) * length_ways
+    rows = t.global_batch_size // (t.grad_accum * math.prod(mesh.shape[a] for a in batch_axes))
+    tokens = rows * t.seq_len // length_ways
     moe, choice = m.moe, cfg.backends
     dropless = choice.moe == "dropless"
     slots = None if dropless else capacity(moe.experts_per_token, tokens, choice.capacity_factor, moe.num_experts)
@@ -64,6 +68,7 @@ def moe_section(engine) -> dict[str, Any] | None:
         "expert_axis": ways,
         "experts_per_device": moe.num_experts // ways,
         "batch_axes": batch_axes,
+        "length_axes": length_axes,
         "groups": groups,
         "group_rows": rows,
         "group_tokens": tokens,

@@ -135,9 +135,6 @@ def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} with parallel.context_parallel=ring over "
                           f"mesh.sequence={n}: the zigzag layout gives each device 2 of {2 * n} equal chunks "
                           f"(valid: a multiple of {2 * n}, or parallel.context_parallel=allgather)")
-    if m.moe is not None:
-        raise ConfigError(f"mesh.sequence={n} with MoE layers (model.moe) is not supported yet: the expert "
-                          "dispatch does not split tokens over sequence (valid: mesh.sequence=1 for MoE models)")
 
 
 def check_attention(cfg: Config, platform: str) -> None:

@@ -72,7 +72,9 @@ def slot_positions(expert_idx: jax.Array, num_experts: int) -> jax.Array:
 
 def expert_counts(expert_idx: jax.Array, num_experts: int) -> jax.Array:
     """Routed (token, choice) assignments per expert, before any dropping: [..., k] -> [E] int32."""
-    return jnp.zeros((num_experts,), jnp.int32).at[expert_idx.reshape(-1)].add(1)
+    # Indexed in its own shape, not flattened: flattening [batch, length] split over two mesh axes
+    # (batch axes and `sequence`) would make the compiler gather the length first.
+    return jnp.zeros((num_experts,), jnp.int32).at[expert_idx].add(1)
 
 
 def aux_loss(scores: jax.Array, expert_idx: jax.Array, fraction: jax.Array | None = None) -> jax.Array:
@@ -87,12 +89,11 @@ def aux_loss(scores: jax.Array, expert_idx: jax.Array, fraction: jax.Array | Non
     exactly the global loss).
     """
     num_experts = scores.shape[-1]
-    scores = scores.reshape(-1, num_experts)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     if fraction is None:
-        fraction = expert_counts(expert_idx, num_experts).astype(jnp.float32) / scores.shape[0]
+        fraction = expert_counts(expert_idx, num_experts).astype(jnp.float32) / (scores.size // num_experts)
     f = fraction
-    return num_experts * jnp.sum(f * jnp.mean(probs, axis=0))
+    return num_experts * jnp.sum(f * jnp.mean(probs, axis=tuple(range(probs.ndim - 1))))
 
 
 def z_loss(logits: jax.Array) -> jax.Array:

@@ -20,8 +20,10 @@ batch dimension), dropless in the same region minus the all-to-alls (the compile
 gather every token to sort them).
 
 A group (the unit capacity is counted over) is the tokens one device holds of the batch:
-batch_size / (product of the mesh axes `batch` is split over) rows, times the length.
-Without an active layout the group is the whole batch.
+batch_size / (product of the mesh axes `batch` is split over) rows, times the length it
+holds (length / mesh.sequence under context parallelism: the tokens of a row split over
+`sequence` are routed from where they are, never gathered). Without an active layout the
+group is the whole batch.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: Expe
     mesh = None if layout is None else jax.sharding.get_abstract_mesh() if manual else layout.mesh
     if AXIS in manual:
         raise NotImplementedError("an MoE layer inside a shard_map that is already manual over `expert`")
-    axes = _batch_axes(layout, manual)
+    axes, length = _batch_axes(layout, manual), _length_axes(layout, manual)
     ways = 1 if mesh is None else mesh.shape[AXIS]
     if ways > 1 and AXIS not in axes:
         raise ConfigError(f"mesh.expert={ways} needs `expert` among the mesh axes of the activation rule `batch` "
@@ -65,9 +67,10 @@ def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: Expe
     if num_experts % ways:
         raise ConfigError(f"model.moe.num_experts={num_experts} is not divisible by mesh.expert={ways}")
     if impl == "capacity":
-        return _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes, ways)
+        return _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes,
+                         length, ways)
     if impl == "dropless":
-        return _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, ways)
+        return _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, length, ways)
     raise ValueError(f"backends.moe={impl!r} is not an implementation (valid: {', '.join(IMPLEMENTATIONS)})")
 
 
@@ -89,24 +92,27 @@ def replica_mean(x: jax.Array) -> jax.Array:
 # --- capacity: fixed slots, two all-to-alls ---------------------------------------------------------
 
 
-def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes, ways):
+def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes, length, ways):
     b, l, d = x.shape
     k = expert_idx.shape[-1]
-    groups = math.prod(mesh.shape[a] for a in axes) if axes else 1
-    rows = b // groups
-    slots = capacity(k, rows * l, capacity_factor, num_experts)
+    rows = b // math.prod(mesh.shape[a] for a in axes) if axes else b
+    tokens = rows * l // math.prod(mesh.shape[a] for a in length) if length else rows * l
+    slots = capacity(k, tokens, capacity_factor, num_experts)
+    # A length split over `sequence` cannot be folded into a group dimension without moving tokens:
+    # then each device forms its group by hand, in the region, even without exchange.
+    region = ways > 1 or bool(length)
 
     def local(xs, idx, gs, w, prepare=None):
-        held = xs.shape[0] // rows  # every group outside a region; one inside
-        pin = (lambda a: _pin(a, P(axes, P.UNCONSTRAINED, None), mesh)) if axes and ways == 1 else (lambda a: a)
-        y, kept = _slots_and_experts(pin(xs.reshape(held, rows * l, d)), pin(idx.reshape(held, rows * l, k)),
-                                     pin(gs.reshape(held, rows * l, k)), w, num_experts, slots, dtype,
+        held = xs.shape[0] * xs.shape[1] // tokens  # every group outside a region; one inside
+        pin = (lambda a: _pin(a, P(axes, P.UNCONSTRAINED, None), mesh)) if axes and not region else (lambda a: a)
+        y, kept = _slots_and_experts(pin(xs.reshape(held, tokens, d)), pin(idx.reshape(held, tokens, k)),
+                                     pin(gs.reshape(held, tokens, k)), w, num_experts, slots, dtype,
                                      AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED)
         return y.reshape(xs.shape), kept.reshape(idx.shape)
 
-    if ways == 1:  # no exchange: the compiler partitions the groups like any batch dimension
+    if not region:  # no exchange: the compiler partitions the groups like any batch dimension
         return local(x, expert_idx, gates, weights)
-    return _in_region(local, layout, mesh, axes, (x, expert_idx, gates), weights, outputs=2)
+    return _in_region(local, layout, mesh, axes, length, (x, expert_idx, gates), weights, outputs=2)
 
 
 def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype, axis, prepare):
@@ -137,20 +143,20 @@ def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype,
 # --- dropless: ragged all-to-all and ragged_dot ----------------------------------------------------
 
 
-def _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, ways):
+def _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, length, ways):
     _b, _l, d = x.shape
     k = expert_idx.shape[-1]
 
     def local(xs, idx, gs, w, prepare=None):
         n = xs.shape[0] * xs.shape[1]
         y = _ragged_experts(xs.reshape(n, d), idx.reshape(n, k), gs.reshape(n, k), w, num_experts, dtype,
-                            AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED, axes)
+                            AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED, (*axes, *length))
         return (y.reshape(xs.shape),)
 
-    if not axes:
+    if not axes and not length:
         (y,) = local(x, expert_idx, gates, weights)
     else:  # even without exchange: the compiler would gather every token to sort them
-        (y,) = _in_region(local, layout, mesh, axes, (x, expert_idx, gates), weights, outputs=1)
+        (y,) = _in_region(local, layout, mesh, axes, length, (x, expert_idx, gates), weights, outputs=1)
     return y, jnp.ones(expert_idx.shape, bool)
 
 
@@ -206,23 +212,24 @@ def _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, prepare, to
 # --- the shard_map region ---------------------------------------------------------------------------
 
 
-def _in_region(local, layout, mesh, axes, activations, weights: ExpertWeights, outputs: int):
+def _in_region(local, layout, mesh, axes, length, activations, weights: ExpertWeights, outputs: int):
     """Run `local` per device in a shard_map manual over every mesh axis not already manual.
 
     Why not manual over `expert` alone: XLA replicates the operand of a collective in a partly
     manual region over its compiler-partitioned axes (measured: an all-gather over fsdp before
     each all-to-all, and over tensor before each by-hand weight gather). So each device owns
-    its group of tokens outright (split over the batch axes), and the experts' hidden width
+    its group of tokens outright (rows split over the batch axes, the length over `length`,
+    i.e. `sequence` under context parallelism), and the experts' hidden width
     (`expert_mlp`, on `tensor`) is split by hand, Megatron-style, with one psum after the
     down projection. Weights enter with `embed` still split as stored and are gathered inside
     each matmul's checkpoint (the backward pass gathers again and reduce-scatters the
-    gradient, as ZeRO-3 does). Any other axis (`sequence`, which must be 1 for now) only
-    replicates the work.
+    gradient, as ZeRO-3 does; stored over fsdp x sequence, they are gathered over both). Any
+    other axis only replicates the work.
     """
     outer = manual_axes()
     hidden = tuple(a for a in entry_axes(layout.activation_spec(P("expert_mlp")), 0)
-                   if a not in axes and a not in outer)
-    manual = set(axes) | set(hidden)
+                   if a not in axes and a not in length and a not in outer)
+    manual = set(axes) | set(length) | set(hidden)
 
     def weight_spec(names):
         stored = layout.param_spec(P(*names), None, fsdp=layout.zero_stage >= 3)
@@ -247,7 +254,7 @@ def _in_region(local, layout, mesh, axes, activations, weights: ExpertWeights, o
 
     by_hand = Prepare(lambda w, names, dtype: constrain(gather(stored_param(w, names).astype(dtype), names), names),
                       (lambda y: jax.lax.psum(y, hidden)) if hidden else (lambda y: y))
-    spec = P(axes)
+    spec = P(axes or None, length or None)
     w_specs = ExpertWeights(specs[GATE_UP_AXES], specs[GATE_UP_AXES], specs[DOWN_AXES])
     # Every other axis is manual too (replicated: size 1 today): XLA:CPU aborts on a bf16 psum or
     # psum_scatter in a partly manual region ("Invalid binary instruction opcode copy").
@@ -274,6 +281,13 @@ def _batch_axes(layout, manual: set[str]) -> tuple[str, ...]:
     if layout is None:
         return ()
     return tuple(a for a in entry_axes(layout.activation_spec(P("batch")), 0) if a not in manual)
+
+
+def _length_axes(layout, manual: set[str]) -> tuple[str, ...]:
+    """Mesh axes (size > 1, not already manual) that split the tokens' length: `sequence` under context parallelism."""
+    if layout is None:
+        return ()
+    return tuple(a for a in entry_axes(layout.activation_spec(P(None, "length")), 1) if a not in manual)
 
 
 def _pin(x: jax.Array, spec: P, mesh) -> jax.Array:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ class Case:
     topology: str | None = None
     """A TPU slice to compile for with libtpu; None: the config's own simulated CPU devices."""
     heavy: bool = False
+    cpu_devices: int = 8
+    """Simulated CPU devices to compile on (topology None): a plan for a GPU cluster compiles its own mesh
+    shape on that many, in a process of its own (`python -m tests.golden_layouts --config NAME`)."""
 
 
 MESH_PRESETS = ("ddp", "fsdp", "fsdp_tp", "hsdp", "tp_sp")
@@ -81,6 +85,16 @@ CASES: dict[str, Case] = {
         overrides=("model.num_layers=2", "train.seq_len=256"),
         topology="v5p:4x4x4",
         heavy=True,
+    ),
+    # 64 H100s, fsdp 8 (across nodes) x sequence 8 (Ulysses inside a node). No GPU compiler here: the
+    # layout and the collectives per axis are held on 64 simulated CPU devices, with XLA attention in
+    # place of cuDNN (the local kernel; the all-to-alls around it are the same). XLA:CPU lowers the
+    # gradients' reduce-scatters as all-reduces (docs/describe.md): bytes on GPU are lower than recorded.
+    "llama3-8b_128k_h100": Case(
+        "llama3-8b_128k_h100",
+        overrides=("model.num_layers=2", "train.seq_len=256", "backends.attention=xla"),
+        heavy=True,
+        cpu_devices=64,
     ),
 }
 
@@ -117,9 +131,9 @@ def record(name: str, devices: list | None = None) -> dict[str, Any]:
         report = describe(cfg, topology=case.topology)
     else:
         devices = list(devices if devices is not None else jax.devices())
-        want = cfg.run.simulate_devices
-        if want is not None and (len(devices) != want or devices[0].platform != "cpu"):
-            raise RuntimeError(f"configs/{case.config}.yaml wants {want} simulated CPU devices, "
+        want = cfg.run.simulate_devices or case.cpu_devices
+        if len(devices) != want or devices[0].platform != "cpu":
+            raise RuntimeError(f"the golden case {name} compiles on {want} simulated CPU devices, "
                                f"got {len(devices)} {devices[0].platform} devices")
         report = describe(cfg, devices=devices)
     out = report.to_json()
@@ -343,19 +357,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="only this case (a stem of configs/*.yaml, or mesh_presets-PRESET); repeatable")
     args = parser.parse_args(argv)
 
-    # As in tests/conftest.py: 8 simulated CPU devices, set before jax initialises its backend.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 8)
-
     missing = sorted(set(shipped_configs()) - {c.config for c in CASES.values()})
     if missing:
         print(f"configs without a Case in tests/golden_layouts.py: {', '.join(missing)}", file=sys.stderr)
         return 1
+    names = args.config or sorted(CASES)
+    # jax has one device count per process: cases on another count run in a process of their own.
+    count = CASES[names[0]].cpu_devices
+    others = [n for n in names if CASES[n].cpu_devices != count]
     failed = 0
-    for name in args.config or sorted(CASES):
+    for name in others:
+        command = [sys.executable, "-m", "tests.golden_layouts", *(["--write"] if args.write else []), "--config", name]
+        failed += subprocess.run(command, cwd=ROOT, check=False).returncode != 0
+
+    # As in tests/conftest.py: simulated CPU devices, set before jax initialises its backend.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={count}").strip()
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", count)
+
+    for name in (n for n in names if n not in others):
         start = time.perf_counter()
         rec = record(name)
         seconds = time.perf_counter() - start

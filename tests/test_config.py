@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
-    # Runs either train on 8 simulated CPU devices or are plans for real slices (describe --topology).
-    assert cfg.run.simulate_devices == 8 or (cfg.run.simulate_devices is None and "_v5p" in path.stem)
+    # Runs either train on 8 simulated CPU devices or are plans for real TPU slices or GPU clusters.
+    assert cfg.run.simulate_devices == 8 or (cfg.run.simulate_devices is None and
+                                             ("_v5p" in path.stem or "_h100" in path.stem))
 
 
 def test_presets_fill_in_and_explicit_values_win(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +15,14 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train import Engine, load_config
 from spmd_train.analysis import describe
+from spmd_train.config.checks import check_layout
 from spmd_train.errors import ConfigError
 from spmd_train.ops.attention import dot_product_attention
 from spmd_train.parallel.attention import local_kernel
-from spmd_train.parallel.backends import Backends
+from spmd_train.parallel.backends import Backends, resolve_backends
 from spmd_train.parallel.context import context_attention, kv_repeats
 from spmd_train.parallel.ring import zigzag_order
-from tests.runs import FP32, TINY, cli, relative_error, run_steps, token_files
+from tests.runs import FP32, ROOT, TINY, cli, relative_error, run_steps, token_files
 
 
 def _kernel(name):
@@ -229,3 +231,19 @@ def test_the_cli_refuses_ulysses_heads_that_do_not_divide():
                  "parallel.context_parallel=ulysses", "train.steps=1")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "parallel.context_parallel=ulysses" in result.stderr and "context_parallel=ring" in result.stderr
+
+
+def test_the_h100_preset_passes_the_gpu_checks_and_picks_fused_attention():
+    # No GPU compiler here: its layout and collectives are held by the golden case on 64 CPU devices.
+    cfg = load_config(ROOT / "configs" / "llama3-8b_128k_h100.yaml")
+    sizes = cfg.mesh.sizes()
+    assert math.prod(sizes.values()) == 64 and sizes["sequence"] == 8 and cfg.mesh.dcn.fsdp == 8
+    check_layout(cfg, sizes, platform="gpu")
+    m, n = cfg.model, sizes["sequence"]
+    local = lambda heads: (1, cfg.train.seq_len, heads // n, m.resolved_head_dim)  # Ulysses: whole sequences
+    chosen = lambda documents: resolve_backends(m, cfg.backends, "gpu", local(m.num_heads), local(m.num_kv_heads),
+                                                documents=documents, context="ulysses", sequence=n).attention
+    assert chosen(False) == "cudnn" and chosen(True) == "pallas"
+    with pytest.raises(ConfigError, match=r"backends\.attention=cudnn with parallel\.context_parallel=ring"):
+        check_layout(load_config(ROOT / "configs" / "llama3-8b_128k_h100.yaml",
+                                 ["parallel.context_parallel=ring", "backends.attention=cudnn"]), sizes, "gpu")

@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     names = args.config or sorted(CASES)
     # jax has one device count per process: cases on another count run in a process of their own.
-    count = CASES[names[0]].cpu_devices
+    count = Counter(CASES[n].cpu_devices for n in names).most_common(1)[0][0]
     others = [n for n in names if CASES[n].cpu_devices != count]
     failed = 0
     for name in others:

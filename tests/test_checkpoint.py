@@ -108,7 +108,8 @@ def test_a_crash_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     ck = Checkpointer(tmp_path)
     assert ck.steps() == [1]  # the half-written step 2 is not listed
-    step, state, meta = ck.restore_latest({"w": jax.ShapeDtypeStruct((4,), np.float32)}, check=lambda m: None)
+    target = {"w": jax.ShapeDtypeStruct((4,), np.float32)}
+    step, state, meta = ck.restore_latest(lambda meta: target, check=lambda m: None)
     assert step == 1 and meta == {"step": 1}
     np.testing.assert_array_equal(np.asarray(state["w"]), np.ones(4))
 

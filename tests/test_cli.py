@@ -138,4 +138,6 @@ def test_main_job_ends_within_ten_percent_of_the_floor(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     final = sum(r["loss"] for r in records[-20:]) / 20
     assert len(records) == 600 and final <= 1.10 * records[-1]["loss_floor"]
+    # The step guards leave a healthy run alone: no step skipped, even converged at the floor.
+    assert not any(r["skipped"] for r in records) and records[-1]["skipped_steps"] == 0
     assert (tmp_path / "checkpoints" / "600").is_dir() and "checkpoints in" in proc.stdout

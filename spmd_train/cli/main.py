@@ -16,10 +16,12 @@ from spmd_train.config import load_config
 from spmd_train.config.rules import resolve_rules
 from spmd_train.data import prepare_data
 from spmd_train.devices import simulate_devices, start_distributed
-from spmd_train.errors import ConfigError
+from spmd_train.errors import ConfigError, TrainingHalted
 from spmd_train.train.loop import train
 
 EXIT_BAD_INPUT = 2
+EXIT_HALTED = 3
+"""The run stopped itself to protect its checkpoints (non-finite steps, too many skipped in a row)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"spmd-train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except TrainingHalted as err:
+        print(f"spmd-train: stopped: {err}", file=sys.stderr)
+        return EXIT_HALTED
     return 0
 
 

@@ -218,6 +218,16 @@ class TrainConfig:
     """Global batches of the held-out split each evaluation averages over (the same ones every time)."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest complete checkpoint in run.dir; never: refuse a run.dir that has checkpoints."""
+    on_nonfinite: Literal["skip", "halt"] = "skip"
+    """A step whose loss or gradient norm is NaN or infinite is never applied; skip: go on with the next batch;
+    halt: stop the run (exit code 3) at the first one."""
+    spike_sigma: PositiveFloat | None = 6.0
+    """Skip a step whose loss or gradient norm exceeds the mean of the last `spike_window` applied steps by this
+    many standard deviations (at least 1% of the mean); null: never skip for a spike."""
+    spike_window: Annotated[int, Field(ge=2)] = 128
+    """Applied steps the spike statistics are taken over; judging starts once that many have been applied."""
+    max_consecutive_skips: PositiveInt = 10
+    """Stop the run (exit code 3) after this many skipped steps in a row."""
 
 
 @dataclass(frozen=True)

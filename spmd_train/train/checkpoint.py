@@ -12,6 +12,7 @@ skipped with a warning in favour of the one before it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 
 log = logging.getLogger("spmd_train")
+FORMAT = 2
+"""Checkpoint layout version: 2 adds the step guards to the state (format 1 restores without them)."""
 
 class Checkpointer:
     """Save and restore train states under one directory (`run.dir/checkpoints`)."""
@@ -55,11 +58,12 @@ class Checkpointer:
         """The JSON record saved with a step."""
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-    def restore_latest(self, target: Any, check: callable) -> tuple[int, Any, dict] | None:
+    def restore_latest(self, target: Callable[[dict], Any],
+                       check: Callable[[dict], None]) -> tuple[int, Any, dict] | None:
         """The newest loadable checkpoint as (step, state, meta), or None when there is none.
 
         `check(meta)` raises for a checkpoint this run cannot use (another architecture).
-        `target` is the abstract state with the shardings to restore into.
+        `target(meta)` is the abstract state, with the shardings to restore into, for a checkpoint with this meta.
         """
         for step in reversed(self.steps()):
             try:
@@ -70,7 +74,8 @@ class Checkpointer:
                 continue
             check(meta)
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+                restored = self.manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target(meta))))
             except Exception as err:  # Orbax raises many types for a damaged step: fall back to the one before
                 log.warning("checkpoint %s/%d is corrupt (%s: %s); trying the one before it", self.directory, step,
                             type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
@@ -89,7 +94,7 @@ class Checkpointer:
 
 def layout_meta(cfg: Config, mesh: jax.sharding.Mesh, rules: dict, param_shapes: Any) -> dict:
     """What a checkpoint records about the run that wrote it (JSON-serialisable)."""
-    return {"format": 1, "config": asdict(cfg), "mesh": dict(mesh.shape), "rules": rules,
+    return {"format": FORMAT, "config": asdict(cfg), "mesh": dict(mesh.shape), "rules": rules,
             "param_shapes": _shape_record(param_shapes)}
 
 

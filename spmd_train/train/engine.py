@@ -34,17 +34,20 @@ from spmd_train.sharding.constrain import use_layout
 from spmd_train.sharding.rules import Layout
 from spmd_train.tpu_flags import tpu_flags_in_effect
 from spmd_train.train.checkpoint import layout_meta
+from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
 from spmd_train.train.inputs import model_inputs, with_loss_weights
 from spmd_train.train.optimizer import lr_schedule, make_optimizer
 from spmd_train.train.pipelined import layer_order, pipeline_plan, pipeline_value_and_grad
 
 
 class TrainState(NamedTuple):
-    """What changes from step to step: the step count, parameters and optimizer state."""
+    """What changes from step to step: the step count, parameters, optimizer state and the step guards."""
 
     step: jax.Array
+    """Batches consumed (applied or skipped steps); the optimizer's own count holds the applied ones."""
     params: Any
     opt_state: Any
+    guard: GuardState
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,9 @@ class Engine:
             layout.opt_shardings(logical, shapes),
             transform_non_params=lambda _: NamedSharding(mesh, P()),
         )
-        state_sh = TrainState(step=NamedSharding(mesh, P()), params=param_sh, opt_state=opt_sh)
+        replicated = NamedSharding(mesh, P())
+        guard_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_guard(cfg.train)))
+        state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, guard=guard_sh)
         plan = order = None
         if mesh.shape["pipeline"] > 1:
             plan = pipeline_plan(cfg, dict(mesh.shape))
@@ -126,7 +131,7 @@ class Engine:
     @functools.cached_property
     def init_fn(self):
         """The jitted initialiser: each device computes only its own shards."""
-        model_cfg, seed, backends = self.cfg.model, self.cfg.train.seed, self.backends
+        model_cfg, train_cfg, seed, backends = self.cfg.model, self.cfg.train, self.cfg.train.seed, self.backends
 
         order = self.layer_order
 
@@ -134,9 +139,19 @@ class Engine:
             params = nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed), backends=backends)))
             if order is not None:
                 params = _take_layers(params, order)
-            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), init_guard(train_cfg))
 
         return jax.jit(init, out_shardings=self.state_shardings)
+
+    def fresh_guard(self) -> GuardState:
+        """The step guards of a run that has taken no step, replicated (for checkpoints that predate them)."""
+        return jax.jit(lambda: init_guard(self.cfg.train), out_shardings=self.state_shardings.guard)()
+
+    @functools.cached_property
+    def state_is_finite(self):
+        """Jitted: (params, opt_state) -> whether every value is finite, reduced where the shards live."""
+        return jax.jit(lambda params, opt_state: all_finite((params, opt_state)),
+                       out_shardings=NamedSharding(self.mesh, P()))
 
     def abstract_batch(self) -> Batch:
         """The step's batch as ShapeDtypeStructs carrying the batch sharding: to lower or compile the step."""
@@ -237,8 +252,18 @@ class Engine:
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        metrics = {**values, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        # The schedule is indexed by applied steps: a skipped step does not advance it (nor optax's count).
+        lr = self.schedule(state.step - state.guard.skipped)
+        with jax.named_scope("guards"):
+            # Judged from values already reduced over the mesh: the guards add no collective. A non-finite
+            # router loss reaches the gradient norm; with finite gradients and learning rate, clipped
+            # AdamW's update is finite (an overflowing one is still caught before any save).
+            reason = judge(state.guard, values["loss"], grad_norm, self.cfg.train, jnp.isfinite(lr))
+            params, opt_state = keep_if(reason == 0, (params, opt_state), (state.params, state.opt_state))
+            guard = advance(state.guard, reason, values["loss"], grad_norm)
+        metrics = {**values, "grad_norm": grad_norm, "lr": lr,
+                   "skip_reason": reason, "skipped_steps": guard.skipped, "consecutive_skips": guard.consecutive}
+        return TrainState(state.step + 1, params, opt_state, guard), metrics
 
     @functools.cached_property
     def eval_step(self):

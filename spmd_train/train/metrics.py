@@ -46,12 +46,14 @@ class MetricsSink:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self._tb.add_scalar(f"train/{key}", value, record["step"])
+            if key != "step" and isinstance(value, (int, float)):  # bools too: `skipped` as 0/1
+                self._tb.add_scalar(f"train/{key}", float(value), record["step"])
         mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
         status = (f"loss {record['loss']:.4f}  {record['tokens_per_sec']:,.0f} tok/s  MFU {mfu}")
         if "val_loss" in record:
             status = f"{status}  val_loss {record['val_loss']:.4f}"
+        if record.get("skipped_steps"):
+            status = f"{status}  skipped {record['skipped_steps']}"
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], status=status)
         elif record["step"] % self.log_every == 0 or record["step"] in (1, self.total) or "val_loss" in record:

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -24,11 +24,12 @@ import numpy as np
 from spmd_train.config.schema import Config
 from spmd_train.data import Batch, make_source
 from spmd_train.devices import simulate_devices
-from spmd_train.errors import ConfigError
+from spmd_train.errors import ConfigError, TrainingHalted
 from spmd_train.hardware import device_spec
 from spmd_train.models.flops import flops_per_token
 from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_same_parameters
 from spmd_train.train.engine import Engine, TrainState
+from spmd_train.train.guards import REASONS, resize_window
 from spmd_train.train.metrics import MetricsSink, read_history
 
 
@@ -48,6 +49,7 @@ class Trainer:
         self._compiled = None
         self._checkpointer: Checkpointer | None = None
         self._stop_signal: str | None = None
+        self._halted: str | None = None
         kind = self.engine.mesh.devices.flat[0].device_kind
         spec = device_spec(kind)
         peak = cfg.run.peak_tflops * 1e12 if cfg.run.peak_tflops else (spec.peak_bf16_flops if spec else None)
@@ -115,6 +117,9 @@ class Trainer:
         self.state, metrics = self._compiled(self.state, self._batch(index))
         record = self._record(index, jax.device_get(metrics), time.perf_counter() - start)
         self.history.append(record)
+        self._judge(record)
+        if self._halted:
+            raise TrainingHalted(self._halted)
         return record
 
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
@@ -130,6 +135,7 @@ class Trainer:
         new: list[dict[str, Any]] = []
         every = self.cfg.checkpoint.every
         profile = self.cfg.run.profile_steps
+        self._halted = None
         with self._signals(), sink_closed(sink), _trace_closed():
             pending, done_at = None, time.perf_counter()
             for index in range(first, last):
@@ -143,21 +149,30 @@ class Trainer:
                     # Finish this step now so its record gets the loss of exactly these parameters.
                     done_at = self._finish(pending, done_at, sink, new, evaluate=True)
                     pending = None
+                if self._halted:  # nothing more is saved: the last checkpoint stays the newest
+                    pending = None
+                    break
                 if profile and index + 1 == profile[1]:
                     jax.block_until_ready(metrics)
                     jax.profiler.stop_trace()
-                if (every and (index + 1) % every == 0) or self._stop_signal:
+                if self._stop_signal:
                     self.save()
+                elif every and (index + 1) % every == 0:
+                    self._periodic_save(sink)
                 if self._stop_signal:
                     break
             if pending is not None:
                 self._finish(pending, done_at, sink, new)
-            if self._stop_signal:
+            if self._halted:
+                sink.note("%s", self._halted)
+            elif self._stop_signal:
                 sink.note("stopped by %s after step %d; checkpoint saved in %s", self._stop_signal,
                           self.step_count, self.run_dir / "checkpoints")
             elif self.step_count not in self.checkpointer.steps() and new:
                 self.save()
             self.checkpointer.wait()
+        if self._halted:
+            raise TrainingHalted(self._halted)
         return new
 
     @property
@@ -166,7 +181,11 @@ class Trainer:
         return self._stop_signal
 
     def save(self, wait: bool = False) -> None:
-        """Checkpoint the current state (async unless `wait` or checkpoint.async_save=false)."""
+        """Checkpoint the current state (async unless `wait` or checkpoint.async_save=false); never a non-finite one."""
+        if not bool(self.engine.state_is_finite(self.state.params, self.state.opt_state)):
+            raise TrainingHalted(
+                f"not saving step {self.step_count}: its parameters or optimizer state hold non-finite values; "
+                f"the checkpoints in {self.run_dir / 'checkpoints'} (steps {self.checkpointer.steps()}) are untouched")
         self.checkpointer.save(self.step_count, self.state, self.engine.checkpoint_meta(self.step_count))
         if wait:
             self.checkpointer.wait()
@@ -238,11 +257,32 @@ class Trainer:
             check = lambda meta: check_same_model(meta, self.cfg, str(where))
         else:
             check = lambda meta: check_same_parameters(meta, self.cfg, self.engine.param_shapes, str(where))
-        restored = source.restore_latest(self.engine.abstract_state(), check)
+        restored = source.restore_latest(self._restore_target, check)
         if restored is None:
             return None
         step, state, meta = restored
-        return step, self.engine.reorder_layers(state, meta.get("layer_order"))
+        return step, self.engine.reorder_layers(self._with_guards(state, meta), meta.get("layer_order"))
+
+    def _restore_target(self, meta: dict) -> Any:
+        """The abstract state a checkpoint with this meta is read into: its guards as they were saved."""
+        target = self.engine.abstract_state()
+        if meta.get("format", 1) < 2:  # saved before the step guards existed
+            return _Unguarded(target.step, target.params, target.opt_state)
+        saved = meta["config"]["train"]["spike_window"]
+        if saved != self.cfg.train.spike_window:
+            window = target.guard.window
+            return target._replace(guard=target.guard._replace(
+                window=jax.ShapeDtypeStruct((saved, 2), window.dtype, sharding=window.sharding)))
+        return target
+
+    def _with_guards(self, state: Any, meta: dict) -> TrainState:
+        """A restored state with this run's step guards: fresh before format 2, resized for another window."""
+        if isinstance(state, _Unguarded):
+            return TrainState(*state, guard=self.engine.fresh_guard())
+        if state.guard.window.shape[0] != self.cfg.train.spike_window:
+            guard = resize_window(state.guard, self.cfg.train.spike_window)
+            return state._replace(guard=jax.device_put(guard, self.engine.state_shardings.guard))
+        return state
 
     def _load_weights(self, path: Path) -> None:
         run_dir = path.parent if path.name == "checkpoints" else path
@@ -264,10 +304,46 @@ class Trainer:
         self.history.append(record)
         new.append(record)
         sink.write(record)
+        if record["skipped"]:
+            sink.note("step %d skipped (%s): loss %.6g, grad_norm %.6g; %d skipped in a row, %d in all",
+                      record["step"], record["skip_reason"], record["loss"], record["grad_norm"],
+                      record["consecutive_skips"], record["skipped_steps"])
+        self._judge(record)
         return now
+
+    def _periodic_save(self, sink: MetricsSink) -> None:
+        """checkpoint.every's save, unless the step came in a run of skipped ones.
+
+        Its parameters are then those of the last applied step, which is often what made the
+        run diverge; saving it would rotate good checkpoints out for copies of one suspect state.
+        """
+        skipping = int(self.state.guard.consecutive)  # waits for the step in flight, as the save would
+        if skipping:
+            sink.note("not saving step %d: it ends a run of %d skipped steps", self.step_count, skipping)
+            return
+        self.save()
+
+    def _judge(self, record: dict[str, Any]) -> None:
+        """Decide from a finished step whether the run must stop (sets `_halted` to the message)."""
+        t = self.cfg.train
+        step, saved = record["step"], self.checkpointer.steps()
+        keep = f"nothing was saved from it; the newest checkpoint is step {saved[-1]}" if saved else \
+            "nothing was saved from it"
+        if record["skip_reason"] == "nonfinite" and t.on_nonfinite == "halt":
+            self._halted = (f"step {step}: the loss ({record['loss']}) or gradient norm ({record['grad_norm']}) is not "
+                            f"finite; stopped (train.on_nonfinite=halt, valid: skip to go on); {keep}")
+        elif record["consecutive_skips"] >= t.max_consecutive_skips:
+            self._halted = (f"step {step}: {record['consecutive_skips']} steps in a row were skipped (the last for "
+                            f"{'a non-finite loss or gradient' if record['skip_reason'] == 'nonfinite' else 'a spike'}:"
+                            f" loss {record['loss']:.6g}, grad_norm {record['grad_norm']:.6g}); stopped "
+                            f"(train.max_consecutive_skips={t.max_consecutive_skips}); {keep}. A diverged run "
+                            "usually needs a lower optim.lr or a restart from an earlier checkpoint")
 
     def _record(self, index: int, metrics, seconds: float) -> dict[str, Any]:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        reason = REASONS[int(values.pop("skip_reason"))]
+        values.update(skipped=reason is not None, skip_reason=reason, skipped_steps=int(values["skipped_steps"]),
+                      consecutive_skips=int(values["consecutive_skips"]))
         tokens = self.cfg.train.global_batch_size * self.cfg.train.seq_len
         per_device = tokens / seconds / self.mesh.size
         return {
@@ -302,6 +378,14 @@ class Trainer:
     def _say(self, message: str) -> None:
         if jax.process_index() == 0:
             logging.getLogger("spmd_train").info(message)
+
+
+class _Unguarded(NamedTuple):
+    """The train state as checkpoint format 1 saved it (before the step guards)."""
+
+    step: Any
+    params: Any
+    opt_state: Any
 
 
 @contextlib.contextmanager

@@ -1,0 +1,103 @@
+"""Step guards: a non-finite or spiking step is not applied, decided on device inside the jitted step.
+
+The step computes its update as always, then keeps the old parameters and optimizer state
+with `jnp.where` when the guard rejects it: no host round trip, no recompilation, and a
+skipped step is bitwise the step that was never taken (the optimizer's own step count,
+which drives the learning-rate schedule, does not advance either). The data does advance:
+the rejected batch is consumed and the next step reads the next one.
+
+A spike is judged against the last `train.spike_window` accepted steps (a ring buffer of
+their loss and gradient norm, so the statistics are exact over the window, not an
+exponential average): value > mean + `train.spike_sigma` x max(std, 1% of |mean|). The 1%
+floor keeps a converged run, whose loss varies by a fraction of a percent, from calling an
+ordinary batch a spike. Judging starts once the window is full.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from spmd_train.config.schema import TrainConfig
+
+REASONS = (None, "nonfinite", "spike")
+"""skip_reason by the code the step reports (0: applied)."""
+STD_FLOOR = 0.01
+"""The smallest standard deviation a spike is measured in, as a share of the window's mean."""
+
+
+class GuardState(NamedTuple):
+    """What the guards carry from step to step (saved with the checkpoint, so a resume judges alike)."""
+
+    window: jax.Array
+    """[spike_window, 2] float32: loss and gradient norm of the latest accepted steps (a ring buffer)."""
+    accepted: jax.Array
+    """Accepted steps so far (int32); the next accepted step is written at accepted % spike_window."""
+    consecutive: jax.Array
+    """Steps skipped in a row (int32)."""
+    skipped: jax.Array
+    """Steps skipped in the whole run (int32)."""
+
+
+def init_guard(cfg: TrainConfig) -> GuardState:
+    """The guards of a run that has taken no step."""
+    zero = jnp.zeros((), jnp.int32)
+    return GuardState(jnp.zeros((cfg.spike_window, 2), jnp.float32), zero, zero, zero)
+
+
+def judge(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, cfg: TrainConfig,
+          lr_finite: jax.Array | bool = True) -> jax.Array:
+    """The step's skip reason code (an index into REASONS): 0 applied, 1 non-finite, 2 spike.
+
+    Non-finite: the loss, the gradient norm, or the learning rate (`lr_finite`: a NaN rate
+    turns finite gradients into a NaN update).
+    """
+    values = jnp.stack([loss, grad_norm]).astype(jnp.float32)
+    finite = jnp.all(jnp.isfinite(values)) & lr_finite
+    spike = jnp.zeros((), bool)
+    if cfg.spike_sigma is not None:
+        mean = jnp.mean(guard.window, axis=0)
+        std = jnp.maximum(jnp.std(guard.window, axis=0), STD_FLOOR * jnp.abs(mean))
+        full = guard.accepted >= cfg.spike_window
+        spike = full & jnp.any(values > mean + cfg.spike_sigma * std)
+    return jnp.where(finite, jnp.where(spike, 2, 0), 1).astype(jnp.int32)
+
+
+def advance(guard: GuardState, reason: jax.Array, loss: jax.Array, grad_norm: jax.Array) -> GuardState:
+    """The guards after a step judged `reason`: an accepted step enters the window, a skip is counted."""
+    ok = reason == 0
+    slot = guard.accepted % guard.window.shape[0]
+    entry = jnp.stack([loss, grad_norm]).astype(jnp.float32)
+    window = jnp.where(ok, guard.window.at[slot].set(entry), guard.window)
+    one = jnp.ones((), jnp.int32)
+    return GuardState(window, guard.accepted + jnp.where(ok, one, 0), jnp.where(ok, 0, guard.consecutive + 1),
+                      guard.skipped + jnp.where(ok, 0, one))
+
+
+def resize_window(guard: GuardState, size: int) -> GuardState:
+    """Saved guards for a run with another `train.spike_window`: the latest min(old, new) applied steps, kept.
+
+    Host-side, at restore. The carried entries go to slots 0..n-1 and `accepted` becomes n, so
+    judging starts again once the new window is full.
+    """
+    import numpy as np
+
+    old = np.asarray(guard.window)
+    accepted = int(guard.accepted)
+    n = min(accepted, old.shape[0], size)
+    window = np.zeros((size, 2), np.float32)
+    window[:n] = [old[j % old.shape[0]] for j in range(accepted - n, accepted)]
+    return guard._replace(window=jnp.asarray(window), accepted=jnp.asarray(n, jnp.int32))
+
+
+def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where the step is accepted, else `old`, leaf by leaf (fuses into the optimizer's update)."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every floating-point value of a pytree is finite (one bool, computed where the arrays live)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones((), bool)

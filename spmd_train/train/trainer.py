@@ -27,6 +27,7 @@ from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError, TrainingHalted
 from spmd_train.hardware import device_spec
 from spmd_train.models.flops import flops_per_token
+from spmd_train.train import run_lock
 from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_same_parameters
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.guards import REASONS, resize_window
@@ -50,6 +51,7 @@ class Trainer:
         self._checkpointer: Checkpointer | None = None
         self._stop_signal: str | None = None
         self._halted: str | None = None
+        self._lock: Path | None = None
         kind = self.engine.mesh.devices.flat[0].device_kind
         spec = device_spec(kind)
         peak = cfg.run.peak_tflops * 1e12 if cfg.run.peak_tflops else (spec.peak_bf16_flops if spec else None)
@@ -77,6 +79,8 @@ class Trainer:
     def init(self) -> TrainState:
         """Resume from run.dir's latest checkpoint, else start from checkpoint.load_from, else fresh."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self._lock is None and jax.process_index() == 0:  # one writer per run.dir (released by close())
+            self._lock = run_lock.acquire(self.run_dir)
         existing = self.checkpointer.steps()
         if existing and self.cfg.train.resume == "never":
             raise ConfigError(f"run.dir={self.run_dir} already has checkpoints (steps {existing}) and "
@@ -233,10 +237,13 @@ class Trainer:
         jax.debug.visualize_array_sharding(leaf)
 
     def close(self) -> None:
-        """Wait for pending checkpoint writes and release resources."""
+        """Wait for pending checkpoint writes and release resources (the run directory's lock last)."""
         if self._checkpointer is not None:
             self._checkpointer.close()
             self._checkpointer = None
+        if self._lock is not None:
+            run_lock.release(self._lock)
+            self._lock = None
 
     # -- internals ---------------------------------------------------------------------------
 

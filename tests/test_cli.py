@@ -114,8 +114,11 @@ def test_prepare_data_then_train_on_it(tmp_path):
         (lambda d: (d / "doc.txt").write_text("short"), ["data.source=text", "data.paths=[{d}/doc.txt]",
                                                            "data.packing=false", "data.val_fraction=0.0"],
          "doc.txt has 5 tokens"),
+        # Token ids the model cannot embed: refused before the first step, not trained into NaN.
+        (lambda d: (d / "prose.txt").write_text("Some prose, not token ids. " * 40),
+         ["data.source=tokens", "data.paths=[{d}/prose.txt]"], "it looks like text"),
     ],
-    ids=["empty-file", "seq-longer-than-document"],
+    ids=["empty-file", "seq-longer-than-document", "text-given-as-tokens"],
 )
 def test_bad_data_through_the_cli(tmp_path, setup, args, needle):
     setup(tmp_path)

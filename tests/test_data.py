@@ -112,10 +112,15 @@ def test_prepare_data_and_text_source(tmp_path):
         (lambda d: TokenFiles([str(d / "odd.bin")], 8, 2), "not a whole number of uint16"),
         (lambda d: TokenFiles([str(d / "nomatch*.bin")], 8, 2), "matches no file"),
         (lambda d: TokenFiles([str(d / "short.bin")], 8, 2, vocab_size=16), "model.vocab_size=16"),
+        # Without a sidecar the ids themselves are read: the largest is named.
+        (lambda d: TokenFiles([str(d / "bare.bin")], 8, 2, vocab_size=300),
+         "bare.bin holds token id 300, but model.vocab_size=300"),
+        (lambda d: TokenFiles([str(d / "a.txt")], 1, 1, vocab_size=300), "it looks like text"),
         (lambda d: prepare_data([d / "empty.bin"], d / "o"), "empty.bin is empty"),
         (lambda d: prepare_data([d / "a.txt"], d / "o", tokenizer="wordpiece"), "valid: byte, tiktoken"),
     ],
-    ids=["missing", "empty", "too-short", "odd-bytes", "no-match", "vocab", "prepare-empty", "tokenizer"],
+    ids=["missing", "empty", "too-short", "odd-bytes", "no-match", "vocab", "bare-ids", "text-as-tokens",
+         "prepare-empty", "tokenizer"],
 )
 def test_bad_data_is_a_clear_error_naming_the_file(tmp_path, make, needle):
     (tmp_path / "empty.bin").write_bytes(b"")
@@ -123,6 +128,7 @@ def test_bad_data_is_a_clear_error_naming_the_file(tmp_path, make, needle):
     (tmp_path / "short.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 300}))
     (tmp_path / "odd.bin").write_bytes(b"abc")
     (tmp_path / "a.txt").write_text("text")
+    _write_bin(tmp_path / "bare.bin", [*range(40), 300, 7])
     with pytest.raises(ConfigError, match=None) as err:
         make(tmp_path)
     assert needle in str(err.value)

@@ -1,5 +1,6 @@
 """Checkpoints: resharding on restore, corrupt and half-written checkpoints, weights from another run."""
 
+import json
 import logging
 import os
 import shutil
@@ -54,27 +55,59 @@ def test_restore_onto_another_mesh_and_zero_stage_gives_the_saved_values(tmp_pat
         shutil.rmtree(tmp_path / "checkpoints" / "4", ignore_errors=True)
 
 
-def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, devices, caplog):
-    trainer = _trainer(tmp_path, devices, "mesh.fsdp=8")
+def _scribble(step_dir):
+    for path in (step_dir / "state").rglob("*"):
+        if path.is_file() and path.stat().st_size > 0 and "meta" not in path.name.lower():
+            path.write_bytes(b"\0" * 7)  # over the array data
+
+
+def _truncate(step_dir):
+    data = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def _bad_metadata(step_dir):
+    (step_dir / "meta" / "metadata").write_text("{not json")
+
+
+def _changed_values(step_dir):
+    # Values that read back fine but are not what was saved: the fingerprint recorded at save catches them.
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    meta["fingerprint"][5][0] ^= 1
+    (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+DAMAGE = {"scribbled": (_scribble, "cannot be read"), "truncated": (_truncate, "cannot be read"),
+          "metadata": (_bad_metadata, "metadata is unreadable"),
+          "values": (_changed_values, "1 arrays differ from the fingerprint recorded when it was saved (first: ")}
+
+
+def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_run_passes_its_step_again(tmp_path, devices, caplog):
+    trainer = _trainer(tmp_path / "run", devices, "mesh.fsdp=8", "checkpoint.async_save=false")
     trainer.init()
     trainer.run()
     trainer.close()
-    assert Checkpointer(tmp_path / "checkpoints").steps() == [3, 6]
-    for path in (tmp_path / "checkpoints" / "6" / "state").rglob("*"):
-        if path.is_file() and path.stat().st_size > 0 and "meta" not in path.name.lower():
-            path.write_bytes(b"\0" * 7)  # scribble over the array data
-    again = _trainer(tmp_path, devices, "mesh.fsdp=8")
-    with caplog.at_level(logging.WARNING, logger="spmd_train"):
-        again.init()
-    assert again.step_count == 3
-    assert "corrupt" in caplog.text
-    again.close()
-    for step in (3,):
-        for path in (tmp_path / "checkpoints" / str(step) / "state").rglob("*"):
-            if path.is_file() and path.stat().st_size > 0:
-                path.write_bytes(b"\0" * 7)
-    with pytest.raises(ConfigError, match="all of steps"):
-        _trainer(tmp_path, devices, "mesh.fsdp=8").init()
+    assert Checkpointer(tmp_path / "run" / "checkpoints").steps() == [3, 6]
+    for kind, (damage, needle) in DAMAGE.items():
+        run = tmp_path / kind
+        shutil.copytree(tmp_path / "run", run)
+        damage(run / "checkpoints" / "6")
+        again = _trainer(run, devices, "mesh.fsdp=8", "checkpoint.async_save=false")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="spmd_train"):
+            again.init()
+        assert again.step_count == 3, kind
+        assert f"checkpoint {run / 'checkpoints' / '6'} is damaged: " in caplog.text and needle in caplog.text, kind
+        assert f"moved to {run / 'damaged_checkpoints' / '6'}" in caplog.text
+        if kind == "values":
+            again.run()  # training passes step 6 again and saves it where the damaged one was
+            assert Checkpointer(run / "checkpoints").steps() == [3, 6]
+            np.testing.assert_array_equal(_np(again.state.params["embedding"]), _np(trainer.state.params["embedding"]))
+        again.close()
+    run = tmp_path / "scribbled"
+    _scribble(run / "checkpoints" / "3")
+    with pytest.raises(ConfigError, match=r"all of steps \[3\] are damaged"):
+        _trainer(run, devices, "mesh.fsdp=8").init()
 
 
 def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
@@ -82,6 +115,16 @@ def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
     donor.init()
     donor.run()
     donor.close()
+    # One step of the donor by its directory (the form the schema documents), or a step it does not have.
+    steps = tmp_path / "donor" / "checkpoints"
+    earlier = _trainer(tmp_path / "earlier", devices, f"checkpoint.load_from={steps / '3'}")
+    earlier.init()
+    saved = Checkpointer(steps, read_only=True).manager.restore(3)["state"]["params"]
+    assert relative_error(_np(earlier.state.params), _np(saved)) == 0.0
+    assert relative_error(_np(earlier.state.params), _np(donor.state.params)) > 0
+    earlier.close()
+    with pytest.raises(ConfigError, match=r"checkpoints/4 holds no checkpoint at step 4 \(valid steps there: \[3, 6\]"):
+        _trainer(tmp_path / "none", devices, f"checkpoint.load_from={steps / '4'}").init()
     # Another mesh and another rope_theta (a context-length fine-tune): only the parameter shapes must match.
     child = _trainer(tmp_path / "child", devices, "mesh.data=8", "mesh.fsdp=1", "model.rope_theta=50000.0",
                      f"checkpoint.load_from={tmp_path / 'donor'}")

@@ -5,8 +5,9 @@ resolved config, the mesh, the sharding rules and the parameter shapes. Restorin
 meta first, so a different architecture is explained rather than crashing, while a
 different mesh or ZeRO stage simply reshards (the abstract target carries the new shardings).
 Orbax writes each step into a temporary directory and renames it when complete, so a save
-cut short by a crash is never listed; a listed checkpoint that still fails to load is
-skipped with a warning in favour of the one before it.
+cut short by a crash is never listed; a listed checkpoint that still fails to load, or whose
+values differ from the fingerprint recorded at save (`train/fingerprint.py`), is skipped with
+a warning in favour of the one before it and moved to `run.dir/damaged_checkpoints/`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
         if read_only and not self.directory.is_dir():
             raise ConfigError(f"no checkpoint directory at {self.directory}")
         self.manager = ocp.CheckpointManager(
@@ -58,33 +60,58 @@ class Checkpointer:
         """The JSON record saved with a step."""
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-    def restore_latest(self, target: Callable[[dict], Any],
-                       check: Callable[[dict], None]) -> tuple[int, Any, dict] | None:
-        """The newest loadable checkpoint as (step, state, meta), or None when there is none.
+    def restore_latest(self, target: Callable[[dict], Any], check: Callable[[dict], None],
+                       verify: Callable[[Any, dict], str | None] = lambda state, meta: None,
+                       only: int | None = None) -> tuple[int, Any, dict] | None:
+        """The newest loadable checkpoint (or step `only`) as (step, state, meta), or None when there is none.
 
         `check(meta)` raises for a checkpoint this run cannot use (another architecture).
         `target(meta)` is the abstract state, with the shardings to restore into, for a checkpoint with this meta.
+        `verify(state, meta)` says why a restored state is damaged (None: sound). A damaged step is
+        skipped with a warning naming it and, unless read-only, moved to `damaged_checkpoints/`
+        beside this directory, so a resumed run can save that step number again.
         """
-        for step in reversed(self.steps()):
+        steps = self.steps() if only is None else [only]
+        for step in reversed(steps):
             try:
                 meta = self.read_meta(step)
             except Exception as err:  # any unreadable checkpoint is skipped the same way
-                log.warning("checkpoint %s/%d is unreadable (%s); trying the one before it", self.directory, step,
-                            type(err).__name__)
+                self._damaged(step, f"its metadata is unreadable ({type(err).__name__})")
                 continue
             check(meta)
             try:
                 restored = self.manager.restore(
                     step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target(meta))))
             except Exception as err:  # Orbax raises many types for a damaged step: fall back to the one before
-                log.warning("checkpoint %s/%d is corrupt (%s: %s); trying the one before it", self.directory, step,
-                            type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+                first = str(err).splitlines()[0][:200] if str(err) else ""
+                self._damaged(step, f"it cannot be read ({type(err).__name__}: {first})")
+                continue
+            why = verify(restored["state"], meta)
+            if why:
+                self._damaged(step, why)
                 continue
             return step, restored["state"], meta
-        if self.steps():
-            raise ConfigError(f"no checkpoint in {self.directory} can be restored (all of steps {self.steps()} "
-                              "are corrupt); move the directory aside or set a new run.dir")
+        if only is not None:
+            raise ConfigError(f"checkpoint {self.directory}/{only} cannot be restored (see the warning above)")
+        if steps:
+            raise ConfigError(f"no checkpoint in {self.directory} can be restored (all of steps {steps} "
+                              "are damaged); move the directory aside or set a new run.dir")
         return None
+
+    def _damaged(self, step: int, why: str) -> None:
+        """Warn about a damaged step and, when writable (process 0), move it out of the way."""
+        path = self.directory / str(step)
+        if self.read_only or jax.process_index() != 0 or not path.is_dir():
+            log.warning("checkpoint %s is damaged: %s; trying the one before it", path, why)
+            return
+        aside = self.directory.parent / "damaged_checkpoints" / str(step)
+        n = 1
+        while aside.exists():
+            aside, n = aside.with_name(f"{step}.{n}"), n + 1
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(aside)
+        self.manager.reload()
+        log.warning("checkpoint %s is damaged: %s; moved to %s, trying the one before it", path, why, aside)
 
     def close(self) -> None:
         """Finish pending saves and release the manager."""

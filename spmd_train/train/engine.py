@@ -34,6 +34,7 @@ from spmd_train.sharding.constrain import use_layout
 from spmd_train.sharding.rules import Layout
 from spmd_train.tpu_flags import tpu_flags_in_effect
 from spmd_train.train.checkpoint import layout_meta
+from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
 from spmd_train.train.inputs import model_inputs, with_loss_weights
 from spmd_train.train.optimizer import lr_schedule, make_optimizer
@@ -148,9 +149,10 @@ class Engine:
         return jax.jit(lambda: init_guard(self.cfg.train), out_shardings=self.state_shardings.guard)()
 
     @functools.cached_property
-    def state_is_finite(self):
-        """Jitted: (params, opt_state) -> whether every value is finite, reduced where the shards live."""
-        return jax.jit(lambda params, opt_state: all_finite((params, opt_state)),
+    def state_health(self):
+        """Jitted: state -> (whether every parameter and optimizer value is finite, the state's fingerprint
+        [leaves, 2]), reduced where the shards live; what a save records and a restore checks."""
+        return jax.jit(lambda state: (all_finite((state.params, state.opt_state)), fingerprint(state)),
                        out_shardings=NamedSharding(self.mesh, P()))
 
     def abstract_batch(self) -> Batch:

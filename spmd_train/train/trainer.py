@@ -30,6 +30,7 @@ from spmd_train.models.flops import flops_per_token
 from spmd_train.train import run_lock
 from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_same_parameters
 from spmd_train.train.engine import Engine, TrainState
+from spmd_train.train.fingerprint import differences
 from spmd_train.train.guards import REASONS, resize_window
 from spmd_train.train.metrics import MetricsSink, read_history
 
@@ -186,11 +187,13 @@ class Trainer:
 
     def save(self, wait: bool = False) -> None:
         """Checkpoint the current state (async unless `wait` or checkpoint.async_save=false); never a non-finite one."""
-        if not bool(self.engine.state_is_finite(self.state.params, self.state.opt_state)):
+        finite, prints = jax.device_get(self.engine.state_health(self.state))
+        if not finite:
             raise TrainingHalted(
                 f"not saving step {self.step_count}: its parameters or optimizer state hold non-finite values; "
                 f"the checkpoints in {self.run_dir / 'checkpoints'} (steps {self.checkpointer.steps()}) are untouched")
-        self.checkpointer.save(self.step_count, self.state, self.engine.checkpoint_meta(self.step_count))
+        meta = {**self.engine.checkpoint_meta(self.step_count), "fingerprint": prints.tolist()}
+        self.checkpointer.save(self.step_count, self.state, meta)
         if wait:
             self.checkpointer.wait()
 
@@ -255,8 +258,8 @@ class Trainer:
     def _batch(self, step: int) -> Batch:
         return self.data.batch(step, self.engine.batch_sharding)
 
-    def _restore_latest(self, source: Checkpointer, where: Path, *,
-                        same_run: bool = True) -> tuple[int, TrainState] | None:
+    def _restore_latest(self, source: Checkpointer, where: Path, *, same_run: bool = True,
+                        only: int | None = None) -> tuple[int, TrainState] | None:
         """The one restore path (resume, `restore()`, `load_from`): the latest restorable checkpoint of
         `source`, resharded onto this mesh, layers in this run's order. Resuming (`same_run`) needs the same
         model section; starting from another run's parameters needs only the same parameter shapes."""
@@ -264,7 +267,8 @@ class Trainer:
             check = lambda meta: check_same_model(meta, self.cfg, str(where))
         else:
             check = lambda meta: check_same_parameters(meta, self.cfg, self.engine.param_shapes, str(where))
-        restored = source.restore_latest(self._restore_target, check)
+        restored = source.restore_latest(self._restore_target, check,
+                                         lambda state, meta: self._damage(state, meta, same_run), only=only)
         if restored is None:
             return None
         step, state, meta = restored
@@ -282,6 +286,19 @@ class Trainer:
                 window=jax.ShapeDtypeStruct((saved, 2), window.dtype, sharding=window.sharding)))
         return target
 
+    def _damage(self, state: Any, meta: dict, same_run: bool) -> str | None:
+        """Why a restored state cannot be trusted (non-finite values, or values that differ from the fingerprint
+        its save recorded), or None. Fingerprints compare only when resuming: load_from may cast dtypes."""
+        finite, prints = jax.device_get(self.engine.state_health(state))
+        if not finite:
+            return "it holds non-finite parameters or optimizer state"
+        if same_run and "fingerprint" in meta:
+            changed = differences(meta["fingerprint"], prints, state)
+            if changed:
+                return (f"{len(changed)} arrays differ from the fingerprint recorded when it was saved "
+                        f"(first: {changed[0]})")
+        return None
+
     def _with_guards(self, state: Any, meta: dict) -> TrainState:
         """A restored state with this run's step guards: fresh before format 2, resized for another window."""
         if isinstance(state, _Unguarded):
@@ -292,13 +309,22 @@ class Trainer:
         return state
 
     def _load_weights(self, path: Path) -> None:
+        """checkpoint.load_from: a run.dir (its latest checkpoint), its checkpoints/ or one checkpoints/STEP."""
+        step = None
+        if path.name.isdigit() and path.parent.name == "checkpoints":
+            step, path = int(path.name), path.parent
         run_dir = path.parent if path.name == "checkpoints" else path
+        if not (run_dir / "checkpoints").is_dir():
+            raise ConfigError(f"checkpoint.load_from={self.cfg.checkpoint.load_from} holds no checkpoints directory "
+                              "(valid: a run.dir, its checkpoints/ or a checkpoints/STEP directory)")
         source = Checkpointer(run_dir / "checkpoints", read_only=True)
-        if not source.steps():
-            raise ConfigError(f"checkpoint.load_from={path} holds no checkpoint (valid: a run.dir with checkpoints)")
-        _, restored = self._restore_latest(source, run_dir, same_run=False)
+        if not source.steps() or (step is not None and step not in source.steps()):
+            raise ConfigError(f"checkpoint.load_from={self.cfg.checkpoint.load_from} holds no checkpoint"
+                              + (f" at step {step}" if step is not None else "")
+                              + f" (valid steps there: {source.steps() or 'none'})")
+        done, restored = self._restore_latest(source, run_dir, same_run=False, only=step)
         self.state = self.state._replace(params=restored.params)
-        self._say(f"started from the parameters in {run_dir / 'checkpoints'}")
+        self._say(f"started from the parameters of step {done} in {run_dir / 'checkpoints'}")
 
     def _finish(self, pending, done_at: float, sink: MetricsSink, new: list, evaluate: bool = False) -> float:
         step, metrics = pending

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class TrainingHalted(RuntimeError):
     """The run stopped itself to protect what it saved (non-finite steps, too many skips); the CLI exits 3."""
+
+
+class CheckpointWriteError(TrainingHalted):
+    """A checkpoint could not be written (disk full, no permission); the complete ones stay restorable."""

@@ -86,6 +86,27 @@ def _log_to_stderr() -> None:
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    # Orbax logs its background threads' errors with their tracebacks; the one-line error stays, and the
+    # paragraph this CLI prints names the directory and what is intact.
+    logging.getLogger("absl").addFilter(_without_traceback)
+    sys.unraisablehook = _quiet_unraisable
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    record.exc_info, record.exc_text = None, None
+    return True
+
+
+_ORBAX_TEARDOWN = ("Event loop is closed", "sys.meta_path is None")
+
+
+def _quiet_unraisable(unraisable) -> None:
+    # After a failed async write, Orbax's abandoned writer coroutines are collected on a closed event loop
+    # and Python prints each as "Exception ignored": noise, the write's own error is already reported.
+    if isinstance(unraisable.exc_value, (RuntimeError, ImportError)) and any(
+            text in str(unraisable.exc_value) for text in _ORBAX_TEARDOWN):
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def _summary(cfg, result) -> str:

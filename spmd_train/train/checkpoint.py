@@ -12,6 +12,7 @@ a warning in favour of the one before it and moved to `run.dir/damaged_checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
@@ -23,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from spmd_train.config.load import model_from_record
 from spmd_train.config.schema import Config
-from spmd_train.errors import ConfigError
+from spmd_train.errors import CheckpointWriteError, ConfigError
 
 log = logging.getLogger("spmd_train")
 FORMAT = 2
@@ -35,12 +36,18 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.directory = Path(directory).absolute()
         self.read_only = read_only
+        self.failed: str | None = None
+        """Why a write failed (then every later save or wait raises it again)."""
+        self._in_flight: int | None = None
         if read_only and not self.directory.is_dir():
             raise ConfigError(f"no checkpoint directory at {self.directory}")
         self.manager = ocp.CheckpointManager(
             self.directory,
+            # A save cut short (crash, full disk) leaves a *.orbax-checkpoint-tmp directory: removed on reopening,
+            # so the space comes back and the step can be saved again.
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=not read_only, read_only=read_only),
+                                                 create=not read_only, read_only=read_only,
+                                                 cleanup_tmp_directories=not read_only),
         )
 
     def steps(self) -> list[int]:
@@ -48,13 +55,40 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Start saving (returns once the state is copied off the devices, if async)."""
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        """Start saving (returns once the state is copied off the devices, if async).
+
+        A failed write (this save's, or an async one still in flight) raises CheckpointWriteError
+        naming the directory; Orbax renames a step into place only once complete, so the steps
+        already there stay restorable.
+        """
+        self.wait()  # what Orbax's save would do first; waiting here names the step that failed
+        with self._writing(step):
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            meta=ocp.args.JsonSave(meta)), force=True)
+        self._in_flight = step
 
     def wait(self) -> None:
-        """Block until every save in flight is on disk."""
-        self.manager.wait_until_finished()
+        """Block until every save in flight is on disk (CheckpointWriteError if one failed)."""
+        with self._writing(self._in_flight):
+            self.manager.wait_until_finished()
+        self._in_flight = None
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        if self.failed:  # Orbax re-raises a failed async save at every later call
+            raise CheckpointWriteError(self.failed)
+        try:
+            yield
+        except Exception as err:
+            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)[:300]
+            which = f"checkpoint step {step}" if step is not None else "a checkpoint"
+            # From the directory, not the manager: it already drops the steps rotation will delete once the
+            # new one is complete, which it now never will be.
+            done = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+            self.failed = (f"writing {which} to {self.directory} failed ({type(err).__name__}: {first}); the "
+                           f"complete checkpoints there (steps {done}) are intact, and a rerun resumes from "
+                           "the latest once the directory can be written (free space, permissions)")
+            raise CheckpointWriteError(self.failed) from None
 
     def read_meta(self, step: int) -> dict:
         """The JSON record saved with a step."""
@@ -114,9 +148,16 @@ class Checkpointer:
         log.warning("checkpoint %s is damaged: %s; moved to %s, trying the one before it", path, why, aside)
 
     def close(self) -> None:
-        """Finish pending saves and release the manager."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Finish pending saves and release the manager (a write failure already reported is not raised again)."""
+        reported = self.failed is not None
+        try:
+            self.wait()
+        except CheckpointWriteError:
+            if not reported:
+                raise
+        finally:
+            with contextlib.suppress(Exception):
+                self.manager.close()
 
 
 def layout_meta(cfg: Config, mesh: jax.sharding.Mesh, rules: dict, param_shapes: Any) -> dict:

@@ -88,7 +88,8 @@ def _log_to_stderr() -> None:
     logger.propagate = False
     # Orbax logs its background threads' errors with their tracebacks; the one-line error stays, and the
     # paragraph this CLI prints names the directory and what is intact.
-    logging.getLogger("absl").addFilter(_without_traceback)
+    for name in ("absl", "asyncio"):  # asyncio: "Task exception was never retrieved" of a failed write
+        logging.getLogger(name).addFilter(_without_traceback)
     sys.unraisablehook = _quiet_unraisable
 
 

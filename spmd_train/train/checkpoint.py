@@ -80,7 +80,7 @@ class Checkpointer:
         try:
             yield
         except Exception as err:
-            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)[:300]
+            first = _first_line(err, 300)
             which = f"checkpoint step {step}" if step is not None else "a checkpoint"
             # From the directory, not the manager: it already drops the steps rotation will delete once the
             # new one is complete, which it now never will be.
@@ -117,8 +117,7 @@ class Checkpointer:
                 restored = self.manager.restore(
                     step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target(meta))))
             except Exception as err:  # Orbax raises many types for a damaged step: fall back to the one before
-                first = str(err).splitlines()[0][:200] if str(err) else ""
-                self._damaged(step, f"it cannot be read ({type(err).__name__}: {first})")
+                self._damaged(step, f"it cannot be read ({type(err).__name__}: {_first_line(err, 200)})")
                 continue
             why = verify(restored["state"], meta)
             if why:
@@ -158,6 +157,11 @@ class Checkpointer:
         finally:
             with contextlib.suppress(Exception):
                 self.manager.close()
+
+
+def _first_line(err: Exception, limit: int) -> str:
+    """An exception's first non-empty message line (Orbax's messages run to pages), at most `limit` characters."""
+    return next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)[:limit]
 
 
 def layout_meta(cfg: Config, mesh: jax.sharding.Mesh, rules: dict, param_shapes: Any) -> dict:

@@ -132,12 +132,13 @@ class Engine:
     @functools.cached_property
     def init_fn(self):
         """The jitted initialiser: each device computes only its own shards."""
-        model_cfg, train_cfg, seed, backends = self.cfg.model, self.cfg.train, self.cfg.train.seed, self.backends
+        model_cfg, train_cfg, backends = self.cfg.model, self.cfg.train, self.backends
 
         order = self.layer_order
 
         def init():
-            params = nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed), backends=backends)))
+            model = Transformer(model_cfg, rngs=nnx.Rngs(train_cfg.seed), backends=backends)
+            params = nnx.to_pure_dict(nnx.state(model))
             if order is not None:
                 params = _take_layers(params, order)
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), init_guard(train_cfg))

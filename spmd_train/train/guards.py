@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spmd_train.config.schema import TrainConfig
 
@@ -82,8 +83,6 @@ def resize_window(guard: GuardState, size: int) -> GuardState:
     Host-side, at restore. The carried entries go to slots 0..n-1 and `accepted` becomes n, so
     judging starts again once the new window is full.
     """
-    import numpy as np
-
     old = np.asarray(guard.window)
     accepted = int(guard.accepted)
     n = min(accepted, old.shape[0], size)

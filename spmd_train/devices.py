@@ -28,7 +28,11 @@ def start_distributed(run) -> None:
     """Join JAX's multi-controller runtime when the config asks for it; must precede any jax computation.
 
     On CPU (simulated devices) the processes exchange data over gloo, so the same multi-process
-    code runs on one machine.
+    code runs on one machine. A lost process is detected by JAX's coordination service, not by
+    code of ours: every process sends it heartbeats, and after `run.peer_timeout_s` without one
+    the service ends every other process (non-zero exit, "The following tasks are unhealthy
+    (stopped sending heartbeats): K", K the lost `run.process_id`). When process 0, which hosts
+    the service, is the one lost, the others end at once on the closed connection.
     """
     if run.coordinator is None and not run.distributed:
         return
@@ -36,6 +40,6 @@ def start_distributed(run) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if run.coordinator is not None:
         jax.distributed.initialize(coordinator_address=run.coordinator, num_processes=run.num_processes,
-                                   process_id=run.process_id)
+                                   process_id=run.process_id, heartbeat_timeout_seconds=run.peer_timeout_s)
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=run.peer_timeout_s)

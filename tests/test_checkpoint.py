@@ -110,6 +110,31 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_run_passes_its_step_
         _trainer(run, devices, "mesh.fsdp=8").init()
 
 
+def test_resume_step_goes_back_to_a_saved_step_and_sets_the_newer_ones_aside(tmp_path, devices):
+    run = tmp_path / "run"
+    first = _trainer(run, devices, "mesh.fsdp=8", "checkpoint.async_save=false", "train.steps=9")
+    first.init()
+    first.run()
+    first.close()
+    losses = [r["loss"] for r in first.history]
+    with pytest.raises(ConfigError, match=r"train.resume_step=4: .*checkpoints has no complete checkpoint at that "
+                                          r"step \(valid: one of \[3, 6, 9\]\)"):
+        _trainer(run, devices, "mesh.fsdp=8", "train.steps=9", "train.resume_step=4").init()
+    with pytest.raises(ConfigError, match=r"train.resume_step=3 asks to resume, and train.resume=never refuses"):
+        load_config(None, [*BASE, "train.resume_step=3", "train.resume=never"])
+    again = _trainer(run, devices, "mesh.fsdp=8", "checkpoint.async_save=false", "train.steps=9",
+                     "train.resume_step=3")
+    again.init()
+    assert again.step_count == 3 and [r["step"] for r in again.history] == [1, 2, 3]
+    assert sorted(p.name for p in (run / "superseded_checkpoints").iterdir()) == ["6", "9"]  # kept, not deleted
+    again.run()  # passes steps 6 and 9 again, saving them where the superseded ones were
+    again.close()
+    assert Checkpointer(run / "checkpoints").steps() == [3, 6, 9]
+    assert [r["loss"] for r in again.history] == losses  # bitwise: the same steps again
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, 10))
+
+
 def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
     donor = _trainer(tmp_path / "donor", devices, "mesh.fsdp=8")
     donor.init()

@@ -40,6 +40,12 @@ def check_config(cfg: Config) -> None:
     if prof and (len(prof) != 2 or not 1 <= prof[0] <= prof[1] <= t.steps):
         raise ConfigError(f"run.profile_steps={list(prof)} is invalid: give [first, last] with "
                           f"1 <= first <= last <= train.steps={t.steps}")
+    if t.resume_step is not None and t.resume == "never":
+        raise ConfigError(f"train.resume_step={t.resume_step} asks to resume, and train.resume=never refuses to "
+                          "(valid: train.resume=auto with train.resume_step, or train.resume_step=null)")
+    if t.resume_step is not None and t.resume_step > t.steps:
+        raise ConfigError(f"train.resume_step={t.resume_step} is past train.steps={t.steps} (valid: a saved step "
+                          f"up to {t.steps}, or a larger train.steps)")
     r = cfg.run
     explicit = (r.coordinator, r.num_processes, r.process_id)
     if any(v is not None for v in explicit) and None in explicit:

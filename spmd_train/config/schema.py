@@ -218,6 +218,9 @@ class TrainConfig:
     """Global batches of the held-out split each evaluation averages over (the same ones every time)."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest complete checkpoint in run.dir; never: refuse a run.dir that has checkpoints."""
+    resume_step: PositiveInt | None = None
+    """Resume from this checkpoint step of run.dir instead of the latest; newer steps are moved to
+    run.dir/superseded_checkpoints/ (kept, not deleted) so the run can save those step numbers again."""
     on_nonfinite: Literal["skip", "halt"] = "skip"
     """A step whose loss or gradient norm is NaN or infinite is never applied; skip: go on with the next batch;
     halt: stop the run (exit code 3) at the first one."""
@@ -292,6 +295,10 @@ class RunConfig:
     """host:port of process 0; with num_processes and process_id, starts the runtime explicitly."""
     num_processes: PositiveInt | None = None
     process_id: NonNegativeInt | None = None
+    peer_timeout_s: PositiveInt = 120
+    """Multi-process runs: a process that sends JAX's coordination service no heartbeat for this long (killed,
+    frozen, its host lost) is declared dead and every other process stops, naming it, instead of waiting forever
+    in a collective."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from spmd_train.config.load import model_from_record
 from spmd_train.config.schema import Config
@@ -132,19 +133,36 @@ class Checkpointer:
         return None
 
     def _damaged(self, step: int, why: str) -> None:
-        """Warn about a damaged step and, when writable (process 0), move it out of the way."""
+        """Warn about a damaged step and, unless read-only, move it out of the way."""
         path = self.directory / str(step)
-        if self.read_only or jax.process_index() != 0 or not path.is_dir():
+        if self.read_only:
             log.warning("checkpoint %s is damaged: %s; trying the one before it", path, why)
             return
-        aside = self.directory.parent / "damaged_checkpoints" / str(step)
+        aside = self._set_aside(step, "damaged_checkpoints")
+        log.warning("checkpoint %s is damaged: %s; moved to %s, trying the one before it", path, why, aside)
+
+    def supersede_after(self, step: int) -> list[Path]:
+        """Move the complete steps newer than `step` to `superseded_checkpoints/` beside this directory,
+        so a run resumed from `step` saves those numbers again."""
+        return [self._set_aside(s, "superseded_checkpoints") for s in self.steps() if s > step]
+
+    def _set_aside(self, step: int, folder: str) -> Path:
+        """Rename a step's directory into `folder` beside this directory (never over an earlier one).
+
+        Process 0 renames; every process then waits for it and rereads the directory, so none
+        still sees the step (Orbax refuses to save a step it believes exists).
+        """
+        path, aside = self.directory / str(step), self.directory.parent / folder / str(step)
         n = 1
         while aside.exists():
             aside, n = aside.with_name(f"{step}.{n}"), n + 1
-        aside.parent.mkdir(parents=True, exist_ok=True)
-        path.rename(aside)
+        if jax.process_index() == 0 and path.is_dir():
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(aside)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"spmd_train: {path} set aside")
         self.manager.reload()
-        log.warning("checkpoint %s is damaged: %s; moved to %s, trying the one before it", path, why, aside)
+        return aside
 
     def close(self) -> None:
         """Finish pending saves and release the manager (a write failure already reported is not raised again)."""

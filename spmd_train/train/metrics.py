@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from spmd_train.errors import ConfigError
 
 log = logging.getLogger("spmd_train")
 
@@ -76,11 +79,30 @@ class MetricsSink:
 
 
 def read_history(path: Path, upto_step: int) -> list[dict[str, Any]]:
-    """Records of metrics.jsonl up to a step, rewriting the file to match (used on resume)."""
+    """Records of metrics.jsonl up to a step, rewriting the file to match (used on resume).
+
+    A last line cut short (the process was killed mid-write) is dropped; the file is replaced
+    atomically, so a kill during the rewrite leaves the old file whole.
+    """
     if not path.exists():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for n, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n != len(lines) - 1:
+                raise ConfigError(f"{path} line {n + 1} is not a JSON record (only the last line of a killed run "
+                                 "can be cut short): repair or move the file aside") from None
     kept = [r for r in records if r["step"] <= upto_step]
-    if jax.process_index() == 0 and len(kept) != len(records):
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    if jax.process_index() == 0 and len(kept) != len(lines):
+        write_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace a file's contents so a reader (or a kill) sees the old file or the new one, never half."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)

@@ -32,7 +32,7 @@ from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_sa
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.fingerprint import differences
 from spmd_train.train.guards import REASONS, resize_window
-from spmd_train.train.metrics import MetricsSink, read_history
+from spmd_train.train.metrics import MetricsSink, read_history, write_atomically
 
 
 class Trainer:
@@ -86,9 +86,17 @@ class Trainer:
         if existing and self.cfg.train.resume == "never":
             raise ConfigError(f"run.dir={self.run_dir} already has checkpoints (steps {existing}) and "
                               "train.resume=never (valid: train.resume=auto to continue it, or a new run.dir)")
-        restored = self._restore_latest(self.checkpointer, self.run_dir) if existing else None
+        chosen = self.cfg.train.resume_step
+        if chosen is not None and chosen not in existing:
+            raise ConfigError(f"train.resume_step={chosen}: {self.run_dir / 'checkpoints'} has no complete checkpoint "
+                              f"at that step (valid: one of {existing})" if existing else
+                              f"train.resume_step={chosen}: {self.run_dir} has no checkpoints to resume from "
+                              "(valid: train.resume_step=null to start fresh)")
+        restored = self._restore_latest(self.checkpointer, self.run_dir, only=chosen) if existing else None
         if restored is not None:
             step, self.state = restored
+            for aside in self.checkpointer.supersede_after(step):
+                self._say(f"train.resume_step={step}: moved the newer checkpoint {aside.name} to {aside.parent}")
             self.history = read_history(self.run_dir / "metrics.jsonl", step)
             self._say(f"resumed from {self.run_dir / 'checkpoints'} at step {step}")
         else:
@@ -99,7 +107,7 @@ class Trainer:
         if jax.process_index() == 0:
             # The config as given, then what the engine derived from it (ignored when the file is loaded).
             record = {**asdict(self.cfg), "resolved": self.engine.resolved()}
-            (self.run_dir / "config.json").write_text(json.dumps(record, indent=2))
+            write_atomically(self.run_dir / "config.json", json.dumps(record, indent=2))
         self._say(f"backends: {self.engine.backends.describe()}")
         return self.state
 

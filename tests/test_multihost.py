@@ -36,10 +36,10 @@ def _single(*args):
     return proc
 
 
-def _two_processes(run_dir: Path, *args) -> list[subprocess.Popen]:
+def _two_processes(run_dir: Path, *args, launch: tuple[str, ...] = ("-m", "spmd_train")) -> list[subprocess.Popen]:
     port = _free_port()
     return [
-        subprocess.Popen([sys.executable, "-m", "spmd_train", *RUN, *args, "run.simulate_devices=4",
+        subprocess.Popen([sys.executable, *launch, *RUN, *args, "run.simulate_devices=4",
                           f"run.coordinator=127.0.0.1:{port}", "run.num_processes=2", f"run.process_id={i}",
                           f"run.peer_timeout_s={PEER_TIMEOUT_S}", f"run.dir={run_dir}"],
                          cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -94,3 +94,33 @@ def test_a_lost_process_ends_the_other_and_both_resume_to_match_one_process(tmp_
     after = _losses(multi)
     assert len(after) == 16
     assert _close(after[14:], reference[14:]) <= 1e-5
+
+
+# The CLI with process 1's main thread hung while reading the batch for step 8 (its heartbeats go on).
+HANG_AT_STEP_8 = """
+import sys, time
+import jax
+from spmd_train.cli.main import main
+from spmd_train.train.trainer import Trainer
+read = Trainer._batch
+def hang(self, step):
+    if step == 8 and jax.process_index() == 1:
+        time.sleep(3600)
+    return read(self, step)
+Trainer._batch = hang
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.heavy
+def test_a_process_hung_outside_the_step_ends_both_naming_it(tmp_path):
+    procs = _two_processes(tmp_path, "train.steps=40", launch=("-c", HANG_AT_STEP_8))
+    started = time.monotonic()
+    (_, err0), (_, err1) = (p.communicate(timeout=300) for p in procs)
+    # The first to exit exits 3; JAX's service then ends the other (both have written their messages).
+    assert 3 in [p.returncode for p in procs] and 0 not in [p.returncode for p in procs], err0[-2000:] + err1[-2000:]
+    assert time.monotonic() - started < 120
+    # The hung process names itself and where it is; the one waiting names the process behind it.
+    assert "process 1: no step has finished for" in err1 and "stuck outside the step, at" in err1
+    assert "hang" in err1.split("stuck outside the step, at", 1)[1].splitlines()[0]
+    assert "process 0: no step has finished for" in err0 and "behind it: process 1 (finished step 7)" in err0

@@ -298,7 +298,7 @@ class RunConfig:
     peer_timeout_s: PositiveInt = 120
     """Multi-process runs: a process that sends JAX's coordination service no heartbeat for this long (killed,
     frozen, its host lost) is declared dead and every other process stops, naming it, instead of waiting forever
-    in a collective."""
+    in a collective; one whose main thread hangs is caught by the step watchdog after twice this."""
 
 
 @dataclass(frozen=True)

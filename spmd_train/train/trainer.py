@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from spmd_train.config.schema import Config
 from spmd_train.data import Batch, make_source
@@ -33,6 +34,7 @@ from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.fingerprint import differences
 from spmd_train.train.guards import REASONS, resize_window
 from spmd_train.train.metrics import MetricsSink, read_history, write_atomically
+from spmd_train.train.watchdog import StepWatchdog
 
 
 class Trainer:
@@ -53,6 +55,7 @@ class Trainer:
         self._stop_signal: str | None = None
         self._halted: str | None = None
         self._lock: Path | None = None
+        self._watchdog = StepWatchdog(cfg.run.peer_timeout_s, active=False)
         kind = self.engine.mesh.devices.flat[0].device_kind
         spec = device_spec(kind)
         peak = cfg.run.peak_tflops * 1e12 if cfg.run.peak_tflops else (spec.peak_bf16_flops if spec else None)
@@ -149,12 +152,14 @@ class Trainer:
         every = self.cfg.checkpoint.every
         profile = self.cfg.run.profile_steps
         self._halted = None
-        with self._signals(), sink_closed(sink), _trace_closed():
+        with self._signals(), sink_closed(sink), _trace_closed(), self._watching(first):
             pending, done_at = None, time.perf_counter()
             for index in range(first, last):
                 if profile and index + 1 == profile[0]:
                     jax.profiler.start_trace(str(self.run_dir / "profile"))
-                self.state, metrics = self._compiled(self.state, self._batch(index))
+                batch = self._batch(index)
+                with self._watchdog.waiting():  # a dispatch may block on the step before it
+                    self.state, metrics = self._compiled(self.state, batch)
                 if pending is not None:  # at most one step in flight: finish the previous one now
                     done_at = self._finish(pending, done_at, sink, new)
                 pending = (index + 1, metrics)
@@ -183,7 +188,8 @@ class Trainer:
                           self.step_count, self.run_dir / "checkpoints")
             elif self.step_count not in self.checkpointer.steps() and new:
                 self.save()
-            self.checkpointer.wait()
+            with self._watchdog.paused():
+                self.checkpointer.wait()
         if self._halted:
             raise TrainingHalted(self._halted)
         return new
@@ -195,6 +201,10 @@ class Trainer:
 
     def save(self, wait: bool = False) -> None:
         """Checkpoint the current state (async unless `wait` or checkpoint.async_save=false); never a non-finite one."""
+        with self._watchdog.paused():  # copying the state off the devices, Orbax's barriers: no step in them
+            self._save(wait)
+
+    def _save(self, wait: bool) -> None:
         finite, prints = jax.device_get(self.engine.state_health(self.state))
         if not finite:
             raise TrainingHalted(
@@ -336,11 +346,14 @@ class Trainer:
 
     def _finish(self, pending, done_at: float, sink: MetricsSink, new: list, evaluate: bool = False) -> float:
         step, metrics = pending
-        values = jax.device_get(metrics)  # blocks until that step is done
+        with self._watchdog.waiting():
+            values = jax.device_get(metrics)  # blocks until that step is done
+        self._watchdog.finished(step)
         now = time.perf_counter()
         record = self._record(step - 1, values, now - done_at)
         if evaluate:  # after the step's timing: evaluation time is not step time
-            record["val_loss"] = self.evaluate()
+            with self._watchdog.paused():
+                record["val_loss"] = self.evaluate()
             now = time.perf_counter()
         self.history.append(record)
         new.append(record)
@@ -358,7 +371,8 @@ class Trainer:
         Its parameters are then those of the last applied step, which is often what made the
         run diverge; saving it would rotate good checkpoints out for copies of one suspect state.
         """
-        skipping = int(self.state.guard.consecutive)  # waits for the step in flight, as the save would
+        with self._watchdog.waiting():
+            skipping = int(self.state.guard.consecutive)  # waits for the step in flight, as the save would
         if skipping:
             sink.note("not saving step %d: it ends a run of %d skipped steps", self.step_count, skipping)
             return
@@ -398,6 +412,20 @@ class Trainer:
             "memory_bytes": _memory_in_use(self.mesh),
             "loss_floor": self.data.loss_floor,
         }
+
+    @contextlib.contextmanager
+    def _watching(self, first: int):
+        """The step watchdog for this `run` (multi-process runs only: see train/watchdog.py)."""
+        if jax.process_count() == 1:
+            yield
+            return
+        self._watchdog = StepWatchdog(self.cfg.run.peer_timeout_s, process=jax.process_index(),
+                                      client=ocp.multihost.get_jax_distributed_client()).start(first)
+        try:
+            yield
+        finally:
+            self._watchdog.close()
+            self._watchdog = StepWatchdog(self.cfg.run.peer_timeout_s, active=False)
 
     @contextlib.contextmanager
     def _signals(self):

@@ -8,7 +8,7 @@ import yaml
 
 from spmd_train.config import Config, load_config, parse_overrides
 from spmd_train.config.rules import resolve_rules
-from spmd_train.config.schema import RulesConfig
+from spmd_train.config.schema import LOGICAL_AXES, RulesConfig
 from spmd_train.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,11 +97,29 @@ def test_overrides_parse_yaml_scalars_and_lists():
         (["model.moe_impl=dropless"], ["'model.moe_impl' has moved", "backends.moe"]),
         (["backends.attention_blocks=[12,64]"], ["backends.attention_blocks=[12, 64]", "positive multiples of 8"]),
         (["backends.attention_blocks=[64]"], ["backends.attention_blocks", "[64]"]),
+        (["optim.lr=-1"], ["optim.lr=-1", "greater than or equal to 0"]),
+        (["optim.lr=.nan"], ["optim.lr=nan", "finite"]),
+        (["optim.lr=.inf"], ["optim.lr=inf", "finite"]),
+        (["optim.b1=1.0"], ["optim.b1=1.0", "less than 1"]),
+        (["optim.b2=-0.5"], ["optim.b2=-0.5", "greater than or equal to 0"]),
+        (["optim.eps=-1e-8"], ["optim.eps=-1e-08", "greater than or equal to 0"]),
+        (["optim.weight_decay=-0.1"], ["optim.weight_decay=-0.1", "greater than or equal to 0"]),
+        (["optim.clip_norm=-1"], ["optim.clip_norm=-1", "greater than 0"]),
+        (["optim.min_lr_ratio=1.5"], ["optim.min_lr_ratio=1.5", "less than or equal to 1"]),
+        (["model.init_std=-0.02"], ["model.init_std=-0.02", "greater than 0"]),
+        (["model.rope_theta=0"], ["model.rope_theta=0", "greater than 0"]),
+        (["train.steps=100000000000"], ["train.steps=100000000000", "less than or equal to 2147483647"]),
+        (["mesh.rules.activations.embedd=[tensor]"], ["mesh.rules.activations", "'embedd' (did you mean 'embed'?)",
+                                                      "valid: batch, length"]),
+        (["train.resume_step=3", "train.resume=never"], ["train.resume_step=3", "train.resume=never"]),
+        (["train.resume_step=300", "train.steps=100"], ["train.resume_step=300", "past train.steps=100"]),
         (["nonsense"], ["'nonsense'", "section.key=value"]),
         (["bogus.key=1"], ["unknown key 'bogus'", "model"]),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_valid(overrides, needles):
+    """Each value the schema refuses (ranges included: a negative clip_norm flips the gradient, rope_theta 0 is NaN
+    at step 1) is named with its key and what would be valid."""
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     for needle in needles:
@@ -135,3 +153,9 @@ def test_preset_given_as_path_and_preset_sections_are_limited(tmp_path):
     preset.write_text("train:\n  steps: 5\n")
     with pytest.raises(ConfigError, match="may hold only"):
         load_config(None, [f"model.preset={preset}"])
+
+
+def test_clipping_can_be_switched_off_and_every_default_rule_names_a_logical_axis():
+    assert load_config(None, ["optim.clip_norm=null"]).optim.clip_norm is None
+    rules = load_config(None, []).mesh.rules
+    assert set(rules.activations) | set(rules.params) <= set(LOGICAL_AXES)

@@ -27,8 +27,32 @@ RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch"]
 # Single-key ranges live in the types: pydantic names the key, the value and the bound.
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+"""A float in [0, 1]."""
+Decay = Annotated[float, Field(ge=0, lt=1)]
+"""A moment decay rate in [0, 1)."""
+MAX_STEPS = 2**31 - 1
+"""The step counter is int32 on the devices."""
+
+LOGICAL_AXES = ("batch", "length", "norm_length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts",
+                "expert_mlp", "router_experts", "layers", "sublayers")
+"""Every logical axis name the model code speaks; `mesh.rules` maps these (and only these) to mesh axes."""
+
+
+def _check_logical_names(table: dict) -> dict:
+    unknown = [name for name in table if name not in LOGICAL_AXES]
+    if unknown:
+        import difflib
+
+        hints = [f"{n!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(n, LOGICAL_AXES, n=1))
+                 else repr(n) for n in unknown]
+        raise ValueError(f"unknown logical axis name {', '.join(hints)}; valid: {', '.join(LOGICAL_AXES)}")
+    return table
+
+
+RulesTable = Annotated[dict[str, tuple[MeshAxis, ...]], AfterValidator(_check_logical_names)]
 
 
 def _check_axis_size(size: int) -> int:
@@ -157,8 +181,8 @@ class RulesConfig:
     __pydantic_config__ = _STRICT
 
     preset: str = "default"
-    activations: dict[str, tuple[MeshAxis, ...]] = field(default_factory=dict)
-    params: dict[str, tuple[MeshAxis, ...]] = field(default_factory=dict)
+    activations: RulesTable = field(default_factory=dict)
+    params: RulesTable = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -207,7 +231,7 @@ class TrainConfig:
 
     __pydantic_config__ = _STRICT
 
-    steps: PositiveInt = 100
+    steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 100
     global_batch_size: PositiveInt = 8
     seq_len: PositiveInt = 64
     grad_accum: PositiveInt = 1
@@ -239,14 +263,17 @@ class OptimConfig:
 
     __pydantic_config__ = _STRICT
 
-    lr: float = 3e-4
+    lr: NonNegativeFloat = 3e-4
+    """Peak learning rate (0 leaves the weights as they are)."""
     warmup_steps: NonNegativeInt = 10
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    min_lr_ratio: Fraction = 0.1
+    """Final learning rate of the cosine decay, as a fraction of `lr` (1: constant after warmup)."""
+    weight_decay: NonNegativeFloat = 0.1
+    clip_norm: PositiveFloat | None = 1.0
+    """Clip the gradient to this global norm; null: no clipping."""
+    b1: Decay = 0.9
+    b2: Decay = 0.95
+    eps: NonNegativeFloat = 1e-8
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ def decay_mask(logical_tree: Any) -> Any:
 def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any) -> optax.GradientTransformation:
     """The optimizer for a model whose parameters have these logical axes."""
     return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
+        # identity() has clipping's (empty) state: a checkpoint resumes with clipping on or off.
+        optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
         optax.adamw(
             lr_schedule(cfg, total_steps),
             b1=cfg.b1,

@@ -135,6 +135,19 @@ def test_resume_step_goes_back_to_a_saved_step_and_sets_the_newer_ones_aside(tmp
         range(1, 10))
 
 
+def test_saving_a_saved_step_is_a_no_op_and_a_finished_run_compiles_nothing(tmp_path, devices):
+    trainer = _trainer(tmp_path, devices, "train.steps=3")
+    trainer.init()
+    trainer.run()  # saves step 3 at the end (asynchronously)
+    trainer.save()  # the README's API block does this next: Orbax would raise "step already exists"
+    trainer.save(wait=True)
+    trainer.close()
+    assert Checkpointer(tmp_path / "checkpoints").steps() == [3]
+    again = _trainer(tmp_path, devices, "train.steps=3")
+    assert again.run() == [] and again.step_count == 3 and again.compile_time_s is None
+    again.close()
+
+
 def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
     donor = _trainer(tmp_path / "donor", devices, "mesh.fsdp=8")
     donor.init()

@@ -111,7 +111,7 @@ def _quiet_unraisable(unraisable) -> None:
 
 
 def _summary(cfg, result) -> str:
-    if not result.history:
+    if not result.trained:
         return f"nothing to do: the run in {cfg.run.dir} is already at train.steps={cfg.train.steps}"
     last = result.history[-1]
     floor = f" (best achievable {result.loss_floor:.4f})" if result.loss_floor is not None else ""

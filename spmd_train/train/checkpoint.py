@@ -55,6 +55,10 @@ class Checkpointer:
         """Steps with a complete checkpoint, oldest first."""
         return sorted(self.manager.all_steps())
 
+    def has(self, step: int) -> bool:
+        """Whether `step` is saved or being saved."""
+        return step == self._in_flight or step in self.manager.all_steps()
+
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Start saving (returns once the state is copied off the devices, if async).
 

@@ -23,6 +23,8 @@ class TrainResult:
     """Best achievable loss on the training data (nats per token), where known."""
     stopped_by: str | None
     """'SIGTERM' or 'SIGINT' if the run stopped early on a signal (after saving), else None."""
+    trained: int = 0
+    """Steps this call took (0: the run was already at train.steps)."""
 
 
 def train(cfg: Config, devices: list[jax.Device] | None = None) -> TrainResult:
@@ -30,8 +32,8 @@ def train(cfg: Config, devices: list[jax.Device] | None = None) -> TrainResult:
     trainer = Trainer(cfg, devices)
     try:
         trainer.init()
-        trainer.run()
+        new = trainer.run()
     finally:
         trainer.close()
     return TrainResult(trainer.state, trainer.history, trainer.compile_time_s or 0.0, trainer.data.loss_floor,
-                       trainer.stopped_by_signal)
+                       trainer.stopped_by_signal, len(new))

@@ -140,9 +140,14 @@ class Trainer:
 
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
         """Train up to `train.steps` (or `steps` more), checkpointing as configured; returns the new records."""
-        self._ensure_ready()
+        if self.state is None:
+            self.init()
         first = self.step_count
         last = min(self.cfg.train.steps, first + steps) if steps is not None else self.cfg.train.steps
+        if first >= last:  # a finished run: nothing to compile
+            self._say(f"nothing to do: the run is at step {first} and train.steps={self.cfg.train.steps}")
+            return []
+        self.compile()
         sink = MetricsSink(self.run_dir, total_steps=self.cfg.train.steps, log_every=self.cfg.run.log_every,
                            start_step=first)
         sink.note("compiled the train step in %.2f s", self.compile_time_s)
@@ -200,7 +205,14 @@ class Trainer:
         return self._stop_signal
 
     def save(self, wait: bool = False) -> None:
-        """Checkpoint the current state (async unless `wait` or checkpoint.async_save=false); never a non-finite one."""
+        """Checkpoint the current state (async unless `wait` or checkpoint.async_save=false); never a non-finite one.
+
+        A step already saved (or being saved) is not saved again: `run()` saves its last step itself.
+        """
+        if self.checkpointer.has(self.step_count):
+            if wait:
+                self.checkpointer.wait()
+            return
         with self._watchdog.paused():  # copying the state off the devices, Orbax's barriers: no step in them
             self._save(wait)
 

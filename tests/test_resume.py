@@ -15,6 +15,7 @@ import pytest
 from spmd_train import Trainer, load_config
 from spmd_train.errors import ConfigError
 from spmd_train.train.metrics import read_history
+from spmd_train.train.run_record import record_config
 from tests.runs import cli, cli_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,3 +176,15 @@ def test_a_record_cut_short_by_a_kill_is_dropped_and_a_damaged_one_is_named(tmp_
     path.write_text("\n".join([lines[0], "garbage", lines[2]]) + "\n")
     with pytest.raises(ConfigError, match=r"metrics.jsonl line 2 is not a JSON record"):
         read_history(path, 3)
+
+
+def test_a_resume_with_other_settings_records_what_changed(tmp_path):
+    first = {"train": {"steps": 3, "seed": 0}, "mesh": {"fsdp": 4}, "resolved": {"rules": [["batch", ["fsdp"]]]}}
+    assert record_config(tmp_path, first, 0) == {}
+    assert record_config(tmp_path, first, 3) == {}  # the same again: nothing to record
+    assert not (tmp_path / "config_changes.jsonl").exists()
+    longer = {**first, "train": {"steps": 6, "seed": 0}, "mesh": {"fsdp": 2}}
+    assert record_config(tmp_path, longer, 3) == {"mesh.fsdp": [4, 2], "train.steps": [3, 6]}
+    assert json.loads((tmp_path / "config.json").read_text()) == longer
+    (line,) = (tmp_path / "config_changes.jsonl").read_text().splitlines()
+    assert json.loads(line)["step"] == 3 and json.loads(line)["changes"] == {"mesh.fsdp": [4, 2], "train.steps": [3, 6]}

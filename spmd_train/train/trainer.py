@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import signal
 import threading
@@ -33,7 +32,8 @@ from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_sa
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.fingerprint import differences
 from spmd_train.train.guards import REASONS, resize_window
-from spmd_train.train.metrics import MetricsSink, read_history, write_atomically
+from spmd_train.train.metrics import MetricsSink, read_history
+from spmd_train.train.run_record import record_config
 from spmd_train.train.watchdog import StepWatchdog
 
 
@@ -110,7 +110,11 @@ class Trainer:
         if jax.process_index() == 0:
             # The config as given, then what the engine derived from it (ignored when the file is loaded).
             record = {**asdict(self.cfg), "resolved": self.engine.resolved()}
-            write_atomically(self.run_dir / "config.json", json.dumps(record, indent=2))
+            changes = record_config(self.run_dir, record, self.step_count)
+            if changes:
+                self._say("config changed since the last start (recorded in config_changes.jsonl): "
+                          + ", ".join(f"{k}: {b!r} -> {a!r}" for k, (b, a) in list(changes.items())[:8])
+                          + (f" and {len(changes) - 8} more" if len(changes) > 8 else ""))
         self._say(f"backends: {self.engine.backends.describe()}")
         return self.state
 

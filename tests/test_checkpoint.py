@@ -163,6 +163,7 @@ def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
     earlier.close()
     with pytest.raises(ConfigError, match=r"checkpoints/4 holds no checkpoint at step 4 \(valid steps there: \[3, 6\]"):
         _trainer(tmp_path / "none", devices, f"checkpoint.load_from={steps / '4'}").init()
+    assert not (tmp_path / "none").exists()  # refused: nothing written (no lock file, no checkpoints/)
     # Another mesh and another rope_theta (a context-length fine-tune): only the parameter shapes must match.
     child = _trainer(tmp_path / "child", devices, "mesh.data=8", "mesh.fsdp=1", "model.rope_theta=50000.0",
                      f"checkpoint.load_from={tmp_path / 'donor'}")

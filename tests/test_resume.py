@@ -150,6 +150,16 @@ def test_restoring_another_architecture_exits_2_and_leaves_the_run_intact(tmp_pa
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
 
+def test_a_run_dir_that_is_a_file_or_cannot_be_created_exits_2(tmp_path):
+    (tmp_path / "afile").write_text("keep me")
+    for run_dir, needle in ((tmp_path / "afile", "is a file, not a directory"),
+                            (Path("/proc/spmd_train_run"), "cannot be created")):
+        proc = cli("train", "configs/tiny.yaml", "train.steps=2", f"run.dir={run_dir}")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"run.dir={run_dir} {needle}" in proc.stderr
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

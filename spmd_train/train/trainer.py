@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -33,7 +34,7 @@ from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.fingerprint import differences
 from spmd_train.train.guards import REASONS, resize_window
 from spmd_train.train.metrics import MetricsSink, read_history
-from spmd_train.train.run_record import record_config
+from spmd_train.train.run_record import make_run_dir, record_config
 from spmd_train.train.watchdog import StepWatchdog
 
 
@@ -81,8 +82,20 @@ class Trainer:
         return self._checkpointer
 
     def init(self) -> TrainState:
-        """Resume from run.dir's latest checkpoint, else start from checkpoint.load_from, else fresh."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        """Resume from run.dir's latest checkpoint, else start from checkpoint.load_from, else fresh.
+
+        Refused input (ConfigError) leaves nothing behind: a run.dir this call created is removed again.
+        """
+        created = make_run_dir(self.run_dir)
+        try:
+            return self._init()
+        except ConfigError:
+            if created and jax.process_index() == 0:
+                self.close()
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    def _init(self) -> TrainState:
         if self._lock is None and jax.process_index() == 0:  # one writer per run.dir (released by close())
             self._lock = run_lock.acquire(self.run_dir)
         existing = self.checkpointer.steps()

@@ -2,6 +2,8 @@
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
@@ -11,6 +13,8 @@ import pytest
 from spmd_train.cli.main import main
 from spmd_train.errors import ConfigError
 from spmd_train.parallel.schedules import SCHEDULES, Op, Schedule, build_schedule, render_timeline, simulate
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _grid():
@@ -262,10 +266,19 @@ def test_cli_defaults_and_gpipe(capsys):
     [(["--stages", "4", "--microbatches", "3", "--schedule", "1f1b"], "1F1B needs at least as many microbatches"),
      (["--stages", "4", "--microbatches", "8", "--schedule", "pipedream"], "gpipe, 1f1b, interleaved_1f1b"),
      (["--stages", "4", "--microbatches", "8", "--schedule", "interleaved_1f1b", "--virtual", "1"],
-      "parallel.virtual_stages=1")],
+      "parallel.virtual_stages=1"),
+     (["--stages", "64", "--microbatches", "4096", "--schedule", "1f1b"],
+      "64 x --microbatches 4096 x --virtual 1 = 262,144 microbatch-chunks is more than this command draws")],
 )
 def test_cli_bad_input_exits_2(capsys, argv, needle):
     assert main(["schedule", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("spmd-train: error:") and needle in captured.err
     assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`spmd-train schedule ... | head -c 10`: 200 KB of timeline into a pipe closed after 10 bytes."""
+    proc = subprocess.run(f"{sys.executable} -m spmd_train schedule --schedule 1f1b --stages 16 --microbatches 1024 "
+                          "| head -c 10", shell=True, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.stdout == "1f1b: 16 s" and proc.stderr == "", proc.stderr

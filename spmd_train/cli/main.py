@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 import jax
@@ -74,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingHalted as err:
         print(f"spmd-train: stopped: {err}", file=sys.stderr)
         return EXIT_HALTED
+    except BrokenPipeError:
+        # The reader stopped reading (`| head -1`): what it read is complete, and that is not an error. Point
+        # stdout at /dev/null so the interpreter's last flush does not raise again (Python's documented recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 

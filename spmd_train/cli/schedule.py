@@ -4,13 +4,22 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from spmd_train.errors import ConfigError
 from spmd_train.parallel.schedules import build_schedule, render_timeline, simulate
+
+MAX_CHUNKS = 16384
+"""stages x microbatches x virtual this command draws: about 200 KB of timeline and a few seconds (the
+simulator's cost grows with it; 4x that took minutes)."""
 
 
 def schedule_report(name: str, stages: int, microbatches: int, virtual: int | None = None) -> str:
     """The timeline of schedule `name` followed by its figures; `virtual=None` means 2 for interleaved_1f1b, else 1."""
     if virtual is None:
         virtual = 2 if name == "interleaved_1f1b" else 1
+    if stages * microbatches * virtual > MAX_CHUNKS:
+        raise ConfigError(f"--stages {stages} x --microbatches {microbatches} x --virtual {virtual} = "
+                          f"{stages * microbatches * virtual:,} microbatch-chunks is more than this command draws "
+                          f"(valid: a product up to {MAX_CHUNKS:,})")
     schedule = build_schedule(name, stages, microbatches, virtual)
     stats = simulate(schedule)
     p, m, v = stages, microbatches, virtual

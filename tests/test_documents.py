@@ -102,6 +102,13 @@ def test_auto_on_gpu_picks_kernels_that_take_segment_ids(dtype, head_dim, chosen
     assert resolve_backends(model, BackendsConfig(), "gpu", documents=False).attention == "cudnn"
 
 
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_cudnn_asked_for_off_gpu_is_refused_before_anything_runs(platform):
+    with pytest.raises(ConfigError, match=rf"backends.attention=cudnn needs NVIDIA GPUs .* devices are {platform} "
+                                          r"\(valid here: auto, xla, pallas\)"):
+        resolve_backends(ModelConfig(), BackendsConfig(attention="cudnn"), platform)
+
+
 def _doc_run(corpus, overrides, devices, steps=3):
     return run_steps([*FP32, *token_files(corpus), *overrides], devices, steps=steps)
 

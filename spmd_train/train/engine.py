@@ -33,6 +33,7 @@ from spmd_train.sharding.arithmetic import local_shape, rows_per_device
 from spmd_train.sharding.constrain import use_layout
 from spmd_train.sharding.rules import Layout
 from spmd_train.tpu_flags import tpu_flags_in_effect
+from spmd_train.train.capacity import bytes_per_device, check_state_fits, describe_run
 from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
@@ -73,6 +74,8 @@ class Engine:
     """The pipeline program when mesh.pipeline > 1."""
     layer_order: np.ndarray | None = None
     """Model layer of each stored row of the layer stack, when it is not the identity (interleaved 1F1B)."""
+    state_bytes_per_device: int = 0
+    """Parameters, gradients and optimizer state one device stores (from shapes and shardings)."""
 
     @classmethod
     def build(cls, cfg: Config, devices: list[jax.Device] | None = None) -> Engine:
@@ -110,6 +113,10 @@ class Engine:
         replicated = NamedSharding(mesh, P())
         guard_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_guard(cfg.train)))
         state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, guard=guard_sh)
+        # Before anything compiles: XLA aborts the process on a state of absurd size.
+        need = (bytes_per_device(shapes, param_sh) + bytes_per_device(shapes, layout.grad_shardings(logical, shapes))
+                + bytes_per_device(jax.eval_shape(tx.init, shapes), opt_sh))
+        check_state_fits(need, mesh.devices.flat[0], describe_run(cfg, sizes), allocating=False)
         plan = order = None
         if mesh.shape["pipeline"] > 1:
             plan = pipeline_plan(cfg, dict(mesh.shape))
@@ -119,7 +126,7 @@ class Engine:
         return cls(cfg=cfg, mesh=mesh, layout=layout, backends=backends, graphdef=graphdef, logical=logical,
                    param_shapes=shapes, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                    state_shardings=state_sh, batch_sharding=layout.batch_sharding(), block_graphdef=block_graphdef,
-                   plan=plan, layer_order=order)
+                   plan=plan, layer_order=order, state_bytes_per_device=need)
 
     def init_state(self) -> TrainState:
         """Fresh parameters and optimizer state, created directly in their shardings.

@@ -29,6 +29,7 @@ from spmd_train.errors import ConfigError, TrainingHalted
 from spmd_train.hardware import device_spec
 from spmd_train.models.flops import flops_per_token
 from spmd_train.train import run_lock
+from spmd_train.train.capacity import check_state_fits, describe_run
 from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_same_parameters
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.fingerprint import differences
@@ -46,6 +47,9 @@ class Trainer:
         if devices is None:
             simulate_devices(cfg.run.simulate_devices)  # a no-op once jax has started (the CLI did it)
         self.engine = Engine.build(cfg, devices)
+        check_state_fits(self.engine.state_bytes_per_device, self.engine.mesh.devices.flat[0],
+                         describe_run(cfg, dict(self.engine.mesh.shape)), allocating=True,
+                         local_devices=len(self.engine.mesh.local_devices))
         self.data = make_source(cfg)
         self.run_dir = Path(cfg.run.dir)
         self.history: list[dict[str, Any]] = []

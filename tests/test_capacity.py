@@ -1,0 +1,46 @@
+"""A state that cannot fit is refused before anything compiles (XLA would abort the process, or run out of memory
+after minutes), naming the keys that decide its size."""
+
+import jax
+import pytest
+
+from spmd_train import Engine, load_config
+from spmd_train.analysis import tpu_topology_devices
+from spmd_train.analysis.topology import has_libtpu
+from spmd_train.errors import ConfigError
+from spmd_train.train.capacity import GiB, check_state_fits
+from tests.runs import cli
+
+
+def test_an_absurd_model_exits_2_in_train_and_describe_and_writes_nothing(tmp_path):
+    for command in ("train", "describe"):
+        proc = cli(command, "configs/tiny.yaml", "model.d_model=1000000000", f"run.dir={tmp_path / 'run'}")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]  # not 134 (abort)
+        assert ("model.num_layers=2, d_model=1000000000, d_ff=128, vocab_size=256, param_dtype=float32, "
+                "parallel.zero_stage=3 on mesh fsdp 4 x tensor 2: the parameters, gradients and optimizer state "
+                "need 11,175,873,298.20 GiB per device, more than any device holds") in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_state_is_measured_from_shapes_and_shardings(devices):
+    """tiny (fp32, ZeRO-3 over fsdp 4 x tensor 2): params + grads + two AdamW moments = 4 x the parameters / 8,
+    up to the few replicated leaves (norm scales are split over fsdp only)."""
+    engine = Engine.build(load_config("configs/tiny.yaml", []), devices)
+    params = sum(x.size for x in jax.tree.leaves(engine.param_shapes)) * 4
+    assert params * 4 / 8 <= engine.state_bytes_per_device <= params * 4 / 4
+
+
+def test_over_the_host_or_the_device_kind_is_refused():
+    cpu = jax.devices("cpu")[0]
+    check_state_fits(GiB, cpu, "run", allocating=True, local_devices=8)
+    with pytest.raises(ConfigError, match=r"run: .* need 100.00 GiB per device, 800.00 GiB for this host's 8 "
+                                          r"simulated devices, more than its"):
+        check_state_fits(100 * GiB, cpu, "run", allocating=True, local_devices=8)
+    check_state_fits(100 * GiB, cpu, "run", allocating=False)  # describe compiles without allocating
+
+
+@pytest.mark.skipif(not has_libtpu(), reason="needs the tpu-aot extra (libtpu)")
+def test_describe_for_a_tpu_slice_refuses_a_state_over_its_memory():
+    cfg = load_config(None, ["model.preset=llama3-8b", "mesh.fsdp=8", "mesh.tensor=1", "parallel.zero_stage=1"])
+    with pytest.raises(ConfigError, match=r"need [\d.]+ GiB per device, more than the 16 GiB of a TPU v5e"):
+        Engine.build(cfg, tpu_topology_devices("v5e:2x4"))

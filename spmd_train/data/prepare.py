@@ -11,6 +11,7 @@ has one.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -30,7 +31,15 @@ def load_tokenizer(spec: str) -> tuple[Callable[[str], list[int]], int, int | No
             import tiktoken
         except ImportError:
             raise ConfigError("--tokenizer tiktoken:... needs the tiktoken package: pip install tiktoken") from None
-        enc = tiktoken.get_encoding(arg)
+        try:
+            enc = tiktoken.get_encoding(arg)
+        except ValueError:  # an unknown name: tiktoken lists the ones it has
+            raise ConfigError(f"--tokenizer {spec}: tiktoken has no encoding {arg!r} (valid: "
+                              f"{', '.join(tiktoken.list_encoding_names())})") from None
+        except Exception as err:  # its files are downloaded on first use and cached (TIKTOKEN_CACHE_DIR)
+            raise ConfigError(f"--tokenizer {spec}: tiktoken could not load {arg!r} ({type(err).__name__}: "
+                              f"{str(err)[:200]}); on a machine without network, copy its cache and set "
+                              "TIKTOKEN_CACHE_DIR") from None
         return (lambda text: enc.encode_ordinary(text)), enc.n_vocab, enc.eot_token
     if kind == "sentencepiece" and arg:
         try:
@@ -40,10 +49,26 @@ def load_tokenizer(spec: str) -> tuple[Callable[[str], list[int]], int, int | No
                               "pip install sentencepiece") from None
         if not Path(arg).is_file():
             raise ConfigError(f"--tokenizer {spec}: model file {arg} does not exist")
-        sp = sentencepiece.SentencePieceProcessor(model_file=arg)
+        try:
+            sp = sentencepiece.SentencePieceProcessor(model_file=arg)
+        except Exception as err:  # not a SentencePiece model (RuntimeError from its C++ parser)
+            raise ConfigError(f"--tokenizer {spec}: {arg} is not a SentencePiece model ({str(err)[:200]})") from None
         eos = sp.eos_id()
         return (lambda text: sp.encode(text)), sp.get_piece_size(), eos if eos >= 0 else None
     raise ConfigError(f"--tokenizer {spec!r} is not a tokenizer (valid: byte, tiktoken:NAME, sentencepiece:PATH)")
+
+
+def _make_out_dir(out: Path) -> bool:
+    """Create the output directory (True if this call did); ConfigError when it is a file or cannot be made."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory (valid: a new or existing directory)")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {out} cannot be created ({err.strerror or err}) (valid: a directory this user "
+                          "can write)") from None
+    return created
 
 
 def prepare_data(inputs: Sequence[str | Path], out: str | Path, tokenizer: str = "byte", name: str = "data") -> Path:
@@ -57,25 +82,37 @@ def prepare_data(inputs: Sequence[str | Path], out: str | Path, tokenizer: str =
             raise ConfigError(f"input {path} is empty")
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    created = _make_out_dir(out)
     target, partial = out / f"{name}.bin", out / f"{name}.bin.partial"
     starts, total = [], 0
-    with open(partial, "wb") as sink, Progress(transient=True) as progress:
-        task = progress.add_task("tokenizing", total=sum(p.stat().st_size for p in paths))
-        for path in paths:
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                raise ConfigError(f"input {path} cannot be read as UTF-8 text: {err}") from None
-            ids = encode(text) + ([eot] if eot is not None else [])
-            starts.append(total)
-            np.asarray(ids, dtype=dtype).tofile(sink)
-            total += len(ids)
-            progress.advance(task, path.stat().st_size)
-    partial.replace(target)  # a reader never sees a half-written file
-    np.save(out / f"{name}.docs.npy", np.asarray(starts, np.int64), allow_pickle=False)
-    (out / f"{name}.json").write_text(json.dumps({
-        "dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": tokenizer, "eot_id": eot,
-        "num_tokens": total, "num_documents": len(paths), "inputs": [str(p) for p in paths],
-    }, indent=2))
+    try:
+        with open(partial, "wb") as sink, Progress(transient=True) as progress:
+            task = progress.add_task("tokenizing", total=sum(p.stat().st_size for p in paths))
+            for path in paths:
+                try:
+                    text = path.read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError) as err:
+                    raise ConfigError(f"input {path} cannot be read as UTF-8 text: {err}") from None
+                ids = encode(text) + ([eot] if eot is not None else [])
+                starts.append(total)
+                np.asarray(ids, dtype=dtype).tofile(sink)
+                total += len(ids)
+                progress.advance(task, path.stat().st_size)
+        # The sidecars first, the tokens last: a reader that sees NAME.bin sees its sidecars too.
+        docs = out / f"{name}.docs.npy"
+        with open(docs.with_name(docs.name + ".partial"), "wb") as f:
+            np.save(f, np.asarray(starts, np.int64), allow_pickle=False)
+        meta = out / f"{name}.json"
+        meta.with_name(meta.name + ".partial").write_text(json.dumps({
+            "dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": tokenizer, "eot_id": eot,
+            "num_tokens": total, "num_documents": len(paths), "inputs": [str(p) for p in paths],
+        }, indent=2))
+        for path in (docs, meta, target):
+            path.with_name(path.name + ".partial").replace(path)
+    except BaseException:  # refused input or an interrupt: leave nothing half-written behind
+        for path in out.glob(f"{name}.*.partial"):
+            path.unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     return target

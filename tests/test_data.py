@@ -121,9 +121,14 @@ def test_prepare_data_and_text_source(tmp_path):
         (lambda d: TokenFiles([str(d / "a.txt")], 1, 1, vocab_size=300), "it looks like text"),
         (lambda d: prepare_data([d / "empty.bin"], d / "o"), "empty.bin is empty"),
         (lambda d: prepare_data([d / "a.txt"], d / "o", tokenizer="wordpiece"), "valid: byte, tiktoken"),
+        (lambda d: TokenFiles([str(d / "badjson.bin")], 8, 2), "badjson.json cannot be read (JSONDecodeError"),
+        (lambda d: TokenFiles([str(d / "baddocs.bin")], 8, 2), "baddocs.docs.npy cannot be read (ValueError"),
+        (lambda d: TokenFiles([str(d / "unsorted.bin")], 8, 2), "document starts must increase from 0"),
+        (lambda d: TokenFiles([str(d / "short.bin")], 8, 2, token_dtype="uint32"),
+         "data.token_dtype=uint32 contradicts short.json, which records uint16 tokens"),
     ],
     ids=["missing", "empty", "too-short", "odd-bytes", "no-match", "vocab", "bare-ids", "text-as-tokens",
-         "prepare-empty", "tokenizer"],
+         "prepare-empty", "tokenizer", "corrupt-meta", "corrupt-docs", "unsorted-docs", "dtype-conflict"],
 )
 def test_bad_data_is_a_clear_error_naming_the_file(tmp_path, make, needle):
     (tmp_path / "empty.bin").write_bytes(b"")
@@ -132,6 +137,11 @@ def test_bad_data_is_a_clear_error_naming_the_file(tmp_path, make, needle):
     (tmp_path / "odd.bin").write_bytes(b"abc")
     (tmp_path / "a.txt").write_text("text")
     _write_bin(tmp_path / "bare.bin", [*range(40), 300, 7])
+    for name in ("badjson", "baddocs", "unsorted"):
+        _write_bin(tmp_path / f"{name}.bin", np.arange(40))
+    (tmp_path / "badjson.json").write_text('{"dtype": "uint16", "vocab')  # cut short
+    (tmp_path / "baddocs.docs.npy").write_bytes(b"\x93NUMPY garbage")
+    np.save(tmp_path / "unsorted.docs.npy", np.array([0, 20, 10]))
     with pytest.raises(ConfigError, match=None) as err:
         make(tmp_path)
     assert needle in str(err.value)

@@ -149,7 +149,10 @@ def _open(path: Path, token_dtype: str, eot_id: int | None = None):
     if not path.is_file():
         raise ConfigError(f"data file {path} does not exist")
     meta_path = path.with_suffix(".json")
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() and path.suffix == ".bin" else {}
+    meta = _sidecar_meta(meta_path) if meta_path.is_file() and path.suffix == ".bin" else {}
+    if token_dtype != "auto" and meta.get("dtype") not in (None, token_dtype):
+        raise ConfigError(f"data.token_dtype={token_dtype} contradicts {meta_path.name}, which records "
+                          f"{meta['dtype']} tokens for {path} (valid: data.token_dtype=auto or {meta['dtype']})")
     dtype = meta.get("dtype") or ("uint16" if token_dtype == "auto" else token_dtype)
     if dtype not in ("uint8", "uint16", "uint32"):
         raise ConfigError(f"data file {path}: token dtype {dtype!r} is not supported (valid: uint16, uint32)")
@@ -165,9 +168,37 @@ def _open(path: Path, token_dtype: str, eot_id: int | None = None):
     except OSError as err:
         raise ConfigError(f"data file {path} cannot be read: {err.strerror}") from None
     docs_path = path.with_suffix(".docs.npy")
-    starts = np.load(docs_path, allow_pickle=False).astype(np.int64) if docs_path.is_file() else None
+    starts = _sidecar_starts(docs_path, tokens.size) if docs_path.is_file() else None
     eot = eot_id if eot_id is not None else meta.get("eot_id")
     return path, tokens, meta.get("vocab_size"), _Documents(starts, eot)
+
+
+def _sidecar_meta(path: Path) -> dict:
+    fix = "rewrite it with spmd-train prepare-data, or remove it to read the .bin without it"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"data sidecar {path} cannot be read ({type(err).__name__}: {err}); {fix}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"data sidecar {path} is not a JSON object; {fix}")
+    return meta
+
+
+def _sidecar_starts(path: Path, num_tokens: int) -> np.ndarray:
+    """Document starts from NAME.docs.npy: increasing offsets from 0 inside the token file."""
+    fix = "rewrite it with spmd-train prepare-data, or remove it (documents then come from data.eot_id)"
+    try:
+        starts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:
+        raise ConfigError(f"data sidecar {path} cannot be read ({type(err).__name__}: {err}); {fix}") from None
+    if starts.ndim != 1 or starts.dtype.kind not in "iu" or not starts.size:
+        raise ConfigError(f"data sidecar {path} holds {starts.dtype} of shape {starts.shape}, not document starts "
+                          f"(a 1-D array of integer offsets); {fix}")
+    starts = starts.astype(np.int64)
+    if starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= num_tokens:
+        raise ConfigError(f"data sidecar {path}: document starts must increase from 0 and stay below the file's "
+                          f"{num_tokens} tokens (found {starts[0]} to {starts[-1]}); {fix}")
+    return starts
 
 
 SCAN_CHUNK = 1 << 24

@@ -135,7 +135,7 @@ def test_resume_step_goes_back_to_a_saved_step_and_sets_the_newer_ones_aside(tmp
         range(1, 10))
 
 
-def test_saving_a_saved_step_is_a_no_op_and_a_finished_run_compiles_nothing(tmp_path, devices):
+def test_a_saved_step_is_not_saved_again_a_finished_run_compiles_nothing_step_records_reach_the_file(tmp_path, devices):
     trainer = _trainer(tmp_path, devices, "train.steps=3")
     trainer.init()
     trainer.run()  # saves step 3 at the end (asynchronously)
@@ -145,7 +145,13 @@ def test_saving_a_saved_step_is_a_no_op_and_a_finished_run_compiles_nothing(tmp_
     assert Checkpointer(tmp_path / "checkpoints").steps() == [3]
     again = _trainer(tmp_path, devices, "train.steps=3")
     assert again.run() == [] and again.step_count == 3 and again.compile_time_s is None
+    again.step()  # one more by hand: its record reaches metrics.jsonl like run()'s
+    with pytest.raises(ConfigError, match=r"show_sharding\('blocks.mlp.w_upp'\): no such parameter; did you mean "
+                                          r"'blocks.mlp.w_up'"):
+        again.show_sharding("blocks.mlp.w_upp")
     again.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
 
 
 def test_load_from_starts_from_another_runs_weights(tmp_path, devices):

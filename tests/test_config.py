@@ -159,3 +159,9 @@ def test_clipping_can_be_switched_off_and_every_default_rule_names_a_logical_axi
     assert load_config(None, ["optim.clip_norm=null"]).optim.clip_norm is None
     rules = load_config(None, []).mesh.rules
     assert set(rules.activations) | set(rules.params) <= set(LOGICAL_AXES)
+
+
+def test_overrides_given_as_one_string_are_refused_clearly():
+    with pytest.raises(ConfigError, match=r"not the string 'mesh.fsdp=2 mesh.tensor=4' \(valid: \['mesh.fsdp=2', "
+                                          r"'mesh.tensor=4'\]\)"):
+        load_config(None, "mesh.fsdp=2 mesh.tensor=4")

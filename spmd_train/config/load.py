@@ -54,6 +54,9 @@ def _yaml(text: str) -> Any:
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML run config (or only defaults when path is None), apply overrides and presets."""
+    if isinstance(overrides, str):  # iterating it would read one character per override
+        raise ConfigError(f"load_config takes its overrides as a list of 'section.key=value' strings, not the string "
+                          f"{overrides!r} (valid: {overrides.split()!r})")
     raw: dict[str, Any] = {}
     base_dir = Path.cwd()
     if path is not None:

@@ -23,7 +23,8 @@ log = logging.getLogger("spmd_train")
 class MetricsSink:
     """Appends one JSON object per step to metrics.jsonl and the same scalars to TensorBoard."""
 
-    def __init__(self, run_dir: Path, *, total_steps: int, log_every: int, start_step: int = 0):
+    def __init__(self, run_dir: Path, *, total_steps: int, log_every: int, start_step: int = 0,
+                 progress: bool = True):
         self.active = jax.process_index() == 0
         self.total, self.log_every = total_steps, log_every
         self.path = run_dir / "metrics.jsonl"
@@ -34,7 +35,7 @@ class MetricsSink:
         from tensorboardX import SummaryWriter
 
         self._tb = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10)
-        if sys.stderr.isatty():
+        if progress and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import shutil
 import signal
@@ -61,6 +62,7 @@ class Trainer:
         self._halted: str | None = None
         self._lock: Path | None = None
         self._watchdog = StepWatchdog(cfg.run.peer_timeout_s, active=False)
+        self._step_sink: MetricsSink | None = None
         kind = self.engine.mesh.devices.flat[0].device_kind
         spec = device_spec(kind)
         peak = cfg.run.peak_tflops * 1e12 if cfg.run.peak_tflops else (spec.peak_bf16_flops if spec else None)
@@ -154,6 +156,10 @@ class Trainer:
         self.state, metrics = self._compiled(self.state, self._batch(index))
         record = self._record(index, jax.device_get(metrics), time.perf_counter() - start)
         self.history.append(record)
+        if self._step_sink is None:  # records of step() reach metrics.jsonl like those of run()
+            self._step_sink = MetricsSink(self.run_dir, total_steps=self.cfg.train.steps,
+                                          log_every=self.cfg.run.log_every, start_step=index, progress=False)
+        self._step_sink.write(record)
         self._judge(record)
         if self._halted:
             raise TrainingHalted(self._halted)
@@ -169,6 +175,9 @@ class Trainer:
             self._say(f"nothing to do: the run is at step {first} and train.steps={self.cfg.train.steps}")
             return []
         self.compile()
+        if self._step_sink is not None:
+            self._step_sink.close()
+            self._step_sink = None
         sink = MetricsSink(self.run_dir, total_steps=self.cfg.train.steps, log_every=self.cfg.run.log_every,
                            start_step=first)
         sink.note("compiled the train step in %.2f s", self.compile_time_s)
@@ -283,6 +292,12 @@ class Trainer:
         self._ensure_ready()
         leaf = self.state.params
         for part in name.split("."):
+            if not isinstance(leaf, dict) or part not in leaf:
+                names = _dotted_paths(self.state.params)
+                close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+                raise ConfigError(f"show_sharding({name!r}): no such parameter"
+                                  + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
+                                  + f" (valid: {', '.join(names)})")
             leaf = leaf[part]
         if name.startswith("blocks."):
             leaf = leaf[0]
@@ -292,6 +307,9 @@ class Trainer:
 
     def close(self) -> None:
         """Wait for pending checkpoint writes and release resources (the run directory's lock last)."""
+        if self._step_sink is not None:
+            self._step_sink.close()
+            self._step_sink = None
         if self._checkpointer is not None:
             self._checkpointer.close()
             self._checkpointer = None
@@ -480,6 +498,15 @@ class Trainer:
     def _say(self, message: str) -> None:
         if jax.process_index() == 0:
             logging.getLogger("spmd_train").info(message)
+
+
+def _dotted_paths(tree: dict, prefix: str = "") -> list[str]:
+    """'blocks.mlp.w_up' for every leaf of a nested dict of parameters."""
+    out = []
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        out.extend(_dotted_paths(value, path) if isinstance(value, dict) else [path])
+    return out
 
 
 class _Unguarded(NamedTuple):

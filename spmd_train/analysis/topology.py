@@ -24,6 +24,8 @@ def tpu_topology_devices(name: str) -> list[jax.Device]:
     """The devices of TPU slice `name` (e.g. 'v5e:2x4'): enough to build a Mesh and compile."""
     # No TPU is used, only its compiler: several processes (parallel tests, two describes) may load it.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Off a TPU VM libtpu cannot look its workers up and logs an error for it; compiling needs no workers.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     if not has_libtpu():
         raise ConfigError(
             f"--topology {name} needs libtpu to compile for TPU on this host, and it is not installed: "

@@ -18,6 +18,7 @@ LAYERS = {
     "spmd_train.errors": 0,
     "spmd_train.config": 0,
     "spmd_train.hardware": 0,
+    "spmd_train.output_dir": 0,
     "spmd_train.mesh": 1,
     "spmd_train.devices": 1,
     "spmd_train.tpu_flags": 1,

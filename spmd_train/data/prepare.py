@@ -19,6 +19,7 @@ import numpy as np
 from rich.progress import Progress
 
 from spmd_train.errors import ConfigError
+from spmd_train.output_dir import make_output_dir
 
 
 def load_tokenizer(spec: str) -> tuple[Callable[[str], list[int]], int, int | None]:
@@ -58,19 +59,6 @@ def load_tokenizer(spec: str) -> tuple[Callable[[str], list[int]], int, int | No
     raise ConfigError(f"--tokenizer {spec!r} is not a tokenizer (valid: byte, tiktoken:NAME, sentencepiece:PATH)")
 
 
-def _make_out_dir(out: Path) -> bool:
-    """Create the output directory (True if this call did); ConfigError when it is a file or cannot be made."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a directory (valid: a new or existing directory)")
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"--out {out} cannot be created ({err.strerror or err}) (valid: a directory this user "
-                          "can write)") from None
-    return created
-
-
 def prepare_data(inputs: Sequence[str | Path], out: str | Path, tokenizer: str = "byte", name: str = "data") -> Path:
     """Tokenize `inputs` (one document each) into OUT/NAME.bin; returns the .bin path."""
     encode, vocab, eot = load_tokenizer(tokenizer)
@@ -82,7 +70,7 @@ def prepare_data(inputs: Sequence[str | Path], out: str | Path, tokenizer: str =
             raise ConfigError(f"input {path} is empty")
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
     out = Path(out)
-    created = _make_out_dir(out)
+    created = make_output_dir(out, f"--out {out}")
     target, partial = out / f"{name}.bin", out / f"{name}.bin.partial"
     starts, total = [], 0
     try:

@@ -103,10 +103,11 @@ class Engine:
         shapes = nnx.to_pure_dict(abstract_state)
         tx = make_optimizer(cfg.optim, cfg.train.steps, logical)
         param_sh = layout.param_shardings(logical, shapes)
+        opt_shapes = jax.eval_shape(tx.init, shapes)
         opt_sh = optax.tree_map_params(
             tx,
             lambda _, sharding: sharding,
-            jax.eval_shape(tx.init, shapes),
+            opt_shapes,
             layout.opt_shardings(logical, shapes),
             transform_non_params=lambda _: NamedSharding(mesh, P()),
         )
@@ -115,7 +116,7 @@ class Engine:
         state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, guard=guard_sh)
         # Before anything compiles: XLA aborts the process on a state of absurd size.
         need = (bytes_per_device(shapes, param_sh) + bytes_per_device(shapes, layout.grad_shardings(logical, shapes))
-                + bytes_per_device(jax.eval_shape(tx.init, shapes), opt_sh))
+                + bytes_per_device(opt_shapes, opt_sh))
         check_state_fits(need, mesh.devices.flat[0], describe_run(cfg, sizes), allocating=False)
         plan = order = None
         if mesh.shape["pipeline"] > 1:

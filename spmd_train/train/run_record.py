@@ -1,30 +1,13 @@
-"""The run directory itself, and config.json with its history (what each start or resume was configured with)."""
+"""config.json and its history: what each start or resume of a run directory was configured with."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-from spmd_train.errors import ConfigError
 from spmd_train.train.metrics import write_atomically
-
-
-def make_run_dir(run_dir: Path) -> bool:
-    """Create run.dir (True if this call did); ConfigError when it is a file or cannot be written."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run.dir={run_dir} is a file, not a directory (valid: a new or existing directory)")
-    created = not run_dir.exists()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"run.dir={run_dir} cannot be created ({err.strerror or err}) (valid: a directory this "
-                          "user can write)") from None
-    if not os.access(run_dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"run.dir={run_dir} is not writable by this user (valid: a directory this user can write)")
-    return created
 
 
 def record_config(run_dir: Path, record: dict[str, Any], step: int) -> dict[str, list[Any]]:

@@ -29,6 +29,7 @@ from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError, TrainingHalted
 from spmd_train.hardware import device_spec
 from spmd_train.models.flops import flops_per_token
+from spmd_train.output_dir import make_output_dir
 from spmd_train.train import run_lock
 from spmd_train.train.capacity import check_state_fits, describe_run
 from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_same_parameters
@@ -36,7 +37,7 @@ from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.fingerprint import differences
 from spmd_train.train.guards import REASONS, resize_window
 from spmd_train.train.metrics import MetricsSink, read_history
-from spmd_train.train.run_record import make_run_dir, record_config
+from spmd_train.train.run_record import record_config
 from spmd_train.train.watchdog import StepWatchdog
 
 
@@ -92,7 +93,7 @@ class Trainer:
 
         Refused input (ConfigError) leaves nothing behind: a run.dir this call created is removed again.
         """
-        created = make_run_dir(self.run_dir)
+        created = make_output_dir(self.run_dir, f"run.dir={self.run_dir}")
         try:
             return self._init()
         except ConfigError:
@@ -175,9 +176,7 @@ class Trainer:
             self._say(f"nothing to do: the run is at step {first} and train.steps={self.cfg.train.steps}")
             return []
         self.compile()
-        if self._step_sink is not None:
-            self._step_sink.close()
-            self._step_sink = None
+        self._close_step_sink()  # one writer of metrics.jsonl at a time
         sink = MetricsSink(self.run_dir, total_steps=self.cfg.train.steps, log_every=self.cfg.run.log_every,
                            start_step=first)
         sink.note("compiled the train step in %.2f s", self.compile_time_s)
@@ -221,8 +220,8 @@ class Trainer:
             elif self._stop_signal:
                 sink.note("stopped by %s after step %d; checkpoint saved in %s", self._stop_signal,
                           self.step_count, self.run_dir / "checkpoints")
-            elif self.step_count not in self.checkpointer.steps() and new:
-                self.save()
+            elif new:
+                self.save()  # a no-op when the last step was saved periodically
             with self._watchdog.paused():
                 self.checkpointer.wait()
         if self._halted:
@@ -307,9 +306,7 @@ class Trainer:
 
     def close(self) -> None:
         """Wait for pending checkpoint writes and release resources (the run directory's lock last)."""
-        if self._step_sink is not None:
-            self._step_sink.close()
-            self._step_sink = None
+        self._close_step_sink()
         if self._checkpointer is not None:
             self._checkpointer.close()
             self._checkpointer = None
@@ -318,6 +315,11 @@ class Trainer:
             self._lock = None
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _close_step_sink(self) -> None:
+        if self._step_sink is not None:
+            self._step_sink.close()
+            self._step_sink = None
 
     def _ensure_ready(self) -> None:
         if self.state is None:

@@ -34,8 +34,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 from benchmarks.report import provenance, update_section  # noqa: E402
 from spmd_train import Engine, load_config  # noqa: E402
 from spmd_train.analysis import describe  # noqa: E402
+from spmd_train.analysis.render import human_bytes  # noqa: E402
 from spmd_train.analysis.topology import has_libtpu  # noqa: E402
-from spmd_train.cli.render import human_bytes  # noqa: E402
 from spmd_train.data import make_source  # noqa: E402
 from spmd_train.parallel.schedules import simulate  # noqa: E402
 

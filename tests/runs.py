@@ -68,8 +68,11 @@ def abstract_like(shapes, shardings):
 
 
 def token_files(path: str) -> list[str]:
-    """Overrides that train on the token file at `path`, all of it (no held-out split)."""
-    return ["data.source=tokens", f"data.paths=[{path}]", "data.val_fraction=0.0"]
+    """Overrides that train on the byte token file at `path`, all of it (no held-out split).
+
+    prepare-data's byte ids run to 256 (end of text): the model needs 257 rows at least, 264 divides by 8.
+    """
+    return ["data.source=tokens", f"data.paths=[{path}]", "data.val_fraction=0.0", "model.vocab_size=264"]
 
 
 def write_corpus(folder, lengths, seed=0):

@@ -97,10 +97,10 @@ def test_prepare_data_then_train_on_it(tmp_path):
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     prep = cli("prepare-data", str(corpus), "--out", str(tmp_path / "data"))
     assert prep.returncode == 0, prep.stderr
-    assert "wrote 18,000 tokens" in prep.stdout
+    assert "wrote 18,001 tokens" in prep.stdout  # and the end-of-text id
     run_dir = tmp_path / "run"
     proc = cli("train", "configs/tiny.yaml", "data.source=tokens", f"data.paths=[{tmp_path / 'data' / 'data.bin'}]",
-                "train.steps=30", f"run.dir={run_dir}")
+                "model.vocab_size=264", "train.steps=30", f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < losses[0] - 1.0

@@ -37,8 +37,8 @@ def test_token_files_rows_carry_their_documents(tmp_path):
     assert source.documents  # packed token files mask documents by default
     tokens = source.global_batch_array(2)
     segments, positions = source.document_rows(2, np.arange(8))
-    text = "".join(docs)
-    starts = np.cumsum([0] + [len(d) for d in docs])
+    text = "".join(d + "\0" for d in docs)  # each document ends with id 256, read back as byte 0
+    starts = np.cumsum([0] + [len(d) + 1 for d in docs])
     for row, seg, pos in zip(tokens, segments, positions, strict=True):
         offset = text.index(bytes(row.astype(np.uint8)).decode())
         doc = np.searchsorted(starts, offset + np.arange(17), side="right") - 1

@@ -15,6 +15,7 @@ from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
 from spmd_train.analysis.context_report import compiled_over_sequence, context_section
 from spmd_train.analysis.hlo import matmul_flops
 from spmd_train.analysis.moe_report import moe_section
+from spmd_train.analysis.render import PIPELINE_FLOPS_NOTE, Rendered
 from spmd_train.analysis.topology import tpu_topology_devices
 from spmd_train.analysis.zero_floor import FloorTerm, floor_by_axes, zero_floor
 from spmd_train.config.schema import Config
@@ -110,7 +111,7 @@ class PipelineReport:
 
 
 @dataclass(frozen=True)
-class StepReport:
+class StepReport(Rendered):
     """Everything `spmd-train describe` shows, for one config on one mesh."""
 
     mesh: dict[str, int]
@@ -307,11 +308,6 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     )
 
 
-PIPELINE_FLOPS_NOTE = (
-    "pipelined step: FLOPs per device are the model count (averaged over devices; the last stage also runs the "
-    "LM head), not the compiled program's: its loop-aware count adds both the forward and the backward branch of "
-    "the per-tick lax.switch on every tick, though each tick runs at most one (pipeline.compiled_flops_all_branches)"
-)
 PIPELINE_COLLECTIVES_NOTE = (
     "pipelined step: collectives inside a stage's forward or backward (its fsdp/tensor gathers and reductions) "
     "are counted on every tick for each branch of the per-tick lax.switch, so their counts and bytes are upper "

@@ -11,7 +11,7 @@ import sys
 import jax
 
 from spmd_train.analysis import describe
-from spmd_train.cli.render import render, render_rules
+from spmd_train.analysis.render import render, render_rules
 from spmd_train.cli.schedule import schedule_report
 from spmd_train.config import load_config
 from spmd_train.config.rules import resolve_rules
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     _log_to_stderr()
     try:
         if args.command == "prepare-data":
-            path = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, name=args.name)
+            path = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, name=args.name,
+                                text_field=args.text_field)
             meta = json.loads(path.with_suffix(".json").read_text())
             print(f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']} documents, {meta['dtype']}, vocab "
                   f"{meta['vocab_size']}) to {path}; train on it with data.source=tokens data.paths=[{path}]")
@@ -156,12 +157,17 @@ def _parser() -> argparse.ArgumentParser:
     describe_cmd.add_argument("--topology", metavar="NAME",
                               help="compile for a TPU slice from this host, e.g. v5e:2x4, v5p:4x4x4 "
                               "(needs the tpu-aot extra)")
-    prep = sub.add_parser("prepare-data", help="tokenize text files into a .bin token file",
-                          description="Tokenize UTF-8 text files (one document each) into OUT/NAME.bin with sidecars.")
-    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="UTF-8 text files")
+    prep = sub.add_parser("prepare-data", help="tokenize text or JSONL files into a .bin token file",
+                          description="Tokenize UTF-8 text files (one document each) and JSONL files (one document "
+                          "per line) into OUT/NAME.bin with sidecars, streaming; each document ends with the "
+                          "tokenizer's end-of-text id.")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT",
+                      help="UTF-8 text files, or .jsonl files of JSON objects; a .gz suffix is decompressed")
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument("--tokenizer", default="byte", help="byte (default), tiktoken:NAME or sentencepiece:PATH")
     prep.add_argument("--name", default="data", help="file name stem (default: data)")
+    prep.add_argument("--text-field", default="text", metavar="KEY",
+                      help="the field of each JSONL object that holds the document's text (default: text)")
     sched = sub.add_parser("schedule", help="print a pipeline schedule's timeline, bubble and in-flight activations",
                            description="Print which stage runs which forward/backward at each tick of a pipeline "
                            "schedule, and its bubble fraction, peak in-flight activations and transfers.")

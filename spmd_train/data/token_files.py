@@ -9,10 +9,11 @@ from the rest. With packing (the default) a window may span documents, so docume
 than seq_len are packed together; without it every window lies inside one document.
 
 Where documents begin: `NAME.docs.npy` when present (prepare-data writes the offset of every
-input file, exact for every tokenizer, including `byte`, which has no end-of-text token);
-otherwise after each end-of-document token (`eot_id` of the sidecar, or `data.eot_id` for
-files written by other tools, e.g. 50256 for GPT-2 tokens); otherwise the file is one
-document. With document masking each row also carries its documents' segments and positions.
+document, exact for every tokenizer, also for files that `byte` wrote before it had an
+end-of-text id, vocab 256); otherwise after each end-of-document token (`eot_id` of the
+sidecar, or `data.eot_id` for files written by other tools, e.g. 50256 for GPT-2 tokens);
+otherwise the file is one document. With document masking each row also carries its
+documents' segments and positions.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class TokenFiles(TokenSource):
         # unpacked windows never span two.
         self.documents = (packing and not text) if document_mask is None else document_mask
         vocabs = [v for _, _, v, _ in self.streams if v is not None]
+        # Text is bytes 0-255, no end-of-text id: each file is its own stream and no window spans
+        # two, so there is nothing to separate. A prepared `byte` file (vocab 257) adds id 256.
         vocab = 256 if text else (max(vocabs) if vocabs else vocab_size)
         super().__init__(vocab or 0, seq_len, global_batch, seed)
         if vocab_size is not None and vocab and vocab > vocab_size:

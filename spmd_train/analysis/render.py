@@ -1,14 +1,35 @@
-"""Readable tables for `spmd-train describe` (rich)."""
+"""Readable tables for `spmd-train describe` and `Trainer.describe()` (rich renderables; HTML in notebooks).
+
+Reports are passed in as `StepReport`s (analysis/report.py), which import this module to render themselves.
+"""
 
 from __future__ import annotations
 
+import io
 import sys
+from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.table import Table
 
-from spmd_train.analysis.report import PIPELINE_FLOPS_NOTE, PipelineReport, StepReport
 from spmd_train.parallel import Backends
+
+PIPELINE_FLOPS_NOTE = (
+    "pipelined step: FLOPs per device are the model count (averaged over devices; the last stage also runs the "
+    "LM head), not the compiled program's: its loop-aware count adds both the forward and the backward branch of "
+    "the per-tick lax.switch on every tick, though each tick runs at most one (pipeline.compiled_flops_all_branches)"
+)
+"""Said by the pipelined FLOPs line itself, so not repeated among the notes."""
+
+
+class Rendered:
+    """What `describe` returns shows itself as the CLI's tables: `rich.print(report)`, and HTML in a notebook."""
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        yield from renderables(self)
+
+    def _repr_html_(self) -> str:
+        return as_html(self)
 
 
 def human_bytes(n: float | None) -> str:
@@ -22,16 +43,30 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.2f} TiB"
 
 
-def render(report: StepReport, console: Console | None = None) -> None:
+def render(report: Any, console: Console | None = None) -> None:
     """Print the report as a header and its tables (parameters, memory, pipeline, experts, collectives)."""
     console = console or Console(width=None if sys.stdout.isatty() else 140)
+    for item in renderables(report):
+        console.print(item)
+
+
+def as_html(report: Any) -> str:
+    """The report's tables as one HTML fragment (what a notebook shows for `trainer.describe()`)."""
+    console = Console(record=True, file=io.StringIO(), width=140, force_jupyter=False)
+    render(report, console)
+    return console.export_html(inline_styles=True, code_format='<pre style="font-family:monospace">{code}</pre>')
+
+
+def renderables(report: Any) -> list[RenderableType]:
+    """The report as rich renderables: header lines, then the tables, in the order `render` prints them."""
+    out: list[RenderableType] = []
     where = f"TPU slice {report.topology}" if report.topology else "this host"
     mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items() if s > 1) or "1 device"
-    console.print(f"[bold]{report.devices} x {report.device_kind}[/bold] on {where}; mesh {mesh}; "
-                  f"{report.param_count:,} parameters; step compiled in {report.compile_seconds:.1f} s")
+    out.append(f"[bold]{report.devices} x {report.device_kind}[/bold] on {where}; mesh {mesh}; "
+               f"{report.param_count:,} parameters; step compiled in {report.compile_seconds:.1f} s")
     backends = report.resolved.get("backends")
     if backends:
-        console.print("backends: " + Backends(**backends).describe())
+        out.append("backends: " + Backends(**backends).describe())
 
     params = Table(title="Parameters", title_justify="left")
     for col in ("name", "shape", "logical axes", "partition spec", "bytes / device"):
@@ -40,7 +75,7 @@ def render(report: StepReport, console: Console | None = None) -> None:
         spec = ", ".join("-" if e is None else "+".join(e) if isinstance(e, tuple) else e for e in row.spec)
         params.add_row(row.path, str(list(row.shape)), ", ".join(str(n) for n in row.logical), spec,
                        human_bytes(row.bytes_per_device))
-    console.print(params)
+    out.append(params)
 
     d = report.per_device
     memory = Table(title="Memory per device", title_justify="left")
@@ -54,48 +89,56 @@ def render(report: StepReport, console: Console | None = None) -> None:
         memory.add_row(label, human_bytes(d[key]))
     fits = "unknown device" if report.fits is None else ("yes" if report.fits else "[red]NO[/red]")
     memory.add_row("device memory (HBM)", f"{human_bytes(report.hbm_bytes)}  fits: {fits}")
-    console.print(memory)
+    out.append(memory)
     if report.pipeline is not None:
-        render_pipeline(report.pipeline, console)
+        out.extend(pipeline_renderables(report.pipeline))
     if report.moe is not None:
-        render_moe(report.moe, console)
+        out.extend(moe_renderables(report.moe))
     if report.context is not None:
-        render_context(report.context, console)
+        out.extend(context_renderables(report.context))
 
     if d["flops"] is None:
         for note in report.notes:
-            console.print(f"[red]{note}[/red]")
-        return
+            out.append(f"[red]{note}[/red]")
+        return out
     if report.pipeline is not None:
-        console.print(f"FLOPs per device per step (pipelined): model {d['model_flops']:.4g}, mean over devices; "
-                      f"compiled program with both branches of every tick counted (an over-count) "
-                      f"{report.pipeline.compiled_flops_all_branches:.4g}")
+        out.append(f"FLOPs per device per step (pipelined): model {d['model_flops']:.4g}, mean over devices; "
+                   f"compiled program with both branches of every tick counted (an over-count) "
+                   f"{report.pipeline.compiled_flops_all_branches:.4g}")
     else:
         ratio = d["flops"] / d["model_flops"] if d["model_flops"] else float("nan")
-        console.print(f"FLOPs per device per step: compiled program {d['flops']:.4g}, model {d['model_flops']:.4g} "
-                      f"(ratio {ratio:.2f}); XLA cost analysis, loop bodies counted once: {d['xla_cost_flops']:.4g}")
+        out.append(f"FLOPs per device per step: compiled program {d['flops']:.4g}, model {d['model_flops']:.4g} "
+                   f"(ratio {ratio:.2f}); XLA cost analysis, loop bodies counted once: {d['xla_cost_flops']:.4g}")
 
     coll = Table(title="Collectives per step (bytes each device sends, bandwidth-optimal)", title_justify="left")
     for col in ("op", "mesh axes", "group", "count", "bytes / device"):
         coll.add_column(col, justify="left" if col in ("op", "mesh axes") else "right")
     for c in report.collectives:
         coll.add_row(c.op, ", ".join(c.axes), str(c.group_size), str(c.count), human_bytes(c.bytes))
-    console.print(coll if report.collectives else "No collectives: every device computes alone.")
+    out.append(coll if report.collectives else "No collectives: every device computes alone.")
     for row in report.floor_ratios():
         over = ("all of " if row.get("total") else "") + ", ".join(row["axes"])
-        console.print(f"ZeRO floor over {over}: {human_bytes(row['floor_bytes'])} per device per "
-                      f"step (weight gathers, gradient reductions); compiled {human_bytes(row['compiled_bytes'])} over "
-                      f"those axes, ratio {row['ratio']:.2f}")
+        out.append(f"ZeRO floor over {over}: {human_bytes(row['floor_bytes'])} per device per "
+                   f"step (weight gathers, gradient reductions); compiled {human_bytes(row['compiled_bytes'])} over "
+                   f"those axes, ratio {row['ratio']:.2f}")
     for note in report.notes:
         if note != PIPELINE_FLOPS_NOTE:  # said in the FLOPs line already
-            console.print(f"[dim]note: {note}[/dim]")
+            out.append(f"[dim]note: {note}[/dim]")
     if report.resolved.get("rules"):
-        render_rules(report.resolved["rules"], console)
+        out.extend(rules_renderables(report.resolved["rules"]))
+    return out
 
 
 def render_rules(rules: dict, console: Console | None = None) -> None:
-    """The effective rules (`ResolvedRules.to_json()`): one row per logical axis, then the rules the code added."""
+    """Print the effective rules (`ResolvedRules.to_json()`)."""
     console = console or Console(width=None if sys.stdout.isatty() else 140)
+    for item in rules_renderables(rules):
+        console.print(item)
+
+
+def rules_renderables(rules: dict) -> list[RenderableType]:
+    """The effective rules: one row per logical axis, then the rules the code added."""
+    out: list[RenderableType] = []
     table = Table(title="Sharding rules (logical axis -> mesh axes)", title_justify="left")
     for col in ("logical axis", "activations", "parameters"):
         table.add_column(col)
@@ -103,18 +146,21 @@ def render_rules(rules: dict, console: Console | None = None) -> None:
     for name in [*acts, *(n for n in params if n not in acts)]:
         show = lambda axes: ", ".join(axes) if axes else "-" if axes is not None else ""
         table.add_row(name, show(acts.get(name)), show(params.get(name)))
-    console.print(table)
+    out.append(table)
     for line in rules["added_by_code"]:
-        console.print(f"added by the code: {line}")
+        out.append(f"added by the code: {line}")
+    return out
 
 
-def render_pipeline(pipe: PipelineReport, console: Console) -> None:
+
+def pipeline_renderables(pipe: Any) -> list[RenderableType]:
     """The schedule's figures and, per stage, the VJP residuals (stash) it keeps alive at most."""
+    out: list[RenderableType] = []
     virtual = f", {pipe.virtual_stages} chunks per stage" if pipe.virtual_stages > 1 else ""
     rows = f"{pipe.microbatch_rows} row{'s' if pipe.microbatch_rows != 1 else ''}"
-    console.print(f"[bold]Pipeline schedule {pipe.schedule}[/bold]: {pipe.stages} stages, {pipe.microbatches} "
-                  f"microbatches of {rows} per device{virtual}; {pipe.ticks} ticks; bubble fraction "
-                  f"{pipe.bubble_fraction:.4f} (closed form (p-1)/(v*m+p-1) = {pipe.bubble_fraction_formula:.4f})")
+    out.append(f"[bold]Pipeline schedule {pipe.schedule}[/bold]: {pipe.stages} stages, {pipe.microbatches} "
+               f"microbatches of {rows} per device{virtual}; {pipe.ticks} ticks; bubble fraction "
+               f"{pipe.bubble_fraction:.4f} (closed form (p-1)/(v*m+p-1) = {pipe.bubble_fraction_formula:.4f})")
     table = Table(title="Pipeline stages (stash: VJP residuals kept from a forward to its backward)",
                   title_justify="left")
     for col in ("stage", "busy ticks", "peak in flight (microbatch, chunk)", "stash at peak"):
@@ -123,16 +169,19 @@ def render_pipeline(pipe: PipelineReport, console: Console) -> None:
         table.add_row(str(s.stage), str(s.busy_ticks), str(s.peak_in_flight), human_bytes(s.stash_bytes))
     table.add_row("every device", "", f"{pipe.stash_slots} slots reserved", human_bytes(pipe.stash_bytes_reserved),
                   style="bold")
-    console.print(table)
-    console.print(f"stash at peak = peak in flight x {human_bytes(pipe.stash_bytes_per_microbatch)} per (microbatch, "
-                  f"chunk); the compiled program is the same on every stage, so every device reserves the largest "
-                  f"stage's {pipe.stash_slots} slots (plus receive buffers of one microbatch activation each: "
-                  f"{pipe.activation_slots} + 1 spare for activations, {pipe.cotangent_slots} + 1 spare for "
-                  f"cotangents)")
+    out.append(table)
+    out.append(f"stash at peak = peak in flight x {human_bytes(pipe.stash_bytes_per_microbatch)} per (microbatch, "
+               f"chunk); the compiled program is the same on every stage, so every device reserves the largest "
+               f"stage's {pipe.stash_slots} slots (plus receive buffers of one microbatch activation each: "
+               f"{pipe.activation_slots} + 1 spare for activations, {pipe.cotangent_slots} + 1 spare for "
+               f"cotangents)")
+    return out
 
 
-def render_moe(moe: dict, console: Console) -> None:
+
+def moe_renderables(moe: dict) -> list[RenderableType]:
     """Expert placement, capacity and the expected all-to-all traffic of the MoE layers."""
+    out: list[RenderableType] = []
     table = Table(title="Mixture of experts", title_justify="left")
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -153,17 +202,20 @@ def render_moe(moe: dict, console: Console) -> None:
     for p in moe["expert_params"]:
         spec = ", ".join("-" if e is None else "+".join(e) if isinstance(e, list) else e for e in p["spec"])
         table.add_row(f"split over expert: {p['path']}", spec)
-    console.print(table)
-    console.print(f"[dim]all-to-all bytes: {moe['all_to_all']['formula']}[/dim]")
+    out.append(table)
+    out.append(f"[dim]all-to-all bytes: {moe['all_to_all']['formula']}[/dim]")
+    return out
 
 
-def render_context(context: dict, console: Console) -> None:
+
+def context_renderables(context: dict) -> list[RenderableType]:
     """Context-parallel attention: the scheme, the chunk layout, its `sequence` collectives predicted and compiled."""
+    out: list[RenderableType] = []
     layout = (f"zigzag: chunks i and 2N-1-i of {2 * context['ways']}, {context['chunk_tokens']:,} tokens each"
               if context["layout"] == "zigzag" else f"contiguous: chunk i of {context['ways']}")
-    console.print(f"Context parallelism: {context['implementation']} over sequence={context['ways']} "
-                  f"(local kernel {context['kernel']}); {context['tokens_per_device']:,} tokens per device, {layout}; "
-                  f"one device's K block {human_bytes(context['kv_block_bytes'])}")
+    out.append(f"Context parallelism: {context['implementation']} over sequence={context['ways']} "
+               f"(local kernel {context['kernel']}); {context['tokens_per_device']:,} tokens per device, {layout}; "
+               f"one device's K block {human_bytes(context['kv_block_bytes'])}")
     table = Table(title="Attention collectives over sequence per step", title_justify="left")
     for column in ("op", "predicted count", "compiled count", "predicted bytes / device", "compiled bytes / device"):
         table.add_column(column, justify="left" if column == "op" else "right")
@@ -173,6 +225,7 @@ def render_context(context: dict, console: Console) -> None:
         table.add_row(op, str(want["count"]), "-" if compiled is None else str(got["count"]),
                       human_bytes(want["bytes_per_device"]),
                       "-" if compiled is None else human_bytes(got["bytes_per_device"]))
-    console.print(table)
+    out.append(table)
     exact = "" if context["exact"] else " (approximate: XLA decides what this remat policy or pipeline recomputes)"
-    console.print(f"[dim]predicted: {context['formula']}{exact}[/dim]")
+    out.append(f"[dim]predicted: {context['formula']}{exact}[/dim]")
+    return out

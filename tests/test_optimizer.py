@@ -1,14 +1,27 @@
-"""Weight decay reaches matrices only, whatever stacking axes the layer scan adds."""
+"""Optimizers and learning-rate schedules: formulas, weight decay on matrices only, sharded state, resume, tuning."""
+
+import functools
+import math
+from dataclasses import asdict
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from spmd_train import load_config
+from spmd_train import Engine, load_config, train
+from spmd_train.data import make_source
+from spmd_train.errors import ConfigError
 from spmd_train.models.layers import STACKING_AXES
 from spmd_train.models.transformer import Transformer
-from spmd_train.train.optimizer import make_optimizer
+from spmd_train.train.checkpoint import check_same_model
+from spmd_train.train.optimizer import lr_schedule, make_optimizer
+from tests.runs import ROOT, cli, run_steps
+
+NAMES = ["adamw", "adafactor", "lion"]
 
 
 def _model(overrides):
@@ -20,12 +33,13 @@ def _model(overrides):
     return cfg, nnx.to_pure_dict(state), logical
 
 
-def test_only_parameters_with_two_matrix_axes_are_decayed():
-    """With zero gradients AdamW moves a parameter only by its decay: norm scales (in MoE groups too,
+@pytest.mark.parametrize("name", NAMES)
+def test_only_parameters_with_two_matrix_axes_are_decayed(name):
+    """With zero gradients each optimizer moves a parameter only by its decay: norm scales (in MoE groups too,
     where a `sublayers` axis stacks them) must not move, every matrix must shrink."""
     # moe_every=2 stacks dense layers on (layers, sublayers) and MoE layers on (layers): both kinds at once.
     cfg, params, logical = _model(["model.moe.every=2", "model.num_layers=4", "optim.weight_decay=0.5",
-                                   "optim.lr=0.1", "optim.warmup_steps=0"])
+                                   "optim.lr=0.1", "optim.warmup_steps=0", f"optim.name={name}"])
     tx = make_optimizer(cfg.optim, 10, logical)
 
     @jax.jit
@@ -42,6 +56,8 @@ def test_only_parameters_with_two_matrix_axes_are_decayed():
         matrix_axes = [n for n in flat_logical[path] if n not in STACKING_AXES]
         if len(matrix_axes) >= 2:
             assert moved, f"{jax.tree_util.keystr(path)} {tuple(flat_logical[path])} was not decayed"
+            # Decoupled decay scaled by the learning rate, as in AdamW: p * (1 - lr * weight_decay).
+            np.testing.assert_allclose(new_leaf(new, path), old * (1 - 0.1 * 0.5), rtol=1e-5)
             checked["matrix"] += 1
         else:
             assert not moved, f"{jax.tree_util.keystr(path)} {tuple(flat_logical[path])} was decayed"
@@ -55,3 +71,156 @@ def new_leaf(tree, path):
     for key in path:
         tree = tree[key.key]
     return tree
+
+
+LR, W, T, M = 2e-3, 10, 110, 0.1
+
+
+def _expected(schedule: str, t: int, warmup: int = W, decay_fraction: float = 0.2) -> float:
+    """The documented formula of each schedule, written out independently of optax."""
+    low = LR * M
+    if t < warmup:
+        return LR * t / warmup
+    if schedule == "cosine":
+        return low + (LR - low) * (1 + math.cos(math.pi * min(t - warmup, T - warmup) / (T - warmup))) / 2
+    if schedule == "linear":
+        return LR - (LR - low) * min(t - warmup, T - warmup) / (T - warmup)
+    if schedule == "constant":
+        return LR
+    if schedule == "wsd":
+        start = max(T - round(decay_fraction * T), warmup)
+        return LR if t < start else LR - (LR - low) * min(t - start, T - start) / (T - start)
+    assert schedule == "inverse_sqrt"
+    return max(LR * math.sqrt(max(warmup, 1) / max(t, 1)), low)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "linear", "constant", "inverse_sqrt"])
+@pytest.mark.parametrize("warmup", [W, 0])
+def test_each_schedule_equals_its_formula(schedule, warmup):
+    cfg = load_config(None, [f"optim.schedule={schedule}", f"optim.lr={LR}", f"optim.warmup_steps={warmup}",
+                             f"optim.min_lr_ratio={M}"]).optim
+    steps = [0, 1, 5, 9, 10, 11, 40, 87, 88, 89, 100, 109, 110, 500]  # wsd decays from 88 (= 110 - 22)
+    got = np.asarray(jax.vmap(lr_schedule(cfg, T))(jnp.array(steps)))
+    np.testing.assert_allclose(got, [_expected(schedule, t, warmup) for t in steps], rtol=2e-6, atol=1e-12)
+    if schedule == "inverse_sqrt" and warmup:  # the floor: lr * sqrt(10 / t) = lr_min at t = 1000
+        assert float(lr_schedule(cfg, T)(4000)) == pytest.approx(LR * M)
+
+
+def test_wsd_decay_fraction_sets_where_the_decay_starts():
+    cfg = load_config(None, ["optim.schedule=wsd", f"optim.lr={LR}", "optim.decay_fraction=0.5",
+                             "optim.min_lr_ratio=0.0"]).optim
+    schedule = lr_schedule(cfg, 100)
+    assert float(schedule(49)) == pytest.approx(LR) and float(schedule(50)) == pytest.approx(LR)
+    assert float(schedule(75)) == pytest.approx(LR / 2) and float(schedule(100)) == 0.0
+    none = load_config(None, ["optim.schedule=wsd", "optim.decay_fraction=0.0"]).optim
+    assert float(lr_schedule(none, 100)(100)) == pytest.approx(none.lr)  # stable to the end
+
+
+MESH_MODEL = ["model.preset=tiny", "model.d_model=128", "mesh.fsdp=4", "mesh.tensor=2", "optim.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def mesh_params(devices):
+    """Parameters of the tiny model with d_model 128 (big enough for Adafactor to factor) on fsdp 4 x tensor 2."""
+    return Engine.build(load_config(None, MESH_MODEL), devices).init_state().params
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_optimizer_steps_with_its_state_sharded_on_the_mesh(devices, mesh_params, name):
+    """An update keeps every state array in the sharding the engine derived for it, Adafactor's row and column
+    statistics included. The optimizer is stepped alone (the model's step costs a long compile on 8 devices;
+    the heavy test below trains Adafactor and Lion through it, the main job AdamW)."""
+    engine = Engine.build(load_config(None, [*MESH_MODEL, f"optim.name={name}"]), devices)
+    sh = engine.state_shardings
+    opt_state = jax.jit(engine.tx.init, out_shardings=sh.opt_state)(mesh_params)
+
+    @functools.partial(jax.jit, out_shardings=(sh.params, sh.opt_state))
+    def step(params, opt_state):
+        grads = jax.tree.map(lambda p: jnp.sin(p * 7.0), params)  # any gradient that is not zero
+        updates, opt_state = engine.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = step(*step(mesh_params, opt_state))
+    assert all(bool(jnp.any(a != b)) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(mesh_params),
+                                                     strict=True))
+    leaves = jax.tree_util.tree_leaves_with_path(opt_state)
+    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(sh.opt_state), strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), jax.tree_util.keystr(path)
+        assert bool(jnp.all(jnp.isfinite(leaf))), jax.tree_util.keystr(path)
+    split = {jax.tree_util.keystr(p): leaf for p, leaf in leaves if leaf.addressable_shards[0].data.size < leaf.size}
+    assert split, "no optimizer state is split over the mesh"
+    if name == "adafactor":
+        # embedding [vocab 256 -> tensor, embed 128 -> fsdp]: the row statistics keep embed's split, the
+        # column statistics vocab's; each device holds a quarter and a half of them.
+        row = next(v for k, v in split.items() if "v_row" in k and "'embedding'" in k)
+        col = next(v for k, v in split.items() if "v_col" in k and "'embedding'" in k)
+        assert (row.shape, row.sharding.spec, row.addressable_shards[0].data.shape) == ((128,), P("fsdp"), (32,))
+        assert (col.shape, col.sharding.spec, col.addressable_shards[0].data.shape) == ((256,), P("tensor"), (128,))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (["optim.name=sgd"], ["optim.name='sgd'", "adamw", "adafactor", "lion"]),
+        (["optim.schedule=step"], ["optim.schedule='step'", "wsd", "inverse_sqrt"]),
+        (["optim.decay_fraction=1.5"], ["optim.decay_fraction=1.5", "less than or equal to 1"]),
+        (["optim.decay_fraction=-0.1"], ["optim.decay_fraction=-0.1", "greater than or equal to 0"]),
+    ],
+)
+def test_bad_optimizer_keys_name_the_key(overrides, needles):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert all(n in str(err.value) for n in needles), str(err.value)
+
+
+@pytest.mark.parametrize(("name", "key", "value"), [("lion", "eps", "0.001"), ("adafactor", "b2", "0.99"),
+                                                    ("adafactor", "eps", "0.001")])
+def test_a_moment_setting_the_optimizer_has_no_use_for_is_refused(name, key, value):
+    cfg = load_config(None, [f"optim.name={name}", f"optim.{key}={value}"])
+    with pytest.raises(ConfigError, match=rf"optim.{key}={value} does not apply to optim.name={name}: .*"
+                                          rf"\(valid: optim.{key}=null\)"):
+        make_optimizer(cfg.optim, 10, {})
+
+
+def test_resuming_needs_the_same_optimizer_but_may_change_the_schedule():
+    saved = {"config": asdict(load_config(None, []))}
+    check_same_model(saved, load_config(None, ["optim.schedule=wsd", "optim.lr=1e-3"]), "here")
+    with pytest.raises(ConfigError, match=r"optim.name: checkpoint 'adamw', this run 'lion'"):
+        check_same_model(saved, load_config(None, ["optim.name=lion"]), "here")
+    older = {"config": {**saved["config"], "optim": {"lr": 3e-4, "b1": 0.9}}}  # before optim.name existed
+    check_same_model(older, load_config(None, []), "here")
+    with pytest.raises(ConfigError, match=r"optim.name: checkpoint 'adamw', this run 'adafactor'"):
+        check_same_model(older, load_config(None, ["optim.name=adafactor"]), "here")
+    # Adafactor keeps a momentum only when b1 is set: switching it on is another state too.
+    adafactor = {"config": asdict(load_config(None, ["optim.name=adafactor"]))}
+    with pytest.raises(ConfigError, match=r"optim.b1: checkpoint None, this run 0.9"):
+        check_same_model(adafactor, load_config(None, ["optim.name=adafactor", "optim.b1=0.9"]), "here")
+
+
+def test_resuming_with_another_optimizer_exits_2_naming_it_and_keeps_the_checkpoint(devices, tmp_path):
+    base = ["train.seq_len=16", "mesh.fsdp=1", "mesh.tensor=1", "run.simulate_devices=1", f"run.dir={tmp_path}"]
+    train(load_config(ROOT / "configs/tiny.yaml", [*base, "train.steps=2"]), devices[:1])
+    # Refused before anything is restored or compiled: no traceback, nothing set aside as damaged.
+    proc = cli("train", "configs/tiny.yaml", *base, "train.steps=4", "optim.name=lion", "optim.lr=3e-4")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "optim.name: checkpoint 'adamw', this run 'lion'" in proc.stderr and "damaged" not in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+    assert not (tmp_path / "damaged_checkpoints").exists()
+
+
+# Learning rates that take configs/tiny.yaml within 10% of the Markov floor in its 600 steps (README).
+TUNED = {"wsd": ["optim.schedule=wsd"], "adafactor": ["optim.name=adafactor", "optim.lr=1e-1"],
+         "lion": ["optim.name=lion", "optim.lr=2e-3"]}
+"""The README's tuned settings; wsd (AdamW's update under another schedule, whose values the formula tests above
+pin) is measured in the README's table, not trained again here: each case costs about a minute on 2 cores."""
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("label", ["adafactor", "lion"])
+def test_adafactor_and_lion_reach_the_floor_like_the_main_job(label, devices):
+    """configs/tiny.yaml (fsdp 4 x tensor 2, 600 steps) with the tuned setting, through the engine's train step
+    in this process (no CLI start-up, checkpoints or metric files): the mean loss of the last 20 steps is
+    within 10% of the chain's entropy rate, as test_cli's main job asserts for the default AdamW + cosine."""
+    floor = make_source(load_config(ROOT / "configs/tiny.yaml")).loss_floor
+    losses, *_ = run_steps(TUNED[label], devices, steps=600, config="configs/tiny.yaml")
+    assert losses[-20:].mean() <= 1.10 * floor, (label, losses[-20:].mean(), floor)

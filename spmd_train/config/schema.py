@@ -25,8 +25,10 @@ MoEImpl = Literal["capacity", "dropless"]
 RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch"]
 
 # Single-key ranges live in the types: pydantic names the key, the value and the bound.
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
+# Sizes, counts and ids meet int32 on the devices (token ids, positions, the step counter); past int64 they
+# would fail deep inside jax ("model.d_model=9223372036854775808": a TypeError), so the bound is the type's.
+PositiveInt = Annotated[int, Field(ge=1, le=2**31 - 1)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
@@ -49,6 +51,11 @@ def _check_logical_names(table: dict) -> dict:
         hints = [f"{n!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(n, LOGICAL_AXES, n=1))
                  else repr(n) for n in unknown]
         raise ValueError(f"unknown logical axis name {', '.join(hints)}; valid: {', '.join(LOGICAL_AXES)}")
+    # A mesh axis can split a dimension only once: jax refuses P(('tensor', 'tensor')) deep inside the engine.
+    for name, axes in table.items():
+        if len(set(axes)) < len(axes):
+            raise ValueError(f"{name!r} maps to {list(axes)}, naming a mesh axis twice (valid: each mesh axis at "
+                             f"most once, e.g. {list(dict.fromkeys(axes))})")
     return table
 
 
@@ -68,8 +75,17 @@ def _check_blocks(blocks: tuple[int, int] | None) -> tuple[int, int] | None:
     return blocks
 
 
+def _check_host_port(address: str | None) -> str | None:
+    # jax splits the address at its last ':' and fails with an IndexError when there is none.
+    host, sep, port = (address or "").rpartition(":")
+    if address is not None and not (sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError("give host:port of process 0, e.g. 10.0.0.1:1234 (a port from 1 to 65535)")
+    return address
+
+
 AxisSize = Annotated[int, AfterValidator(_check_axis_size)]
 Blocks = Annotated[tuple[int, int] | None, AfterValidator(_check_blocks)]
+HostPort = Annotated[str | None, AfterValidator(_check_host_port)]
 
 
 @dataclass(frozen=True)
@@ -235,7 +251,8 @@ class TrainConfig:
     global_batch_size: PositiveInt = 8
     seq_len: PositiveInt = 64
     grad_accum: PositiveInt = 1
-    seed: int = 0
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    """numpy's generators (the data) take no negative seed, and jax's keys at most an int64."""
     eval_every: NonNegativeInt = 0
     """Mean loss on the held-out split every this many steps (0: never), as `val_loss` in the metrics."""
     eval_batches: PositiveInt = 4
@@ -251,29 +268,49 @@ class TrainConfig:
     spike_sigma: PositiveFloat | None = 6.0
     """Skip a step whose loss or gradient norm exceeds the mean of the last `spike_window` applied steps by this
     many standard deviations (at least 1% of the mean); null: never skip for a spike."""
-    spike_window: Annotated[int, Field(ge=2)] = 128
+    spike_window: Annotated[int, Field(ge=2, le=MAX_STEPS)] = 128
     """Applied steps the spike statistics are taken over; judging starts once that many have been applied."""
     max_consecutive_skips: PositiveInt = 10
     """Stop the run (exit code 3) after this many skipped steps in a row."""
 
 
+OptimizerName = Literal["adamw", "adafactor", "lion"]
+LRSchedule = Literal["cosine", "wsd", "linear", "constant", "inverse_sqrt"]
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup, cosine decay and global-norm clipping."""
+    """Optimizer (AdamW, Adafactor or Lion, all from optax), learning-rate schedule and global-norm clipping."""
 
     __pydantic_config__ = _STRICT
 
+    name: OptimizerName = "adamw"
+    """adamw; adafactor (factored second moments: row and column vectors per matrix); lion (sign of a momentum,
+    one state array per parameter; its authors advise a 3-10x smaller `lr` and larger `weight_decay` than
+    AdamW's, README has tuned values). A run resumes only with the optimizer it was started with."""
     lr: NonNegativeFloat = 3e-4
-    """Peak learning rate (0 leaves the weights as they are)."""
+    """Peak learning rate (0 leaves the weights as they are); for adafactor a step relative to each matrix's RMS."""
+    schedule: LRSchedule = "cosine"
+    """After a linear warmup from 0: cosine, wsd (constant, then linear over the last `decay_fraction`), linear,
+    constant or inverse_sqrt down to lr * min_lr_ratio (formulas: `train/optimizer.py`); may change on resume."""
     warmup_steps: NonNegativeInt = 10
     min_lr_ratio: Fraction = 0.1
-    """Final learning rate of the cosine decay, as a fraction of `lr` (1: constant after warmup)."""
+    """Final learning rate of the decay (the floor of inverse_sqrt), as a fraction of `lr` (1: no decay)."""
+    decay_fraction: Fraction = 0.2
+    """schedule=wsd: the last fraction of train.steps over which the learning rate decays (0: none)."""
     weight_decay: NonNegativeFloat = 0.1
+    """Decoupled weight decay of matrices, scaled by the schedule as in AdamW: p -= lr_t * weight_decay * p."""
     clip_norm: PositiveFloat | None = 1.0
     """Clip the gradient to this global norm; null: no clipping."""
-    b1: Decay = 0.9
-    b2: Decay = 0.95
-    eps: NonNegativeFloat = 1e-8
+    b1: Decay | None = None
+    """First-moment decay; null: the optimizer's default (adamw 0.9, lion 0.9, adafactor none). Set with adafactor,
+    it adds a momentum to its state, so an adafactor run resumes only with b1 set or unset as it started."""
+    b2: Decay | None = None
+    """Second-moment decay (lion: the momentum's own decay); null: adamw 0.95, lion 0.99. Adafactor's decay is
+    1 - t^-0.8 by step, so a value set with adafactor is an error."""
+    eps: NonNegativeFloat | None = None
+    """AdamW's denominator epsilon; null: 1e-8. Lion has none and adafactor's differs in kind: set with either,
+    an error."""
 
 
 @dataclass(frozen=True)
@@ -285,7 +322,9 @@ class DataConfig:
     source: Literal["markov", "tokens", "text"] = "markov"
     vocab_size: PositiveInt | None = None
     """Markov chain vocabulary; defaults to model.vocab_size."""
-    order: PositiveInt = 1
+    order: Annotated[int, Field(ge=1, le=24)] = 1
+    """Tokens of context; the transition table (vocab_size ** (order + 1) entries) outgrows memory past 24 even for
+    a vocabulary of 2 (and `data.order=2147483647` made a number too long to print in the error: a ValueError)."""
     concentration: PositiveFloat = 0.1
     """Dirichlet concentration of each Markov transition row: small = peaky, large = near uniform."""
     paths: tuple[str, ...] = ()
@@ -296,6 +335,8 @@ class DataConfig:
     """Attention and the loss stay inside each document of a packed window; default: true for packed token files."""
     eot_id: NonNegativeInt | None = None
     """Token ending each document in .bin files without NAME.docs.npy (GPT-2: 50256); default: the sidecar's."""
+    prefetch: Annotated[int, Field(ge=0, le=64)] = 2
+    """Batches a background thread makes ahead of the step (0: each batch made by the loop when its step starts)."""
 
     @property
     def masks_documents(self) -> bool:
@@ -318,7 +359,7 @@ class RunConfig:
     """[first, last] 1-based steps to capture a jax profiler trace of, into run.dir/profile."""
     distributed: bool = False
     """Start JAX's multi-controller runtime, detecting the cluster (SLURM, TPU pod, ...) from the environment."""
-    coordinator: str | None = None
+    coordinator: HostPort = None
     """host:port of process 0; with num_processes and process_id, starts the runtime explicitly."""
     num_processes: PositiveInt | None = None
     process_id: NonNegativeInt | None = None
@@ -326,6 +367,11 @@ class RunConfig:
     """Multi-process runs: a process that sends JAX's coordination service no heartbeat for this long (killed,
     frozen, its host lost) is declared dead and every other process stops, naming it, instead of waiting forever
     in a collective; one whose main thread hangs is caught by the step watchdog after twice this."""
+    wandb: bool = False
+    """Mirror every step record to Weights & Biases (the `wandb` extra); one W&B run per run.dir, resumed with it."""
+    wandb_project: Annotated[str, Field(min_length=1)] = "spmd_train"
+    wandb_mode: Literal["online", "offline"] | None = None
+    """offline: write to run.dir/wandb only (no network; `wandb sync` later); default: W&B's own (WANDB_MODE)."""
 
 
 @dataclass(frozen=True)

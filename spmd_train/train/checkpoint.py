@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 from spmd_train.config.load import model_from_record
 from spmd_train.config.schema import Config
 from spmd_train.errors import CheckpointWriteError, ConfigError
+from spmd_train.train.optimizer import state_differences
 
 log = logging.getLogger("spmd_train")
 FORMAT = 2
@@ -208,12 +209,19 @@ def model_differences(meta: dict, cfg: Config) -> list[str]:
 
 
 def check_same_model(meta: dict, cfg: Config, where: str) -> None:
-    """Resuming continues the same model: any difference in the model section is a ConfigError naming it."""
+    """Resuming continues the same model and optimizer: a difference in the model section, or in the optimizer
+    settings that shape its state (`optim.name`), is a ConfigError naming it (checked before any restore, so the
+    checkpoint is not mistaken for a damaged one)."""
     diffs = model_differences(meta, cfg)
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was saved by a different model ({'; '.join(diffs)}); "
                           "use the same model settings, a new run.dir, or checkpoint.load_from to start a "
                           "new run from its parameters")
+    diffs = state_differences(meta.get("config", {}).get("optim", {}), cfg.optim)
+    if diffs:
+        raise ConfigError(f"the checkpoint in {where} was saved with another optimizer ({'; '.join(diffs)}), whose "
+                          "state this run cannot continue; use the checkpoint's setting, a new run.dir, or "
+                          "checkpoint.load_from to start a new run from its parameters")
 
 
 def check_same_parameters(meta: dict, cfg: Config, param_shapes: Any, where: str) -> None:

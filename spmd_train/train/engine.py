@@ -38,7 +38,7 @@ from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
 from spmd_train.train.inputs import model_inputs, with_loss_weights
-from spmd_train.train.optimizer import lr_schedule, make_optimizer
+from spmd_train.train.optimizer import lr_schedule, make_optimizer, state_sharding
 from spmd_train.train.pipelined import layer_order, pipeline_plan, pipeline_value_and_grad
 
 
@@ -106,9 +106,10 @@ class Engine:
         opt_shapes = jax.eval_shape(tx.init, shapes)
         opt_sh = optax.tree_map_params(
             tx,
-            lambda _, sharding: sharding,
+            state_sharding,  # the parameter's sharding, fitted to state of another shape (Adafactor's factors)
             opt_shapes,
             layout.opt_shardings(logical, shapes),
+            shapes,
             transform_non_params=lambda _: NamedSharding(mesh, P()),
         )
         replicated = NamedSharding(mesh, P())

@@ -1,29 +1,107 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
+"""The optimizer (AdamW, Adafactor or Lion) with a warmup-then-decay learning rate and global-norm clipping (optax).
+
+Schedules are functions of the optimizer's count t of applied steps (0-based: the first update uses lr(0)).
+Below W = optim.warmup_steps, T = train.steps, lr = optim.lr and lr_min = lr * optim.min_lr_ratio. Every
+schedule starts with the same linear warmup, lr * t / W for t < W (none when W = 0); the formulas in the
+schedule functions' docstrings hold for t >= W. optax schedules hold their last value after T.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.schema import OptimConfig
+from spmd_train.errors import ConfigError
 from spmd_train.models.layers import STACKING_AXES
 
 
+def _decay_steps(cfg: OptimConfig, total: int) -> int:
+    """T - W: the steps after warmup (at least 1, so a schedule never divides by zero)."""
+    return max(total - cfg.warmup_steps, 1)
+
+
+def cosine(cfg: OptimConfig, total: int) -> optax.Schedule:
+    """lr_min + (lr - lr_min) * (1 + cos(pi * (t - W) / (T - W))) / 2."""
+    return optax.cosine_decay_schedule(cfg.lr, _decay_steps(cfg, total), alpha=cfg.min_lr_ratio)
+
+
+def linear(cfg: OptimConfig, total: int) -> optax.Schedule:
+    """lr - (lr - lr_min) * (t - W) / (T - W)."""
+    return optax.linear_schedule(cfg.lr, cfg.lr * cfg.min_lr_ratio, _decay_steps(cfg, total))
+
+
+def constant(cfg: OptimConfig, total: int) -> optax.Schedule:
+    """lr (min_lr_ratio plays no part)."""
+    return optax.constant_schedule(cfg.lr)
+
+
+def wsd(cfg: OptimConfig, total: int) -> optax.Schedule:
+    """Warmup-stable-decay: lr until S = max(T - D, W), D = round(decay_fraction * T), then linear,
+    lr - (lr - lr_min) * (t - S) / (T - S), reaching lr_min at T.
+
+    The decay ("cooldown") is linear as in Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training
+    Beyond Fixed Training Durations" (arXiv:2405.18392), who decay the last ~20% of training; MiniCPM
+    (Hu et al. 2024, arXiv:2404.06395), which named WSD, decays exponentially instead.
+    """
+    stable = max(total - round(cfg.decay_fraction * total) - cfg.warmup_steps, 0)  # steps at lr after warmup
+    decay = optax.linear_schedule(cfg.lr, cfg.lr * cfg.min_lr_ratio, max(total - cfg.warmup_steps - stable, 1))
+    return optax.join_schedules([optax.constant_schedule(cfg.lr), decay], [stable])
+
+
+def inverse_sqrt(cfg: OptimConfig, total: int) -> optax.Schedule:
+    """max(lr * sqrt(V / max(t, V)), lr_min) with V = max(W, 1); T plays no part.
+
+    The floor keeps min_lr_ratio meaning "the lowest learning rate" for every schedule (0: none).
+    """
+    scale = max(cfg.warmup_steps, 1)
+    # optax hands the schedule the steps after warmup, s = t - W.
+    return lambda s: jnp.maximum(cfg.lr * jnp.sqrt(scale / jnp.maximum(s + cfg.warmup_steps, scale)),
+                                 cfg.lr * cfg.min_lr_ratio)
+
+
+SCHEDULES: dict[str, Callable[[OptimConfig, int], optax.Schedule]] = {
+    "cosine": cosine, "wsd": wsd, "linear": linear, "constant": constant, "inverse_sqrt": inverse_sqrt}
+
+
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Learning rate at optimizer step t (0-based): linear warmup to `lr`, cosine down to lr * min_lr_ratio."""
-    end = cfg.lr * cfg.min_lr_ratio
+    """Learning rate at optimizer step t (0-based): linear warmup to `lr`, then `cfg.schedule`."""
+    after = SCHEDULES[cfg.schedule](cfg, total_steps)
     if cfg.warmup_steps == 0:
-        return optax.cosine_decay_schedule(cfg.lr, max(total_steps, 1), alpha=cfg.min_lr_ratio)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.lr,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=max(total_steps, cfg.warmup_steps + 1),
-        end_value=end,
-    )
+        return after
+    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+    return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+
+
+_DEFAULTS: dict[str, dict[str, float | None]] = {
+    "adamw": {"b1": 0.9, "b2": 0.95, "eps": 1e-8},
+    "lion": {"b1": 0.9, "b2": 0.99},  # Chen et al. 2023 (optax's defaults)
+    "adafactor": {"b1": None},  # Shazeer & Stern 2018: no first moment, the memory-saving form
+}
+_NOT_APPLICABLE = {
+    ("lion", "eps"): "Lion's update is the sign of a momentum; it divides by nothing",
+    ("adafactor", "b2"): "Adafactor's second-moment decay is 1 - t^-0.8, set by the step",
+    ("adafactor", "eps"): "Adafactor's epsilon (1e-30) is added to the squared gradient, another quantity",
+}
+
+
+def hyperparameters(cfg: OptimConfig) -> dict[str, float | None]:
+    """b1/b2/eps for `cfg.name`: as set, else the optimizer's default; a value set where none applies is refused."""
+    out = {}
+    for key in ("b1", "b2", "eps"):
+        value = getattr(cfg, key)
+        if key in _DEFAULTS[cfg.name]:
+            out[key] = _DEFAULTS[cfg.name][key] if value is None else value
+        elif value is not None:  # ignoring it would run something other than what the user asked for
+            raise ConfigError(f"optim.{key}={value} does not apply to optim.name={cfg.name}: "
+                              f"{_NOT_APPLICABLE[cfg.name, key]} (valid: optim.{key}=null)")
+    return out
 
 
 def decay_mask(logical_tree: Any) -> Any:
@@ -34,17 +112,47 @@ def decay_mask(logical_tree: Any) -> Any:
     )
 
 
+def _core(cfg: OptimConfig, lr: optax.Schedule, mask: Any) -> optax.GradientTransformation:
+    """The optimizer itself, with decoupled weight decay lr_t * weight_decay * p on the masked parameters."""
+    h = hyperparameters(cfg)
+    if cfg.name == "adamw":
+        return optax.adamw(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=cfg.weight_decay, mask=mask)
+    if cfg.name == "lion":
+        return optax.lion(lr, b1=h["b1"], b2=h["b2"], weight_decay=cfg.weight_decay, mask=mask)
+    # optax.adafactor adds its decay after the learning rate has scaled the update: scaling the rate by the
+    # schedule makes it AdamW's. A callable rate also keeps the state's structure whatever weight_decay is.
+    return optax.adafactor(lr, momentum=h["b1"], weight_decay_rate=lambda t: cfg.weight_decay * lr(t),
+                           weight_decay_mask=mask)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any) -> optax.GradientTransformation:
     """The optimizer for a model whose parameters have these logical axes."""
     return optax.chain(
         # identity() has clipping's (empty) state: a checkpoint resumes with clipping on or off.
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
-        optax.adamw(
-            lr_schedule(cfg, total_steps),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask(logical_tree),
-        ),
+        _core(cfg, lr_schedule(cfg, total_steps), decay_mask(logical_tree)),
     )
+
+
+def state_sharding(leaf: Any, param_sharding: NamedSharding, param: Any) -> NamedSharding:
+    """Sharding of an optimizer-state leaf kept for one parameter: the parameter's where the shapes agree, the
+    parameter's less one axis for a factored moment (Adafactor's row or column RMS), else replicated."""
+    if leaf.shape == param.shape:
+        return param_sharding
+    spec = (*param_sharding.spec, *(None,) * (len(param.shape) - len(param_sharding.spec)))
+    # The reduced axis is not recorded; of two of the same size either gives a valid (equally sized) layout.
+    for axis in reversed(range(len(param.shape))):
+        if leaf.shape == param.shape[:axis] + param.shape[axis + 1:]:
+            return NamedSharding(param_sharding.mesh, P(*spec[:axis], *spec[axis + 1:]))
+    return NamedSharding(param_sharding.mesh, P())  # Adafactor's (1,) placeholders
+
+
+def state_differences(saved: dict, cfg: OptimConfig) -> list[str]:
+    """The settings that shape the optimizer state and differ between a checkpoint's `optim` record and `cfg`."""
+    name = saved.get("name", "adamw")  # checkpoints from before optim.name were AdamW's
+    if name != cfg.name:
+        return [f"optim.name: checkpoint {name!r}, this run {cfg.name!r}"]
+    if name == "adafactor" and (saved.get("b1") is None) != (cfg.b1 is None):
+        return [f"optim.b1: checkpoint {saved.get('b1')}, this run {cfg.b1} (adafactor keeps a momentum "
+                "only when optim.b1 is set)"]
+    return []

@@ -1,15 +1,20 @@
 """Config loading: presets, precedence, overrides, and the errors a user sees."""
 
 import dataclasses
+import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from spmd_train.config import Config, load_config, parse_overrides
+from spmd_train.config.checks import check_layout, divisors
 from spmd_train.config.rules import resolve_rules
 from spmd_train.config.schema import LOGICAL_AXES, RulesConfig
 from spmd_train.errors import ConfigError
+from tests.runs import cli_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,3 +170,68 @@ def test_overrides_given_as_one_string_are_refused_clearly():
     with pytest.raises(ConfigError, match=r"not the string 'mesh.fsdp=2 mesh.tensor=4' \(valid: \['mesh.fsdp=2', "
                                           r"'mesh.tensor=4'\]\)"):
         load_config(None, "mesh.fsdp=2 mesh.tensor=4")
+
+
+# --- Found by tests/test_config_fuzz.py: each was a traceback (or a hang) before; now a ConfigError naming the key.
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        # jax's DuplicateSpecError from deep inside Engine.build.
+        (["mesh.rules.params.heads=[tensor, tensor]"], ["mesh.rules.params", "'heads'", "naming a mesh axis twice"]),
+        # AttributeError in the loader: 'str' object has no attribute 'get'.
+        (["mesh=%"], ["mesh='%'", "it is a section"]),
+        # Past int64: jax's TypeError while shaping the parameters, an OverflowError for seq_len.
+        (["model.num_layers=9223372036854775808"], ["model.num_layers=9223372036854775808", "2147483647"]),
+        (["train.seq_len=9223372036854775808"], ["train.seq_len=9223372036854775808", "2147483647"]),
+        (["train.spike_window=9223372036854775808"], ["train.spike_window=9223372036854775808", "2147483647"]),
+        # numpy's ValueError (negative seed) in the data source, jax's OverflowError past int64 in the keys.
+        (["train.seed=-1"], ["train.seed=-1", "greater than or equal to 0"]),
+        (["train.seed=9223372036854775808"], ["train.seed=9223372036854775808", "9223372036854775807"]),
+        # ValueError: the Markov table's size was too long a number to print in its own error message.
+        (["data.order=2147483647"], ["data.order=2147483647", "less than or equal to 24"]),
+        # IndexError inside jax.distributed.initialize, which splits the address at its last ':'.
+        (["run.coordinator=abc", "run.num_processes=2", "run.process_id=0"], ["run.coordinator='abc'", "host:port"]),
+    ],
+)
+def test_inputs_the_fuzzer_found_are_refused_naming_the_key(overrides, needles):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def _sizes(cfg: Config, devices: int = 8) -> dict[str, int]:
+    sizes = cfg.mesh.sizes()
+    rest = devices // math.prod(s for s in sizes.values() if s != -1)
+    return {axis: rest if s == -1 else s for axis, s in sizes.items()}
+
+
+def test_a_prime_layer_count_is_refused_at_once():
+    # The MoE check listed the divisors of model.num_layers by trial division up to n: 2**31 - 1 took minutes.
+    cfg = load_config(ROOT / "configs/moe.yaml", ["model.num_layers=2147483647"])
+    with pytest.raises(ConfigError, match=r"model.moe.every=2 is invalid for model.num_layers=2147483647: .*"
+                                          r"\(valid: 1, 2147483647;"):
+        check_layout(cfg, _sizes(cfg))
+    assert divisors(12) == "1, 2, 3, 4, 6, 12" and divisors(10**12 + 1) == "a divisor of 1000000000001"
+
+
+def test_interleaved_1f1b_without_virtual_stages_names_the_schedule_key():
+    # The pipeline check said "virtual_stages=1 is invalid for interleaved_1f1b": the value, not the key that was set.
+    cfg = load_config(ROOT / "configs/pipeline.yaml", ["parallel.pipeline_schedule=interleaved_1f1b"])
+    with pytest.raises(ConfigError, match="parallel.virtual_stages=1 is invalid with "
+                                          "parallel.pipeline_schedule=interleaved_1f1b"):
+        check_layout(cfg, _sizes(cfg))
+
+
+def test_distributed_without_a_cluster_exits_2_naming_the_key(tmp_path):
+    # jax's cluster detection found nothing and raised ValueError('coordinator_address should be defined.'), printed
+    # as a traceback. A fresh process: in this one jax is already running, and refuses for that reason instead.
+    env = {k: v for k, v in cli_env().items() if not k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR"))}
+    proc = subprocess.run([sys.executable, "-m", "spmd_train", "train", "configs/tiny.yaml", "run.distributed=true",
+                           f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "run.distributed=true" in proc.stderr and "coordinator_address should be defined" in proc.stderr
+    assert not (tmp_path / "run").exists()

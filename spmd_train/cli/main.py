@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             _host_compiles_for_tpu()
         else:
             simulate_devices(cfg.run.simulate_devices)
-            start_distributed(cfg.run)
+            _start_distributed(cfg.run)
         if args.command == "describe":
             report = describe(cfg, topology=args.topology)
             if args.json:
@@ -81,7 +81,33 @@ def main(argv: list[str] | None = None) -> int:
         # stdout at /dev/null so the interpreter's last flush does not raise again (Python's documented recipe).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:
+        # Only outside the training loop (which stops at the next step and saves): while starting, restoring or
+        # compiling. What the run already saved is untouched, and a half-written output is removed on the way up.
+        print(f"spmd-train: interrupted (Ctrl-C) while {_STAGE.get(args.command, 'working')}; nothing was trained "
+              "or saved in this call, and what was there before is intact", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Leave at once: XLA's compiler threads may still run, and tearing the interpreter down under them can
+        # crash (the segfault after the traceback).
+        os._exit(EXIT_INTERRUPTED)
     return 0
+
+
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, the shell's convention for a command stopped by Ctrl-C."""
+_STAGE = {"train": "starting the run (restoring or compiling)", "describe": "compiling",
+          "prepare-data": "tokenizing", "schedule": "building the schedule"}
+
+
+def _start_distributed(run) -> None:
+    try:
+        start_distributed(run)
+    except ValueError as err:  # jax's cluster detection found none to join (run.distributed=true on a laptop)
+        raise ConfigError(f"run.distributed={str(run.distributed).lower()}, run.coordinator={run.coordinator!r}: "
+                          f"jax could not start the multi-process runtime ({err}) (valid: run.distributed=false on one "
+                          "host; run.distributed=true inside a SLURM, Open MPI or TPU-pod job; or run.coordinator, "
+                          "run.num_processes and run.process_id set by hand)") from None
 
 
 def _log_to_stderr() -> None:

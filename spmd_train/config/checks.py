@@ -105,14 +105,23 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
             f"train.seq_len={t.seq_len} is not divisible by {why} = {length_ways}: "
             f"tokens are split over these axes (valid: a multiple of {length_ways})"
         )
+    par = cfg.parallel
+    if sizes["pipeline"] > 1 and par.pipeline_schedule == "interleaved_1f1b" and par.virtual_stages < 2:
+        # Before `check_pipeline`, whose message names the value only: the user may have set either key.
+        raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} is invalid with parallel.pipeline_schedule="
+                          "interleaved_1f1b, which gives each stage several chunks of layers (valid: "
+                          "parallel.virtual_stages >= 2, or parallel.pipeline_schedule=1f1b or gpipe)")
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
     check_context(cfg, sizes)
 
 
 def divisors(n: int) -> str:
-    """The divisors of n, as a 'valid values' list for error messages."""
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    """The divisors of n, as a 'valid values' list for error messages (described, not listed, past 10**12)."""
+    if n > 10**12:  # trial division up to sqrt(n) would take minutes (model.num_layers=2147483647 did hang)
+        return f"a divisor of {n}"
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in sorted({*low, *(n // d for d in low)}))
 
 
 def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:

@@ -152,7 +152,8 @@ def _resolve_presets(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
 
 def _resolve_rules_preset(merged: dict[str, Any], base_dir: Path) -> None:
     """Put the rules preset's tables under the config's own entries (`mesh.rules.preset`)."""
-    rules = merged.get("mesh", {}).get("rules")
+    mesh = merged.get("mesh")
+    rules = mesh.get("rules") if isinstance(mesh, dict) else None  # `mesh=%` makes the section a string
     if not isinstance(rules, dict):
         return  # not a mapping: validation names the key
     name = rules.get("preset")
@@ -215,6 +216,8 @@ def _describe_validation_error(err: pydantic.ValidationError) -> str:
         else:
             # A validator's own sentence, without pydantic's "Value error, " prefix.
             msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
+            if e["type"] in ("dataclass_type", "dict_type"):  # pydantic's JSON word "object" means little in YAML
+                msg = "it is a section: give its keys (section.key=value, or {key: value} in YAML)"
             problems.append(f"{key}={e['input']!r} is invalid: {msg}")
     return "invalid config: " + "; ".join(problems)
 

@@ -150,7 +150,7 @@ class _Documents(NamedTuple):
 
 def _open(path: Path, token_dtype: str, eot_id: int | None = None):
     if not path.is_file():
-        raise ConfigError(f"data file {path} does not exist")
+        raise ConfigError(f"data.paths: the file {path} does not exist")
     meta_path = path.with_suffix(".json")
     meta = _sidecar_meta(meta_path) if meta_path.is_file() and path.suffix == ".bin" else {}
     if token_dtype != "auto" and meta.get("dtype") not in (None, token_dtype):
@@ -162,14 +162,14 @@ def _open(path: Path, token_dtype: str, eot_id: int | None = None):
     size = path.stat().st_size
     itemsize = np.dtype(dtype).itemsize
     if size == 0:
-        raise ConfigError(f"data file {path} is empty")
+        raise ConfigError(f"data.paths: the file {path} is empty")
     if size % itemsize:
         raise ConfigError(f"data file {path} has {size} bytes, not a whole number of {dtype} tokens "
                           "(valid: a .bin of uint16 or uint32 ids; set data.token_dtype)")
     try:
         tokens = np.memmap(path, dtype=dtype, mode="r")
     except OSError as err:
-        raise ConfigError(f"data file {path} cannot be read: {err.strerror}") from None
+        raise ConfigError(f"data.paths: the file {path} cannot be read: {err.strerror}") from None
     docs_path = path.with_suffix(".docs.npy")
     starts = _sidecar_starts(docs_path, tokens.size) if docs_path.is_file() else None
     eot = eot_id if eot_id is not None else meta.get("eot_id")

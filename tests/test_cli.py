@@ -1,12 +1,15 @@
 """The command line as a user meets it: a real run, and bad input that exits 2 without a traceback."""
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from spmd_train import load_config
-from tests.runs import cli
+from tests.runs import cli, cli_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,3 +147,18 @@ def test_main_job_ends_within_ten_percent_of_the_floor(tmp_path):
     # The step guards leave a healthy run alone: no step skipped, even converged at the floor.
     assert not any(r["skipped"] for r in records) and records[-1]["skipped_steps"] == 0
     assert (tmp_path / "checkpoints" / "600").is_dir() and "checkpoints in" in proc.stdout
+
+
+def test_ctrl_c_while_compiling_exits_130_with_one_line(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "spmd_train", "train", "configs/tiny.yaml",
+                             f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=cli_env(), stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # "backends: ..." is the last line before the train step compiles
+        lines.append(line)
+        if "backends:" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, rest
+    assert "Traceback" not in rest and "interrupted (Ctrl-C) while starting the run" in rest
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())

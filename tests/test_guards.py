@@ -16,7 +16,7 @@ from spmd_train.data.batch import as_batch
 from spmd_train.errors import TrainingHalted
 from spmd_train.train.checkpoint import Checkpointer
 from spmd_train.train.guards import REASONS, GuardState, init_guard, judge, resize_window
-from spmd_train.train.trainer import _Unguarded
+from spmd_train.train.restore import Unguarded as _Unguarded
 from tests.runs import FP32, TINY, cli
 
 NAN, SPIKE = -1, -2

@@ -100,3 +100,20 @@ def all_finite(tree: Any) -> jax.Array:
     """Whether every floating-point value of a pytree is finite (one bool, computed where the arrays live)."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones((), bool)
+
+
+def halt_reason(record: dict[str, Any], cfg: TrainConfig, saved: list[int]) -> str | None:
+    """Why the run must stop after this finished step (one paragraph), or None to go on."""
+    step = record["step"]
+    keep = f"nothing was saved from it; the newest checkpoint is step {saved[-1]}" if saved else \
+        "nothing was saved from it"
+    if record["skip_reason"] == "nonfinite" and cfg.on_nonfinite == "halt":
+        return (f"step {step}: the loss ({record['loss']}) or gradient norm ({record['grad_norm']}) is not "
+                f"finite; stopped (train.on_nonfinite=halt, valid: skip to go on); {keep}")
+    if record["consecutive_skips"] >= cfg.max_consecutive_skips:
+        return (f"step {step}: {record['consecutive_skips']} steps in a row were skipped (the last for "
+                f"{'a non-finite loss or gradient' if record['skip_reason'] == 'nonfinite' else 'a spike'}:"
+                f" loss {record['loss']:.6g}, grad_norm {record['grad_norm']:.6g}); stopped "
+                f"(train.max_consecutive_skips={cfg.max_consecutive_skips}); {keep}. A diverged run "
+                "usually needs a lower optim.lr or a restart from an earlier checkpoint")
+    return None

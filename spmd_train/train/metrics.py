@@ -1,21 +1,26 @@
-"""Where step metrics go: metrics.jsonl, TensorBoard event files, and the console.
+"""Where step metrics go: metrics.jsonl, TensorBoard event files, Weights & Biases, and the console.
 
-Only process 0 writes. Interactive runs get a progress bar (rich); non-TTY runs a plain
-line every `run.log_every` steps.
+Only process 0 writes. Terminals and notebooks get a progress bar (rich; in Jupyter through
+ipywidgets); other runs a plain line every `run.log_every` steps. metrics.jsonl stays strict
+JSON: a non-finite value is written as null and its key listed under `nonfinite`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
+from rich.console import Console
 
+from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
+from spmd_train.train.guards import REASONS
 
 log = logging.getLogger("spmd_train")
 
@@ -24,10 +29,11 @@ class MetricsSink:
     """Appends one JSON object per step to metrics.jsonl and the same scalars to TensorBoard."""
 
     def __init__(self, run_dir: Path, *, total_steps: int, log_every: int, start_step: int = 0,
-                 progress: bool = True):
+                 progress: bool = True, mirrors: tuple[Any, ...] = ()):
         self.active = jax.process_index() == 0
         self.total, self.log_every = total_steps, log_every
         self.path = run_dir / "metrics.jsonl"
+        self.mirrors = mirrors  # more destinations with a `log(record)` (the W&B run)
         self._file = self._tb = self._progress = None
         if not self.active:
             return
@@ -35,11 +41,13 @@ class MetricsSink:
         from tensorboardX import SummaryWriter
 
         self._tb = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10)
-        if progress and sys.stderr.isatty():
+        console = Console(stderr=True)
+        if progress and (console.is_interactive or console.is_jupyter):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False)
+                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False,
+                                      console=console)
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
 
@@ -47,11 +55,13 @@ class MetricsSink:
         """Record one finished step."""
         if not self.active:
             return
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         self._file.flush()
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)):  # bools too: `skipped` as 0/1
                 self._tb.add_scalar(f"train/{key}", float(value), record["step"])
+        for mirror in self.mirrors:
+            mirror.log(record)
         mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
         status = (f"loss {record['loss']:.4f}  {record['tokens_per_sec']:,.0f} tok/s  MFU {mfu}")
         if "val_loss" in record:
@@ -77,6 +87,44 @@ class MetricsSink:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def step_record(index: int, metrics: dict[str, Any], *, seconds: float, data_wait: float, cfg: Config,
+                mesh: jax.sharding.Mesh, flops_per_token: float, peak_flops: float | None,
+                loss_floor: float | None) -> dict[str, Any]:
+    """The record of step `index` + 1 (what metrics.jsonl holds) from the step's metrics and its timing."""
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    reason = REASONS[int(values.pop("skip_reason"))]
+    values.update(skipped=reason is not None, skip_reason=reason, skipped_steps=int(values["skipped_steps"]),
+                  consecutive_skips=int(values["consecutive_skips"]))
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    per_device = tokens / seconds / mesh.size
+    return {
+        "step": index + 1,
+        **values,
+        "step_time_s": seconds,
+        "data_wait_s": data_wait,
+        "tokens_per_sec": tokens / seconds,
+        "tokens_per_sec_per_device": per_device,
+        "mfu": per_device * flops_per_token / peak_flops if peak_flops else None,
+        "memory_bytes": memory_in_use(mesh),
+        "loss_floor": loss_floor,
+    }
+
+
+def memory_in_use(mesh: jax.sharding.Mesh) -> int | None:
+    """The most bytes in use on any of this process's devices, where the backend reports it (not on CPU)."""
+    stats = [d.memory_stats() for d in mesh.local_devices]
+    used = [s.get("bytes_in_use") for s in stats if s]
+    return int(np.max(used)) if used and None not in used else None
+
+
+def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with each non-finite float as None, their keys listed under `nonfinite` (JSON has no NaN)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: None if k in bad else v for k, v in record.items()}, "nonfinite": bad}
 
 
 def read_history(path: Path, upto_step: int) -> list[dict[str, Any]]:

@@ -17,10 +17,9 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from spmd_train.config.schema import Config
@@ -31,13 +30,21 @@ from spmd_train.hardware import device_spec
 from spmd_train.models.flops import flops_per_token
 from spmd_train.output_dir import make_output_dir
 from spmd_train.train import run_lock
-from spmd_train.train.capacity import check_state_fits, describe_run
-from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_same_parameters
+from spmd_train.train.capacity import (
+    activation_floor,
+    check_batch_fits,
+    check_compiled_fits,
+    check_state_fits,
+    describe_run,
+)
+from spmd_train.train.checkpoint import Checkpointer
 from spmd_train.train.engine import Engine, TrainState
-from spmd_train.train.fingerprint import differences
-from spmd_train.train.guards import REASONS, resize_window
-from spmd_train.train.metrics import MetricsSink, read_history
+from spmd_train.train.guards import halt_reason
+from spmd_train.train.metrics import MetricsSink, read_history, step_record
+from spmd_train.train.prefetch import Prefetcher
+from spmd_train.train.restore import load_from_source, restore_latest
 from spmd_train.train.run_record import record_config
+from spmd_train.train.wandb_run import WandbRun
 from spmd_train.train.watchdog import StepWatchdog
 
 
@@ -49,9 +56,12 @@ class Trainer:
         if devices is None:
             simulate_devices(cfg.run.simulate_devices)  # a no-op once jax has started (the CLI did it)
         self.engine = Engine.build(cfg, devices)
-        check_state_fits(self.engine.state_bytes_per_device, self.engine.mesh.devices.flat[0],
-                         describe_run(cfg, dict(self.engine.mesh.shape)), allocating=True,
-                         local_devices=len(self.engine.mesh.local_devices))
+        device, local = self.engine.mesh.devices.flat[0], len(self.engine.mesh.local_devices)
+        check_state_fits(self.engine.state_bytes_per_device, device, describe_run(cfg, dict(self.engine.mesh.shape)),
+                         allocating=True, local_devices=local)
+        shard = self.engine.batch_sharding.shard_shape((cfg.train.global_batch_size, cfg.train.seq_len + 1))
+        check_batch_fits(self.engine.state_bytes_per_device, activation_floor(cfg, shard, dict(self.engine.mesh.shape)),
+                         device, cfg, local_devices=local)
         self.data = make_source(cfg)
         self.run_dir = Path(cfg.run.dir)
         self.history: list[dict[str, Any]] = []
@@ -64,6 +74,8 @@ class Trainer:
         self._lock: Path | None = None
         self._watchdog = StepWatchdog(cfg.run.peer_timeout_s, active=False)
         self._step_sink: MetricsSink | None = None
+        self._created_dir = False
+        self._wandb: WandbRun | None = None
         kind = self.engine.mesh.devices.flat[0].device_kind
         spec = device_spec(kind)
         peak = cfg.run.peak_tflops * 1e12 if cfg.run.peak_tflops else (spec.peak_bf16_flops if spec else None)
@@ -93,14 +105,18 @@ class Trainer:
 
         Refused input (ConfigError) leaves nothing behind: a run.dir this call created is removed again.
         """
-        created = make_output_dir(self.run_dir, f"run.dir={self.run_dir}")
+        self._created_dir = make_output_dir(self.run_dir, f"run.dir={self.run_dir}")
         try:
             return self._init()
-        except ConfigError:
-            if created and jax.process_index() == 0:
-                self.close()
-                shutil.rmtree(self.run_dir, ignore_errors=True)
-            raise
+        except ConfigError as err:
+            self._refused(err)
+
+    def _refused(self, err: ConfigError) -> None:
+        """Raise `err`, first removing the run.dir `init` created if nothing was saved in it yet."""
+        if self._created_dir and jax.process_index() == 0 and not self.checkpointer.steps():
+            self.close()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        raise err
 
     def _init(self) -> TrainState:
         if self._lock is None and jax.process_index() == 0:  # one writer per run.dir (released by close())
@@ -142,7 +158,22 @@ class Trainer:
         """Compile the train step once (timed apart from training); keep its HLO in run.dir/compiled/."""
         if self._compiled is None:
             start = time.perf_counter()
-            self._compiled = self.engine.train_step.lower(self.state, self._batch(self.step_count)).compile()
+            try:
+                compiled = self.engine.train_step.lower(self.state, self._batch(self.step_count)).compile()
+                check_compiled_fits(compiled.memory_analysis(), self.mesh.devices.flat[0], self.cfg,
+                                    local_devices=len(self.mesh.local_devices))
+            except jax.errors.JaxRuntimeError as err:
+                if "RESOURCE_EXHAUSTED" not in str(err):
+                    raise
+                self._refused(ConfigError(
+                    f"the train step does not fit in device memory when compiled ({str(err).splitlines()[0][:300]}) "
+                    f"for train.global_batch_size={self.cfg.train.global_batch_size} x train.seq_len="
+                    f"{self.cfg.train.seq_len}, train.grad_accum={self.cfg.train.grad_accum}, parallel.remat="
+                    f"{self.cfg.parallel.remat} (valid: a larger train.grad_accum, parallel.remat=full, a smaller "
+                    "batch or more devices on mesh.data / mesh.fsdp; `spmd-train describe` shows the step's memory)"))
+            except ConfigError as err:
+                self._refused(err)
+            self._compiled = compiled
             self.compile_time_s = time.perf_counter() - start
             if jax.process_index() == 0:
                 # The program the run ran, for inspection after the fact (collectives, fusions, memory).
@@ -154,12 +185,15 @@ class Trainer:
         """One optimizer step, synchronously; returns (and records) its metrics."""
         self._ensure_ready()
         start, index = time.perf_counter(), self.step_count
-        self.state, metrics = self._compiled(self.state, self._batch(index))
-        record = self._record(index, jax.device_get(metrics), time.perf_counter() - start)
+        batch = self._batch(index)
+        waited = time.perf_counter() - start
+        self.state, metrics = self._compiled(self.state, batch)
+        record = self._record(index, jax.device_get(metrics), time.perf_counter() - start, waited)
         self.history.append(record)
         if self._step_sink is None:  # records of step() reach metrics.jsonl like those of run()
             self._step_sink = MetricsSink(self.run_dir, total_steps=self.cfg.train.steps,
-                                          log_every=self.cfg.run.log_every, start_step=index, progress=False)
+                                          log_every=self.cfg.run.log_every, start_step=index, progress=False,
+                                          mirrors=self._mirrors())
         self._step_sink.write(record)
         self._judge(record)
         if self._halted:
@@ -178,7 +212,7 @@ class Trainer:
         self.compile()
         self._close_step_sink()  # one writer of metrics.jsonl at a time
         sink = MetricsSink(self.run_dir, total_steps=self.cfg.train.steps, log_every=self.cfg.run.log_every,
-                           start_step=first)
+                           start_step=first, mirrors=self._mirrors())
         sink.note("compiled the train step in %.2f s", self.compile_time_s)
         if self.data.loss_floor is not None:
             sink.note("best achievable loss on this data: %.4f nats/token", self.data.loss_floor)
@@ -186,17 +220,18 @@ class Trainer:
         every = self.cfg.checkpoint.every
         profile = self.cfg.run.profile_steps
         self._halted = None
-        with self._signals(), sink_closed(sink), _trace_closed(), self._watching(first):
+        batches = Prefetcher(self._batch, first, last, depth=self.cfg.data.prefetch)
+        with self._signals(), contextlib.closing(sink), _trace_closed(), self._watching(first), batches:
             pending, done_at = None, time.perf_counter()
             for index in range(first, last):
                 if profile and index + 1 == profile[0]:
                     jax.profiler.start_trace(str(self.run_dir / "profile"))
-                batch = self._batch(index)
+                batch, waited = batches.take(index)
                 with self._watchdog.waiting():  # a dispatch may block on the step before it
                     self.state, metrics = self._compiled(self.state, batch)
                 if pending is not None:  # at most one step in flight: finish the previous one now
                     done_at = self._finish(pending, done_at, sink, new)
-                pending = (index + 1, metrics)
+                pending = (index + 1, metrics, waited)
                 if self.cfg.train.eval_every and (index + 1) % self.cfg.train.eval_every == 0:
                     # Finish this step now so its record gets the loss of exactly these parameters.
                     done_at = self._finish(pending, done_at, sink, new, evaluate=True)
@@ -307,6 +342,9 @@ class Trainer:
     def close(self) -> None:
         """Wait for pending checkpoint writes and release resources (the run directory's lock last)."""
         self._close_step_sink()
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self._checkpointer is not None:
             self._checkpointer.close()
             self._checkpointer = None
@@ -321,6 +359,14 @@ class Trainer:
             self._step_sink.close()
             self._step_sink = None
 
+    def _mirrors(self) -> tuple[WandbRun, ...]:
+        """Where step records go besides metrics.jsonl and TensorBoard: the W&B run, started once per Trainer."""
+        if not self.cfg.run.wandb or jax.process_index() != 0:
+            return ()
+        if self._wandb is None:
+            self._wandb = WandbRun(self.cfg.run, self.run_dir, asdict(self.cfg))
+        return (self._wandb,)
+
     def _ensure_ready(self) -> None:
         if self.state is None:
             self.init()
@@ -331,79 +377,22 @@ class Trainer:
 
     def _restore_latest(self, source: Checkpointer, where: Path, *, same_run: bool = True,
                         only: int | None = None) -> tuple[int, TrainState] | None:
-        """The one restore path (resume, `restore()`, `load_from`): the latest restorable checkpoint of
-        `source`, resharded onto this mesh, layers in this run's order. Resuming (`same_run`) needs the same
-        model section; starting from another run's parameters needs only the same parameter shapes."""
-        if same_run:
-            check = lambda meta: check_same_model(meta, self.cfg, str(where))
-        else:
-            check = lambda meta: check_same_parameters(meta, self.cfg, self.engine.param_shapes, str(where))
-        restored = source.restore_latest(self._restore_target, check,
-                                         lambda state, meta: self._damage(state, meta, same_run), only=only)
-        if restored is None:
-            return None
-        step, state, meta = restored
-        return step, self.engine.reorder_layers(self._with_guards(state, meta), meta.get("layer_order"))
-
-    def _restore_target(self, meta: dict) -> Any:
-        """The abstract state a checkpoint with this meta is read into: its guards as they were saved."""
-        target = self.engine.abstract_state()
-        if meta.get("format", 1) < 2:  # saved before the step guards existed
-            return _Unguarded(target.step, target.params, target.opt_state)
-        saved = meta["config"]["train"]["spike_window"]
-        if saved != self.cfg.train.spike_window:
-            window = target.guard.window
-            return target._replace(guard=target.guard._replace(
-                window=jax.ShapeDtypeStruct((saved, 2), window.dtype, sharding=window.sharding)))
-        return target
-
-    def _damage(self, state: Any, meta: dict, same_run: bool) -> str | None:
-        """Why a restored state cannot be trusted (non-finite values, or values that differ from the fingerprint
-        its save recorded), or None. Fingerprints compare only when resuming: load_from may cast dtypes."""
-        finite, prints = jax.device_get(self.engine.state_health(state))
-        if not finite:
-            return "it holds non-finite parameters or optimizer state"
-        if same_run and "fingerprint" in meta:
-            changed = differences(meta["fingerprint"], prints, state)
-            if changed:
-                return (f"{len(changed)} arrays differ from the fingerprint recorded when it was saved "
-                        f"(first: {changed[0]})")
-        return None
-
-    def _with_guards(self, state: Any, meta: dict) -> TrainState:
-        """A restored state with this run's step guards: fresh before format 2, resized for another window."""
-        if isinstance(state, _Unguarded):
-            return TrainState(*state, guard=self.engine.fresh_guard())
-        if state.guard.window.shape[0] != self.cfg.train.spike_window:
-            guard = resize_window(state.guard, self.cfg.train.spike_window)
-            return state._replace(guard=jax.device_put(guard, self.engine.state_shardings.guard))
-        return state
+        return restore_latest(self.engine, self.cfg, source, where, same_run=same_run, only=only)
 
     def _load_weights(self, path: Path) -> None:
         """checkpoint.load_from: a run.dir (its latest checkpoint), its checkpoints/ or one checkpoints/STEP."""
-        step = None
-        if path.name.isdigit() and path.parent.name == "checkpoints":
-            step, path = int(path.name), path.parent
-        run_dir = path.parent if path.name == "checkpoints" else path
-        if not (run_dir / "checkpoints").is_dir():
-            raise ConfigError(f"checkpoint.load_from={self.cfg.checkpoint.load_from} holds no checkpoints directory "
-                              "(valid: a run.dir, its checkpoints/ or a checkpoints/STEP directory)")
-        source = Checkpointer(run_dir / "checkpoints", read_only=True)
-        if not source.steps() or (step is not None and step not in source.steps()):
-            raise ConfigError(f"checkpoint.load_from={self.cfg.checkpoint.load_from} holds no checkpoint"
-                              + (f" at step {step}" if step is not None else "")
-                              + f" (valid steps there: {source.steps() or 'none'})")
+        source, run_dir, step = load_from_source(path, self.cfg.checkpoint.load_from)
         done, restored = self._restore_latest(source, run_dir, same_run=False, only=step)
         self.state = self.state._replace(params=restored.params)
         self._say(f"started from the parameters of step {done} in {run_dir / 'checkpoints'}")
 
     def _finish(self, pending, done_at: float, sink: MetricsSink, new: list, evaluate: bool = False) -> float:
-        step, metrics = pending
+        step, metrics, waited = pending
         with self._watchdog.waiting():
             values = jax.device_get(metrics)  # blocks until that step is done
         self._watchdog.finished(step)
         now = time.perf_counter()
-        record = self._record(step - 1, values, now - done_at)
+        record = self._record(step - 1, values, now - done_at, waited)
         if evaluate:  # after the step's timing: evaluation time is not step time
             with self._watchdog.paused():
                 record["val_loss"] = self.evaluate()
@@ -433,38 +422,12 @@ class Trainer:
 
     def _judge(self, record: dict[str, Any]) -> None:
         """Decide from a finished step whether the run must stop (sets `_halted` to the message)."""
-        t = self.cfg.train
-        step, saved = record["step"], self.checkpointer.steps()
-        keep = f"nothing was saved from it; the newest checkpoint is step {saved[-1]}" if saved else \
-            "nothing was saved from it"
-        if record["skip_reason"] == "nonfinite" and t.on_nonfinite == "halt":
-            self._halted = (f"step {step}: the loss ({record['loss']}) or gradient norm ({record['grad_norm']}) is not "
-                            f"finite; stopped (train.on_nonfinite=halt, valid: skip to go on); {keep}")
-        elif record["consecutive_skips"] >= t.max_consecutive_skips:
-            self._halted = (f"step {step}: {record['consecutive_skips']} steps in a row were skipped (the last for "
-                            f"{'a non-finite loss or gradient' if record['skip_reason'] == 'nonfinite' else 'a spike'}:"
-                            f" loss {record['loss']:.6g}, grad_norm {record['grad_norm']:.6g}); stopped "
-                            f"(train.max_consecutive_skips={t.max_consecutive_skips}); {keep}. A diverged run "
-                            "usually needs a lower optim.lr or a restart from an earlier checkpoint")
+        self._halted = halt_reason(record, self.cfg.train, self.checkpointer.steps()) or self._halted
 
-    def _record(self, index: int, metrics, seconds: float) -> dict[str, Any]:
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        reason = REASONS[int(values.pop("skip_reason"))]
-        values.update(skipped=reason is not None, skip_reason=reason, skipped_steps=int(values["skipped_steps"]),
-                      consecutive_skips=int(values["consecutive_skips"]))
-        tokens = self.cfg.train.global_batch_size * self.cfg.train.seq_len
-        per_device = tokens / seconds / self.mesh.size
-        return {
-            "step": index + 1,
-            **values,
-            "step_time_s": seconds,
-            "tokens_per_sec": tokens / seconds,
-            "tokens_per_sec_per_device": per_device,
-            "mfu": (per_device * self.flops_per_token / self.peak_flops_per_device
-                    if self.peak_flops_per_device else None),
-            "memory_bytes": _memory_in_use(self.mesh),
-            "loss_floor": self.data.loss_floor,
-        }
+    def _record(self, index: int, metrics, seconds: float, data_wait: float) -> dict[str, Any]:
+        return step_record(index, metrics, seconds=seconds, data_wait=data_wait, cfg=self.cfg, mesh=self.mesh,
+                           flops_per_token=self.flops_per_token, peak_flops=self.peak_flops_per_device,
+                           loss_floor=self.data.loss_floor)
 
     @contextlib.contextmanager
     def _watching(self, first: int):
@@ -511,14 +474,6 @@ def _dotted_paths(tree: dict, prefix: str = "") -> list[str]:
     return out
 
 
-class _Unguarded(NamedTuple):
-    """The train state as checkpoint format 1 saved it (before the step guards)."""
-
-    step: Any
-    params: Any
-    opt_state: Any
-
-
 @contextlib.contextmanager
 def _trace_closed():
     """Stop a profiler trace the loop started if the run ends before its last profiled step."""
@@ -527,18 +482,3 @@ def _trace_closed():
     finally:
         with contextlib.suppress(RuntimeError):  # raised when no trace is active
             jax.profiler.stop_trace()
-
-
-@contextlib.contextmanager
-def sink_closed(sink: MetricsSink):
-    """Close the metrics sink however the block ends."""
-    try:
-        yield sink
-    finally:
-        sink.close()
-
-
-def _memory_in_use(mesh: jax.sharding.Mesh) -> int | None:
-    stats = [d.memory_stats() for d in mesh.local_devices]
-    used = [s.get("bytes_in_use") for s in stats if s]
-    return int(np.max(used)) if used and None not in used else None

@@ -1,0 +1,85 @@
+"""Where step records go: strict JSON in metrics.jsonl, the Weights & Biases mirror, the progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from spmd_train import Trainer, load_config
+from spmd_train.errors import ConfigError
+from spmd_train.train.metrics import MetricsSink
+from tests.runs import ROOT, TINY, cli_env
+
+
+def _strict_loads(line: str):
+    def refuse(name):
+        raise ValueError(f"bare {name} in metrics.jsonl")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_non_finite_values_are_written_as_null_and_named(tmp_path):
+    sink = MetricsSink(tmp_path, total_steps=2, log_every=1, progress=False)
+    base = {"loss": 1.5, "grad_norm": 0.5, "lr": 1e-3, "tokens_per_sec": 10.0, "mfu": None}
+    sink.write({"step": 1, **base})
+    sink.write({"step": 2, **base, "loss": math.nan, "grad_norm": math.inf})
+    sink.close()
+    first, second = (_strict_loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert first["loss"] == 1.5 and "nonfinite" not in first
+    assert second["loss"] is None and second["grad_norm"] is None and second["nonfinite"] == ["loss", "grad_norm"]
+
+
+def _wandb_run(tmp_path, devices, steps: int):
+    cfg = load_config(None, [*TINY, f"train.steps={steps}", "mesh.fsdp=8", "run.wandb=true",
+                             "run.wandb_mode=offline", f"run.dir={tmp_path / 'run'}", "checkpoint.every=2"])
+    trainer = Trainer(cfg, list(devices))
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+
+
+def test_wandb_offline_mirrors_every_step_and_a_resume_continues_the_same_run(tmp_path, devices):
+    pytest.importorskip("wandb", reason="the wandb extra")  # in the dev extra, so CI runs this
+    _wandb_run(tmp_path, devices, steps=2)
+    run_id = (tmp_path / "run" / "wandb_id").read_text()
+    _wandb_run(tmp_path, devices, steps=4)
+    assert (tmp_path / "run" / "wandb_id").read_text() == run_id  # resumed into the same W&B run
+    offline = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(offline) == 2  # one file per start, both of the one run, for `wandb sync`
+    # The .wandb files are W&B's protobuf log; each history value is stored as its JSON text.
+    logged = b"".join(path.read_bytes() for path in offline)
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    for record in history:
+        assert json.dumps(record["loss"]).encode() in logged, record["step"]
+    assert logged.count(b"train/loss") >= 4
+
+
+def test_wandb_without_the_package_is_a_config_error_naming_the_key(tmp_path, devices, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match=r"run.wandb=true needs the wandb package"):
+        _wandb_run(tmp_path, devices, steps=1)
+
+
+def test_a_script_running_the_api_shows_a_progress_bar(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        from spmd_train import Trainer, load_config
+        cfg = load_config({str(ROOT / 'configs/tiny.yaml')!r}, ["train.steps=3", "run.dir={tmp_path / 'run'}",
+                          "mesh.fsdp=1", "mesh.tensor=1", "run.simulate_devices=null"])
+        trainer = Trainer(cfg)
+        trainer.run()
+        trainer.close()
+    """))
+    # What a terminal gives rich; a pipe would get the plain log lines instead.
+    env = {**cli_env(), "TTY_INTERACTIVE": "1", "TTY_COMPATIBLE": "1", "COLUMNS": "160"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                         check=True)
+    assert "step 3/3" in out.stderr.replace("\x1b", " ") or "3/3" in out.stderr
+    assert "tok/s" in out.stderr and "loss" in out.stderr

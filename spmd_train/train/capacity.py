@@ -93,8 +93,7 @@ def check_batch_fits(state: int, activations: int, device: jax.Device, cfg: Any,
     if limit is None or state + activations <= limit:
         return
     t = cfg.train
-    room = limit - state
-    accum = t.grad_accum * math.ceil(activations / room) if room > 0 else None
+    accum = _grad_accum_to_fit(t.grad_accum, activations, limit - state)
     fix = (f"train.grad_accum={accum} or more (the same batch in smaller microbatches), " if accum else "") + \
         "a smaller train.global_batch_size or train.seq_len, or more devices on the axes that split the batch " \
         "(mesh.data, mesh.fsdp)"
@@ -116,8 +115,7 @@ def check_compiled_fits(memory: Any, device: jax.Device, cfg: Any, *, local_devi
         return
     t = cfg.train
     temp = memory.temp_size_in_bytes
-    room = limit - (peak - temp)
-    accum = t.grad_accum * math.ceil(temp / room) if room > 0 else None
+    accum = _grad_accum_to_fit(t.grad_accum, temp, limit - (peak - temp))
     fix = (f"about train.grad_accum={accum} (temporaries shrink with the microbatch), " if accum else "") + \
         "parallel.remat=full (keeps only each layer's input), a smaller train.global_batch_size or train.seq_len, " \
         "or more devices on mesh.data / mesh.fsdp"
@@ -126,6 +124,11 @@ def check_compiled_fits(memory: Any, device: jax.Device, cfg: Any, *, local_devi
         f"and temporaries for train.global_batch_size={t.global_batch_size} x train.seq_len={t.seq_len}, "
         f"train.grad_accum={t.grad_accum}, parallel.remat={cfg.parallel.remat}), more than the {limit / GiB:,.1f} GiB "
         f"{where}; nothing ran (valid: {fix})")
+
+
+def _grad_accum_to_fit(grad_accum: int, per_microbatch: int, room: int) -> int | None:
+    """The train.grad_accum at which `per_microbatch` bytes (which shrink with the microbatch) fit in `room`."""
+    return grad_accum * math.ceil(per_microbatch / room) if room > 0 else None
 
 
 def _device_limit(device: jax.Device, local_devices: int) -> tuple[int | None, str]:

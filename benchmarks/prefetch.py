@@ -20,10 +20,10 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
+import jax
 
-from benchmarks.report import provenance, update_section  # noqa: E402
-from spmd_train import Trainer, load_config, simulate_devices  # noqa: E402
+from benchmarks.report import provenance, update_section
+from spmd_train import Trainer, load_config, simulate_devices
 
 DROP = 5
 """Leading steps of a round left out of the medians."""

@@ -15,6 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+PREFETCH_THREAD = "spmd_train-prefetch"
+"""The batch maker's thread name (the step watchdog names where it is when the loop waits on it)."""
+
 
 class _Failed(NamedTuple):
     error: BaseException
@@ -30,7 +33,7 @@ class Prefetcher:
         self._next = first
         self._thread = None
         if depth > 0:
-            self._thread = threading.Thread(target=self._work, name="spmd_train-prefetch", daemon=True)
+            self._thread = threading.Thread(target=self._work, name=PREFETCH_THREAD, daemon=True)
             self._thread.start()
 
     def take(self, step: int) -> tuple[Any, float]:

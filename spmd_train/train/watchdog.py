@@ -23,6 +23,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from spmd_train.train.prefetch import PREFETCH_THREAD
+
 EXIT_STALLED = 3
 """The exit code of a stalled process (as for a run the step guards stop)."""
 SLOWEST_STEP_FACTOR = 10
@@ -162,8 +164,17 @@ class StepWatchdog:
         return f"every process that reported finished step {self._last_step}"
 
     def _main_thread_at(self) -> str:
-        frame = sys._current_frames().get(self._main)
-        if frame is None:
-            return "an unknown place"
-        return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
-                           for f in reversed(traceback.extract_stack(frame)[-3:]))
+        frames = sys._current_frames()
+        where = _stack(frames.get(self._main))
+        if "prefetch.py" in where:  # waiting for a batch: the place to name is where the batch maker is
+            maker = next((t.ident for t in threading.enumerate() if t.name == PREFETCH_THREAD), None)
+            where = f"{where}, waiting for the batch its prefetch thread makes, at {_stack(frames.get(maker))}"
+        return where
+
+
+def _stack(frame: Any) -> str:
+    """A thread's innermost three frames, innermost first."""
+    if frame is None:
+        return "an unknown place"
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                       for f in reversed(traceback.extract_stack(frame)[-3:]))

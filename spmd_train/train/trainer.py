@@ -131,7 +131,8 @@ class Trainer:
                               f"at that step (valid: one of {existing})" if existing else
                               f"train.resume_step={chosen}: {self.run_dir} has no checkpoints to resume from "
                               "(valid: train.resume_step=null to start fresh)")
-        restored = self._restore_latest(self.checkpointer, self.run_dir, only=chosen) if existing else None
+        restored = (restore_latest(self.engine, self.cfg, self.checkpointer, self.run_dir, only=chosen)
+                    if existing else None)
         if restored is not None:
             step, self.state = restored
             for aside in self.checkpointer.supersede_after(step):
@@ -294,7 +295,7 @@ class Trainer:
     def restore(self, path: str | Path | None = None) -> TrainState:
         """Restore the latest checkpoint of this run (or of another run directory) onto this mesh."""
         source = Checkpointer(Path(path) / "checkpoints", read_only=True) if path else self.checkpointer
-        restored = self._restore_latest(source, Path(path or self.run_dir))
+        restored = restore_latest(self.engine, self.cfg, source, Path(path or self.run_dir))
         if restored is None:
             raise ConfigError(f"no checkpoint found in {source.directory}")
         self.state = restored[1]
@@ -375,14 +376,10 @@ class Trainer:
     def _batch(self, step: int) -> Batch:
         return self.data.batch(step, self.engine.batch_sharding)
 
-    def _restore_latest(self, source: Checkpointer, where: Path, *, same_run: bool = True,
-                        only: int | None = None) -> tuple[int, TrainState] | None:
-        return restore_latest(self.engine, self.cfg, source, where, same_run=same_run, only=only)
-
     def _load_weights(self, path: Path) -> None:
         """checkpoint.load_from: a run.dir (its latest checkpoint), its checkpoints/ or one checkpoints/STEP."""
         source, run_dir, step = load_from_source(path, self.cfg.checkpoint.load_from)
-        done, restored = self._restore_latest(source, run_dir, same_run=False, only=step)
+        done, restored = restore_latest(self.engine, self.cfg, source, run_dir, same_run=False, only=step)
         self.state = self.state._replace(params=restored.params)
         self._say(f"started from the parameters of step {done} in {run_dir / 'checkpoints'}")
 

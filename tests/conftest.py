@@ -1,9 +1,19 @@
 """Test setup: 8 simulated CPU devices, configured before jax initialises its backend."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    # One persistent compilation cache for the session, inherited by the xdist workers and the CLI subprocesses
+    # they start: the many tests that compile the same program (the tiny config's step above all, in-process
+    # and through the CLI) load it instead of compiling it again. Keyed by the program, flags and devices.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_train-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax
 import pytest

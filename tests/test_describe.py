@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -188,3 +189,20 @@ def test_a_step_too_big_for_the_chip_is_reported_not_raised():
     assert report.fits is False and report.hbm_bytes == 16 * 1024**3
     assert report.per_device["peak_bytes"] is None and "Ran out of memory" in report.notes[0]
     assert report.per_device["param_bytes"] == pytest.approx(report.param_count * 4 / 4, rel=0.01)
+
+
+@needs_libtpu
+def test_compiling_for_a_slice_leaves_the_persistent_cache_alone(devices, tmp_path, monkeypatch):
+    # A compile-only TPU client writes entries it cannot read back: the second compile of the same program
+    # warned "Error reading persistent compilation cache entry" before describe compiled slices without it.
+    cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    before = set(cache.iterdir())
+    cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=2", "mesh.tensor=2"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            report = describe(cfg, topology="v5e:2x2")
+    assert report.per_device["temp_bytes"] > 0
+    assert not [w for w in caught if "compilation cache" in str(w.message)], [str(w.message) for w in caught]
+    assert set(cache.iterdir()) == before  # nothing written for the slice
+    assert jax.config.jax_enable_compilation_cache  # and the cache is on again for this host's programs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -16,7 +17,7 @@ from spmd_train.analysis.context_report import compiled_over_sequence, context_s
 from spmd_train.analysis.hlo import matmul_flops
 from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.render import PIPELINE_FLOPS_NOTE, Rendered
-from spmd_train.analysis.topology import tpu_topology_devices
+from spmd_train.analysis.topology import tpu_topology_devices, without_persistent_cache
 from spmd_train.analysis.zero_floor import FloorTerm, floor_by_axes, zero_floor
 from spmd_train.config.schema import Config
 from spmd_train.devices import simulate_devices
@@ -234,7 +235,9 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     device = mesh.devices.flat[0]
     spec = device_spec(device.device_kind)
     try:
-        compiled = lowered.compile()
+        # Devices of a slice we do not have come from a compile-only client (see without_persistent_cache).
+        with contextlib.nullcontext() if device in jax.devices() else without_persistent_cache():
+            compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from spmd_train.errors import ConfigError
 
@@ -41,3 +44,20 @@ def tpu_topology_devices(name: str) -> list[jax.Device]:
             f"--topology {name!r} is not a TPU slice libtpu knows ({reason}); valid names look like "
             f"GENERATION:SHAPE, e.g. {EXAMPLES}"
         ) from None
+
+
+@contextmanager
+def without_persistent_cache() -> Iterator[None]:
+    """Compile inside without JAX's persistent compilation cache, and leave it as it was."""
+    # A compile-only TPU client writes cache entries it cannot read back: with JAX_COMPILATION_CACHE_DIR
+    # set, every later compile of the same program warned "PjRtCompiler must be constructed with a Client
+    # to call DeserializeLoadedExecutable" and compiled anyway. jax decides once per process whether the
+    # cache is used, so the decision is reset on the way in and out.
+    enabled = jax.config.jax_enable_compilation_cache
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()

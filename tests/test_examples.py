@@ -41,6 +41,17 @@ COVERED = {
     "spmd-train describe configs/llama3-8b_v5p-512.yaml --topology v5p:8x8x8":
         ("tests/test_describe.py", ["llama3-8b_v5p-512", "v5p:8x8x8"]),
 }
+FIGURES = {
+    # command prefix -> figures the docs quote from its output: (doc, the figure in the doc, the figure printed)
+    "spmd-train describe configs/moe.yaml model.preset=mixtral-8x7b": [
+        ("docs/moe.md", r"([\d.]+ GiB) peak per\s+chip", r"peak = arg \+ out \+ temp - alias\W*([\d.]+ GiB)"),
+        ("docs/moe.md", r"(\d+) all-to-alls over `expert` per step", r"all-to-all over expert per step\W*(\d+) x"),
+        ("docs/moe.md", r"all-to-alls over `expert` per step.*?moving ([\d.]+ GiB) per device",
+         r"all-to-all over expert per step\W*\d+ x, ([\d.]+ GiB)"),
+    ],
+}
+"""A documented figure is checked against the command that prints it whenever the examples run, so a change
+that moves it fails here instead of leaving the docs quoting an old figure."""
 
 
 def documented_commands() -> list[tuple[str, str]]:
@@ -91,6 +102,10 @@ def test_every_documented_command_is_run_or_skipped_for_a_stated_reason():
         assert any(c.startswith(prefix) for _, c in COMMANDS), f"stale cover {prefix!r}"
         text = (ROOT / test_file).read_text()
         assert all(a in text for a in args), f"{test_file} no longer runs {prefix!r}"
+    for prefix, figures in FIGURES.items():
+        assert any(c.startswith(prefix) for _, c in RUN), f"figures of {prefix!r}: no command that is run"
+        for doc, quoted, _ in figures:
+            assert re.search(quoted, (ROOT / doc).read_text(), re.S), f"{doc} no longer quotes {quoted!r}"
     assert len(RUN) >= 15, RUN
 
 
@@ -112,6 +127,11 @@ def test_documented_command_runs_as_written(where, command, tmp_path):
                          timeout=600, check=False)
     assert out.returncode == 0, f"{where}: {command}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
     assert "Traceback" not in out.stderr
+    for doc, quoted, printed in next((f for prefix, f in FIGURES.items() if command.startswith(prefix)), []):
+        said = re.search(quoted, (ROOT / doc).read_text(), re.S).group(1)
+        now = re.search(printed, out.stdout, re.S)
+        assert now, f"{command!r} no longer prints {printed!r}:\n{out.stdout}"
+        assert said == now.group(1), f"{doc} quotes {said}, {command!r} now prints {now.group(1)}: update {doc}"
 
 
 @pytest.mark.heavy

@@ -1,13 +1,38 @@
-"""Peak dense bf16 FLOP/s and memory per JAX device, keyed by `device_kind`.
+"""Per-accelerator figures for MFU and the mesh planner, per JAX device.
 
 Figures and sources: ../shared/hardware.md (dense peaks, per JAX device: a TPU7x chip is two
-devices). GPU memory is the marketed capacity; at run time prefer
-`device.memory_stats()["bytes_limit"]`.
+devices). Source tags in brackets, e.g. [C-v5p] or [SB-G], are that file's **Sources** list;
+"hw.md §4" is its table of disagreements and the value it chose. GPU memory is the marketed
+capacity; at run time prefer `device.memory_stats()["bytes_limit"]`.
+
+Two lookups:
+- `device_spec(device_kind)`: the string jax reports -> peak and memory (MFU, the fit checks);
+- `hardware(kind)`: a planner name (`h100`, `v5p`, ...) -> `Hardware`, which adds HBM bandwidth,
+  the fast and slow links with their per-hop latency, and how devices group into hosts and
+  fast-link domains.
+
+What a `Link.bandwidth` means (the figure the planner's α-β model divides bytes by): the bytes per
+second one device moves through one ring collective over that link.
+- GPUs (NVLink, xGMI, InfiniBand): one direction per device. NVIDIA's 600/900/1,800 GB/s are sums
+  over both directions; a ring sends one way and receives the other, so it uses half (hw.md §5.2,
+  the scaling-book's "full-duplex" figure).
+- TPUs (ICI): the bidirectional figure of one link, 2 x one-way: a mesh axis laid on one torus
+  dimension with wraparound runs a bidirectional ring, so each hop carries half the data each way
+  ([SB] sharding.md: "T_hop = 2V / (|X| W_ICI)" with W_ICI bidirectional). Without wraparound
+  (v5e/v6e axes shorter than 16, v4/v5p/tpu7x shapes below a full 4x4x4 cube) it is about half,
+  and an axis spread over k torus dimensions has about k times it: the topology, not this table,
+  decides that.
+- DCN / inter-node NICs: one direction per device (a NIC's Gb/s rating is per direction).
+[SB] is jax-ml/scaling-book `sharding.md` @ 0819a7d, the source of the ICI hop latency; [NCCL] is
+NVIDIA/nccl `src/graph/tuning.cc`, whose `hwLat` table gives NCCL's per-hop latency for the ring
+algorithm with the Simple protocol (the one large collectives use): NVLink 3.4 us, network 14 us.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from spmd_train.errors import ConfigError
 
 GiB = 1024**3
 
@@ -49,3 +74,151 @@ def device_spec(device_kind: str) -> DeviceSpec | None:
         if device_kind.startswith(prefix):
             return spec
     return None
+
+
+@dataclass(frozen=True)
+class Link:
+    """One interconnect as the α-β model sees it from one device (the module docstring defines `bandwidth`)."""
+
+    name: str
+    bandwidth: float
+    """Bytes per second one device moves through one ring collective over this link."""
+    latency: float
+    """α: seconds per hop, whatever the message size."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator kind for the planner: peaks, memory, links and how devices group (per JAX device)."""
+
+    kind: str
+    """The planner name: h100, v5p, ..."""
+    spec: DeviceSpec
+    """Dense bf16 peak and HBM bytes, the same row MFU uses (`device_spec`)."""
+    hbm_bandwidth: float
+    """Bytes per second of HBM per device."""
+    fast: Link
+    """The intra-node / intra-slice link: NVLink, xGMI or ICI."""
+    slow: Link
+    """The inter-node / inter-slice link: InfiniBand, RoCE or DCN."""
+    devices_per_host: int
+    """Devices one host (one process) drives."""
+    fast_domain: int
+    """Most devices one fast-link domain holds: a GPU node or NVLink rack, or the largest TPU slice."""
+    torus: int = 0
+    """Dimensions of the ICI torus (3: v4, v5p, tpu7x; 2: v5e, v6e); 0 for switched GPU links."""
+    devices_per_chip: int = 1
+    """JAX devices per chip (2 on TPU7x, whose TensorCores are separate devices)."""
+
+    @property
+    def peak_flops(self) -> float:
+        """Dense bf16 FLOP/s per device."""
+        return self.spec.peak_bf16_flops
+
+    @property
+    def hbm_bytes(self) -> float:
+        """HBM bytes per device."""
+        return self.spec.hbm_bytes
+
+
+_NVLINK_ALPHA = 3.4e-6  # [NCCL] hwLat NVLink, Ring, Simple
+_NET_ALPHA = 14e-6  # [NCCL] hwLat network, Ring, Simple
+_ICI_ALPHA = 1e-6  # [SB]: "Each hop over an ICI link has some intrinsic overhead ... typically around 1us"
+# DCN: no published per-hop figure; assumed the same order as InfiniBand's, hence NCCL's network value.
+_DCN_ALPHA = _NET_ALPHA
+
+
+def _ib(gbps: float, what: str) -> Link:
+    """A NIC per device rated at `gbps` Gb/s per direction (hw.md §5.2)."""
+    return Link(what, gbps / 8 * 1e9, _NET_ALPHA)
+
+
+def _dcn(gbps_per_chip: float, devices_per_chip: int = 1) -> Link:
+    """DCN at `gbps_per_chip` Gb/s per chip, shared by the chip's devices."""
+    return Link("DCN", gbps_per_chip / 8 * 1e9 / devices_per_chip, _DCN_ALPHA)
+
+
+def _ici(one_way_per_link: float, devices_per_chip: int = 1) -> Link:
+    """ICI along one torus dimension: 2 x one-way per link (module docstring), shared by the chip's devices."""
+    return Link("ICI", 2 * one_way_per_link / devices_per_chip, _ICI_ALPHA)
+
+
+_PLANNER: dict[str, Hardware] = {
+    # NVLink: per-GPU totals over both directions halved (hw.md §1, §5.2): A100 600 -> 300, Hopper 900 -> 450,
+    # Blackwell 1,800 -> 900 GB/s [SB-G][N-A100][N-H100][N-BW]. Scale-out: one NIC per GPU [N-POD][S-IB][AZ].
+    "a100": Hardware(
+        # The 80 GB SXM4 part (DGX A100 640 GB); the 40 GB part differs only in memory and HBM bandwidth.
+        "a100", device_spec("NVIDIA A100-SXM4-80GB"), 2.039e12,  # [S-A100]
+        Link("NVLink 3", 300e9, _NVLINK_ALPHA), _ib(200, "HDR InfiniBand 200 Gb/s"),  # [S-IB]: 8 x CX-6 200 Gb/s
+        devices_per_host=8, fast_domain=8),  # 6 x NVSwitch gen 2 [N-A100]
+    "h100": Hardware(
+        "h100", device_spec("NVIDIA H100 80GB HBM3"), 3.35e12,  # [N-H100][S-H100]
+        Link("NVLink 4", 450e9, _NVLINK_ALPHA), _ib(400, "NDR InfiniBand 400 Gb/s"),  # [N-POD]: 8 x CX-7 400 Gb/s
+        devices_per_host=8, fast_domain=8),
+    "h200": Hardware(
+        "h200", device_spec("NVIDIA H200"), 4.8e12,  # [N-H200]
+        Link("NVLink 4", 450e9, _NVLINK_ALPHA), _ib(400, "NDR InfiniBand 400 Gb/s"),  # [N-POD]
+        devices_per_host=8, fast_domain=8),
+    "b200": Hardware(
+        "b200", device_spec("NVIDIA B200"), 8e12,  # [N-BW]: HGX B200 64 TB/s per 8 GPUs; hw.md §4
+        Link("NVLink 5", 900e9, _NVLINK_ALPHA), _ib(400, "NDR InfiniBand 400 Gb/s"),  # [N-POD]: 8 x CX-7
+        devices_per_host=8, fast_domain=8),
+    "gb200": Hardware(
+        # The NVLink domain is the whole NVL72 rack (72 GPUs, [N-GB]): the planner's fast/slow split follows the
+        # links, so the "node" a slow factor crosses is the rack. A host (compute tray) drives 2 superchips = 4 GPUs
+        # (hw.md's table says 8 per host; NVIDIA's NVL72 has 18 trays of 4 GPUs).
+        "gb200", device_spec("NVIDIA GB200"), 8e12,  # [N-GB]: 576 TB/s / 72
+        Link("NVLink 5", 900e9, _NVLINK_ALPHA), _ib(400, "InfiniBand 400 Gb/s"),  # [SB-G]: 72 x 400 Gb/s per rack
+        devices_per_host=4, fast_domain=72),
+    "mi300x": Hardware(
+        # xGMI: 7 peer links x 64 GB/s per direction, fully connected [AMD][S-mi300]; a collective over the 8 GPUs
+        # of a node runs rings over all peers at once (assumed), so the sum is what it can use. α: NCCL's NVLink
+        # value (RCCL descends from NCCL; assumed).
+        "mi300x", device_spec("AMD Instinct MI300X"), 5.3e12,  # [AMD][S-mi300]
+        Link("Infinity Fabric (xGMI)", 7 * 64e9, _NVLINK_ALPHA), _ib(400, "NDR InfiniBand 400 Gb/s"),  # [AZ]
+        devices_per_host=8, fast_domain=8),
+    # TPUs. ICI one-way per link: v5e 50, v5p and v6e 100 GB/s (Cloud per-chip bidi / (2 x ports), hw.md §5.2);
+    # v4 45 GB/s (scaling-book, the only source, hw.md §4). DCN per chip from Cloud's Gbps or NICs per host.
+    # fast_domain is the largest single slice: beyond it, multislice over DCN.
+    "v4": Hardware(
+        "v4", device_spec("TPU v4"), 1.2e12,  # [C-v4]
+        _ici(45e9),
+        # DCN per v4 chip is not published [hw.md §2]: the scaling-book's per-chip DCN figure for v4p/v5p,
+        # 6.25e9 B/s = 50 Gb/s [SB-T], is assumed.
+        _dcn(50),
+        devices_per_host=4, fast_domain=4096, torus=3),  # [C-v4]: 4 chips per host, pod 4,096 chips, 3D
+    "v5e": Hardware(
+        "v5e", device_spec("TPU v5 lite"), 819e9,  # [C-v5e]; hw.md §4
+        _ici(50e9),
+        _dcn(25),  # [C-v5e]: 2 x 100 Gb/s NICs per 8-chip host; [SB-T] 3.125e9 B/s per chip
+        devices_per_host=8, fast_domain=256, torus=2),  # 16x16, 2D torus
+    "v5p": Hardware(
+        "v5p", device_spec("TPU v5"), 2765e9,  # [C-v5p]
+        _ici(100e9),
+        _dcn(50),  # [C-v5p]: 50 Gb/s per chip
+        devices_per_host=4, fast_domain=6144, torus=3),  # [C-v5p]: largest single-slice job 6,144 chips; hw.md §4
+    "v6e": Hardware(
+        "v6e", device_spec("TPU v6 lite"), 1638e9,  # [C-v6e]; hw.md §4
+        _ici(100e9),
+        _dcn(100),  # [C-v6e][C-7x]: 4 x 200 Gb/s NICs per 8-chip host
+        devices_per_host=8, fast_domain=256, torus=2),
+    "tpu7x": Hardware(
+        # Two devices per chip share its HBM bandwidth, ICI and DCN: per-device figures are the chip's halved.
+        # ICI links per chip are not stated [hw.md §2]; the chip's 1,200 GB/s bidi equals v5p's 6 x 200, so v5p's
+        # 100 GB/s one-way per link is assumed.
+        "tpu7x", device_spec("TPU7x"), 7380e9 / 2,  # [C-7x]
+        _ici(100e9, devices_per_chip=2),
+        _dcn(100, devices_per_chip=2),  # [C-7x]: 100 Gb/s per chip
+        devices_per_host=8, fast_domain=2 * 9216, torus=3, devices_per_chip=2),  # [M1]: 4 chips per VM; pod 9,216
+}
+
+KINDS = tuple(_PLANNER)
+"""Valid planner hardware names."""
+
+
+def hardware(kind: str) -> Hardware:
+    """The planner's figures for accelerator `kind` (lower case, e.g. "h100", "v5p"); ConfigError if unknown."""
+    try:
+        return _PLANNER[kind]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown hardware kind {kind!r} (valid: {', '.join(KINDS)})") from None

@@ -1,0 +1,7 @@
+"""The planner's analytic model: memory, collective bytes and step time of a layout, in pure Python (no jax)."""
+
+from spmd_train.analysis.plan.candidate import Candidate, Workload
+from spmd_train.analysis.plan.model import Estimate, estimate
+from spmd_train.analysis.plan.shape import ModelShape
+
+__all__ = ["Candidate", "Estimate", "ModelShape", "Workload", "estimate"]

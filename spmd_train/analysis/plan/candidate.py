@@ -1,0 +1,259 @@
+"""A layout to estimate (`Candidate`), the work it runs (`Workload`), and where each parameter tree lives.
+
+The mesh axes are the six of DESIGN.md (`config.schema.MESH_AXES`): `data` (replicas), `pipeline`
+(stages: the layer stack's `layers` axis), `fsdp` (ZeRO sharding), `sequence` (context
+parallelism; outside attention it splits tokens, and ZeRO shards over it too), `expert` (the
+experts of MoE layers; outside them one more batch axis) and `tensor` (Megatron; with
+sequence parallelism the residual stream's length too).
+
+The layout arithmetic mirrors `sharding.rules.Layout` under the default rules
+(`meshes/rules/default.yaml` plus the rules `config.rules.resolve_rules` adds): a parameter's
+stored layout maps each logical axis through `PARAM_RULES`, dropping the ZeRO axes (`fsdp`,
+`sequence`: `sharding.rules.ZERO_AXES`) from a tree the stage does not shard (parameters at
+stage 3, gradients from stage 2, optimizer state from stage 1); its compute layout maps the
+axes through `ACTIVATION_RULES`, the stacking axes keeping their stored split. Size-1 axes split
+nothing. Other rule presets are outside this model (`Candidate.from_config` refuses them).
+
+Also here, what follows from a candidate and a workload alone: rows per device, pipeline
+microbatches (`parallel.schedules.resolved_microbatches`), MoE capacity slots
+(`ops.routing.capacity`) and the schedule simulator's ticks, bubble and stash slots, cached
+per (schedule, stages, microbatches, virtual stages) since one simulation can take 0.1 s.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import get_args
+
+from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.config.rules import resolve_rules
+from spmd_train.config.schema import MESH_AXES, Config, RematPolicy
+from spmd_train.errors import ConfigError
+from spmd_train.parallel.schedules import SCHEDULES, build_schedule, simulate
+
+ZERO_AXES = ("fsdp", "sequence")
+"""The mesh axes the ZeRO stage shards over (`sharding.rules.ZERO_AXES`)."""
+STACKING_AXES = ("layers", "sublayers")
+"""Logical axes that stack copies of a layer (`models.layers.STACKING_AXES`)."""
+ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp", "expert"), "length": ("sequence",), "norm_length": ("sequence",), "embed": (),
+    "heads": ("tensor",), "kv_heads": ("tensor",), "head_dim": (), "mlp": ("tensor",), "vocab": ("tensor",),
+    "experts": ("expert",), "expert_mlp": ("tensor",)}
+"""`meshes/rules/default.yaml` activations."""
+PARAM_RULES: dict[str, tuple[str, ...]] = {**ACTIVATION_RULES, "embed": ("fsdp", "sequence"), "layers": ()}
+"""`meshes/rules/default.yaml` params over its activations (`layers` -> pipeline is added when it has stages)."""
+BATCH_AXES = ACTIVATION_RULES["batch"]
+REMAT_POLICIES = get_args(RematPolicy)
+CONTEXT_SCHEMES = ("allgather", "ring", "ulysses")
+OPTIMIZERS = ("adamw", "adafactor", "lion")
+
+Spec = tuple[tuple[str, ...], ...]
+"""Per dimension of an array, the mesh axes (of size > 1) splitting it."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: mesh axis sizes, ZeRO stage, remat, pipeline schedule, context scheme, accumulation, slow axes."""
+
+    data: int = 1
+    pipeline: int = 1
+    fsdp: int = 1
+    sequence: int = 1
+    expert: int = 1
+    tensor: int = 1
+    zero_stage: int = 3
+    remat: str = "none"
+    sequence_parallel: bool = False
+    context_parallel: str = "allgather"
+    pipeline_schedule: str = "1f1b"
+    pipeline_microbatches: int | None = None
+    """None: our default, the largest of 4p, 2p, p that divides a device's rows (`resolved_microbatches`)."""
+    virtual_stages: int = 1
+    grad_accum: int = 1
+    dcn: tuple[int, ...] = (1,) * len(MESH_AXES)
+    """Slow-link (DCN / inter-node) factor of each mesh axis, in `MESH_AXES` order (like mesh.dcn); a mapping
+    {axis: factor} is accepted and stored as this tuple."""
+
+    def __post_init__(self):
+        if isinstance(self.dcn, Mapping):
+            unknown = set(self.dcn) - set(MESH_AXES)
+            if unknown:
+                raise ConfigError(f"dcn names {sorted(unknown)}, not mesh axes (valid: {', '.join(MESH_AXES)})")
+            object.__setattr__(self, "dcn", tuple(self.dcn.get(a, 1) for a in MESH_AXES))
+        for key, value, valid in (("remat", self.remat, REMAT_POLICIES),
+                                  ("pipeline_schedule", self.pipeline_schedule, SCHEDULES),
+                                  ("context_parallel", self.context_parallel, CONTEXT_SCHEMES),
+                                  ("zero_stage", self.zero_stage, (0, 1, 2, 3))):
+            if value not in valid:
+                raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, valid))}")
+        for axis, size, slow in zip(MESH_AXES, self.sizes, self.dcn, strict=True):
+            if size < 1 or slow < 1 or size % slow:
+                raise ConfigError(f"{axis}={size} with slow-link factor {slow}: sizes and factors are positive and "
+                                  f"the factor divides the size")
+
+    @functools.cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """Axis sizes in `MESH_AXES` order."""
+        return (self.data, self.pipeline, self.fsdp, self.sequence, self.expert, self.tensor)
+
+    @functools.cached_property
+    def shape(self) -> dict[str, int]:
+        """{mesh axis: size}."""
+        return dict(zip(MESH_AXES, self.sizes, strict=True))
+
+    @property
+    def devices(self) -> int:
+        """Devices the layout spans."""
+        return math.prod(self.sizes)
+
+    @property
+    def batch_ways(self) -> int:
+        """Devices a global batch's rows are split over (the `batch` rule: data x fsdp x expert)."""
+        return self.data * self.fsdp * self.expert
+
+    def split(self, axes: tuple[str, ...]) -> tuple[int, int]:
+        """(fast, slow): how many devices of a group over these axes share a fast-link domain, and how many
+        such domains the group spans over the slow link."""
+        slow = math.prod(self.dcn[MESH_AXES.index(a)] for a in axes)
+        return math.prod(self.shape[a] for a in axes) // slow, slow
+
+    @classmethod
+    def from_config(cls, cfg: Config, sizes: Mapping[str, int]) -> Candidate:
+        """The layout `cfg` runs on a mesh with these resolved axis sizes (ConfigError for non-default rules)."""
+        par = cfg.parallel
+        c = cls(**{a: sizes[a] for a in MESH_AXES}, zero_stage=par.zero_stage, remat=par.remat,
+                sequence_parallel=par.sequence_parallel, context_parallel=par.context_parallel,
+                pipeline_schedule=par.pipeline_schedule, pipeline_microbatches=par.pipeline_microbatches,
+                virtual_stages=par.virtual_stages, grad_accum=cfg.train.grad_accum,
+                dcn={a: getattr(cfg.mesh.dcn, a) for a in MESH_AXES})
+        rules = resolve_rules(cfg)
+        params = dict(PARAM_RULES, layers=("pipeline",) if cfg.mesh.pipeline != 1 else ())
+        if rules.activations != activation_rules(c) or rules.params != params:
+            raise ConfigError("the analytic model knows the default sharding rules only (mesh.rules.preset=default "
+                              f"without overrides); this config's rules are {rules.to_json()}")
+        return c
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every candidate runs: the batch, the optimizer and the implementations that change memory or bytes."""
+
+    global_batch: int
+    seq_len: int
+    optimizer: str = "adamw"
+    momentum: bool = False
+    """Adafactor with optim.b1 set keeps a (fp32) momentum."""
+    attention: str = "flash"
+    """"flash": a fused kernel (Pallas, cuDNN) keeps no [length, length] scores; "xla": the reference attention."""
+    moe_impl: str = "capacity"
+    capacity_factor: float = 1.25
+    documents: bool = False
+    """Packed documents are masked (context parallelism then exchanges their ids)."""
+
+    def __post_init__(self):
+        for key, value, valid in (("optimizer", self.optimizer, OPTIMIZERS), ("attention", self.attention,
+                                  ("flash", "xla")), ("moe_impl", self.moe_impl, ("capacity", "dropless"))):
+            if value not in valid:
+                raise ConfigError(f"{key}={value!r} is not one of {', '.join(valid)}")
+
+    @classmethod
+    def from_config(cls, cfg: Config, platform: str = "cpu") -> Workload:
+        """The workload of `cfg` on `platform` (cpu, gpu, tpu): `attention=auto` is XLA on CPU, a kernel elsewhere."""
+        impl = cfg.backends.attention
+        attention = "xla" if impl == "xla" or (impl == "auto" and platform == "cpu") else "flash"
+        return cls(global_batch=cfg.train.global_batch_size, seq_len=cfg.train.seq_len, optimizer=cfg.optim.name,
+                   momentum=cfg.optim.name == "adafactor" and cfg.optim.b1 is not None, attention=attention,
+                   moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
+                   documents=cfg.data.masks_documents)
+
+
+# --- layout arithmetic ------------------------------------------------------------------------------------------
+
+
+def activation_rules(c: Candidate) -> dict[str, tuple[str, ...]]:
+    """The activation table: the default one, with Megatron-SP's `norm_length` on `tensor` when asked for."""
+    if not c.sequence_parallel:
+        return ACTIVATION_RULES
+    return {**ACTIVATION_RULES, "norm_length": (*ACTIVATION_RULES["norm_length"], "tensor")}
+
+
+def ways(axes, shape: Mapping[str, int]) -> int:
+    """How many pieces these mesh axes split a dimension into."""
+    return math.prod(shape[a] for a in axes)
+
+
+def spec_ways(spec: Spec, shape: Mapping[str, int]) -> int:
+    """How many pieces a layout splits the whole array into."""
+    return math.prod(shape[a] for dim in spec for a in dim)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where one parameter array lives: stored per tree, and in its compute layout."""
+
+    params: Spec
+    grads: Spec
+    optimizer: Spec
+    compute: frozenset[str]
+    """Mesh axes splitting the weight as the matmuls use it (ZeRO axes gathered, `tensor`/`expert`/`pipeline` kept)."""
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def group_layout(axes: tuple[str, ...], sizes: tuple[int, ...], zero_stage: int) -> GroupLayout:
+    """The layout of a parameter with these logical axes on a mesh of these sizes (`Layout.param_spec`)."""
+    shape = dict(zip(MESH_AXES, sizes, strict=True))
+    table = dict(PARAM_RULES, layers=("pipeline",) if shape["pipeline"] > 1 else ())
+
+    def spec(zero: bool) -> Spec:
+        return tuple(tuple(a for a in table.get(n, ()) if shape[a] > 1 and (zero or a not in ZERO_AXES))
+                     for n in axes)
+
+    stored = spec(zero_stage >= 3)
+    compute = {a for n in axes if n not in STACKING_AXES for a in ACTIVATION_RULES.get(n, ()) if shape[a] > 1}
+    compute |= {a for n, dim in zip(axes, stored, strict=True) if n in STACKING_AXES for a in dim}
+    return GroupLayout(params=stored, grads=spec(zero_stage >= 2), optimizer=spec(zero_stage >= 1),
+                       compute=frozenset(compute))
+
+
+def live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes of size > 1 among `axes`, in mesh order."""
+    return tuple(a for a in MESH_AXES if a in axes and shape[a] > 1)
+
+
+def rows_per_device(c: Candidate, w: Workload) -> int:
+    """Rows of the global batch a device holds per accumulation step (`sharding.arithmetic.rows_per_device`)."""
+    return w.global_batch // (c.grad_accum * c.batch_ways)
+
+
+def microbatches(c: Candidate, rows: int) -> int:
+    """Pipeline microbatches per accumulation step (`parallel.schedules.resolved_microbatches`); 1 without stages."""
+    if c.pipeline == 1:
+        return 1
+    if c.pipeline_microbatches is not None:
+        return c.pipeline_microbatches
+    for m in (4 * c.pipeline, 2 * c.pipeline):
+        if rows % m == 0:
+            return m
+    return c.pipeline
+
+
+def residual_ways(c: Candidate) -> int:
+    """Devices the residual stream's length is split over: `sequence`, times `tensor` under sequence parallelism."""
+    return c.sequence * (c.tensor if c.sequence_parallel else 1)
+
+
+def capacity_slots(m: ModelShape, w: Workload, group_tokens: float) -> float:
+    """Slots per expert and group (`ops.routing.capacity`: ceil(k·tokens·factor / E)); k·tokens/E when dropless."""
+    if w.moe_impl == "dropless":
+        return m.experts_per_token * group_tokens / m.num_experts
+    return math.ceil(m.experts_per_token * group_tokens * w.capacity_factor / m.num_experts)
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_stats(name: str, stages: int, micro: int, virtual: int) -> tuple[int, float, int]:
+    """(ticks, bubble fraction, most (microbatch, chunk) stashes a stage holds) from the schedule simulator."""
+    stats = simulate(build_schedule(name, stages, micro, virtual))
+    return stats.num_ticks, stats.bubble_fraction, max(stats.peak_in_flight)

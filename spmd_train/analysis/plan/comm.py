@@ -1,0 +1,246 @@
+"""Collective bytes each device sends per step, per operation and mesh axes: a list of `CommTerm`s.
+
+Bytes are the bandwidth-optimal ring costs `analysis.collectives` counts for an array of S bytes
+over a group of N devices: all-gather and reduce-scatter S·(N-1)/N, all-reduce 2·S·(N-1)/N
+(reduce-scatter + all-gather), all-to-all S·(N-1)/N, a collective-permute S.
+
+- Data parallelism and ZeRO (`zero_terms`): the terms of `analysis.zero_floor`, parameter by
+  parameter with the same rules: at ZeRO-3 two gathers of the compute-dtype weight per microbatch
+  (one for an untied table) and one gradient reduce-scatter, i.e. the ZeRO paper's 3Ψ(N-1)/N
+  (Rajbhandari et al. 2020, §7.2.2); from ZeRO-2 the per-microbatch reduce-scatter; below it the
+  gradient all-reduce 2Ψ(N-1)/N once per step over the replica axes, in the parameter dtype; at
+  ZeRO-1/2 the updated parameters gathered once per step (Ψ(N-1)/N).
+- Tensor parallelism (`tensor_terms`, Korthikanti et al. 2022 §4.2.2; Shoeybi et al. 2019 §3): per
+  layer and microbatch two all-reduces of the b·s·h activation forward and two backward (the
+  transposes); under sequence parallelism each is a reduce-scatter + all-gather pair, the same
+  bytes: 4 all-reduce-equivalents, 4·2·b·s·h·c·(T-1)/T bytes. Full remat reruns the forward's
+  (6). An MoE layer's MLP reduces its slot buffer instead of the token block. The vocabulary-parallel
+  embedding and LM head add one each per microbatch (the lookup's partial sums, the head's input
+  gradient).
+- Pipeline (`pipeline_terms`): our executor (`parallel.pipeline`) sends one microbatch's residual
+  stream forward and one cotangent backward every tick, bubble ticks included: 2·ticks
+  collective-permutes of b·s·h·c (the useful part is Megatron's 2·b·s·h per microbatch per stage
+  boundary); then the head and input gradients are summed over the stages in fp32.
+- Expert parallelism (`expert_terms`): `analysis.moe_report`'s count and bytes.
+- Context parallelism (`context_terms`): `analysis.context_report`'s per-scheme bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from spmd_train.analysis.plan.candidate import (
+    BATCH_AXES,
+    STACKING_AXES,
+    Candidate,
+    Workload,
+    capacity_slots,
+    group_layout,
+    live,
+    microbatches,
+    residual_ways,
+    rows_per_device,
+    schedule_stats,
+    ways,
+)
+from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.config.schema import MESH_AXES
+
+LOOKUP_ONLY = "embedding"
+"""`analysis.zero_floor.LOOKUP_ONLY`: the table an untied model only looks up."""
+
+
+@dataclass(frozen=True)
+class CommTerm:
+    """One kind of collective over one set of mesh axes: bytes each device sends per step, in `count` launches."""
+
+    op: str
+    """all-gather, reduce-scatter, all-reduce, all-to-all or collective-permute."""
+    axes: tuple[str, ...]
+    bytes: float
+    count: int
+    purpose: str
+    """weights (ZeRO-3 gathers), grad-scatter, grad-reduce, update-gather, tensor, pipeline, expert or context:
+    what the timing model's overlap rule looks at."""
+
+
+def _fraction(n: int) -> float:
+    return (n - 1) / n
+
+
+def zero_terms(m: ModelShape, c: Candidate) -> list[CommTerm]:
+    """Parameter traffic of data parallelism and ZeRO: `analysis.zero_floor`'s terms, parameter by parameter."""
+    out = []
+    for (op, axes, purpose), (per_micro, launches, once, once_launches) in _zero_terms(m, c.sizes, c.zero_stage):
+        out.append(CommTerm(op, axes, per_micro * c.grad_accum + once, launches * c.grad_accum + once_launches,
+                            purpose))
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int) -> tuple:
+    """((op, axes, purpose), (bytes per microbatch, launches per microbatch, bytes per step, launches per step))."""
+    shape, cb = dict(zip(MESH_AXES, sizes, strict=True)), m.compute_bytes
+    batch = set(BATCH_AXES) | {"sequence"}  # the batch and length rules' axes
+    terms: dict = {}
+
+    def add(op, axes, purpose, per_micro=0.0, launches=0, once=0.0, once_launches=0):
+        old = terms.get((op, axes, purpose), (0.0, 0, 0.0, 0))
+        terms[op, axes, purpose] = (old[0] + per_micro, old[1] + launches, old[2] + once, old[3] + once_launches)
+
+    for g in m.params:
+        lay = group_layout(g.axes, sizes, stage)
+        compute = lay.compute
+        stored = {a for dim in lay.params for a in dim}
+        grads = {a for dim in lay.grads for a in dim}
+        opt = {a for dim in lay.optimizer for a in dim}
+        slice_bytes = g.numel / ways(compute, shape) * cb
+        layers = _stacked(g)
+        gathered = live(stored - compute, shape)
+        if gathered:
+            gathers = 1 if g.path == LOOKUP_ONLY and g.lookup_only else 2
+            add("all-gather", gathered, "weights", gathers * slice_bytes * _fraction(ways(gathered, shape)),
+                gathers * layers)
+        reduced = batch - compute
+        scattered = live(reduced & grads, shape)
+        if scattered:
+            add("reduce-scatter", scattered, "grad-scatter", slice_bytes * _fraction(ways(scattered, shape)), layers)
+        replicas = live(reduced - grads, shape)
+        if replicas:
+            shard = g.numel / ways(compute | grads, shape) * m.param_bytes
+            add("all-reduce", replicas, "grad-reduce", once=2 * shard * _fraction(ways(replicas, shape)),
+                once_launches=1)
+        regathered = live(opt - stored, shape)
+        if regathered:
+            shard = g.numel / ways(stored, shape) * m.param_bytes
+            add("all-gather", regathered, "update-gather", once=shard * _fraction(ways(regathered, shape)),
+                once_launches=1)
+    return tuple(terms.items())
+
+
+def _stacked(g) -> int:
+    """Collective launches one pass over this parameter makes: one per layer of its stack."""
+    n = 1
+    for size, axis in zip(g.shape, g.axes, strict=True):
+        if axis in STACKING_AXES:
+            n *= size
+    return n
+
+
+def tensor_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
+    """Megatron tensor parallelism's activation collectives over `tensor` (all-reduce-equivalents)."""
+    t = c.tensor
+    if t == 1:
+        return []
+    rows = rows_per_device(c, w)
+    tokens = rows * w.seq_len / c.sequence  # per accumulation step, all pipeline microbatches together
+    block = tokens * m.d_model * m.compute_bytes
+    per_layer = 6 if c.remat == "full" else 4
+    micro = microbatches(c, rows)
+    here = 1 / c.pipeline  # a stage runs its own layers only
+    reduces = (m.num_layers - m.moe_layers) * here * per_layer * block
+    if m.moe_layers:  # attention reduces the token block, the MLP its slot buffer (and the shared experts' block)
+        slots = m.num_experts * capacity_slots(m, w, tokens / micro) * micro
+        mlp = slots * m.d_model * m.compute_bytes + (block if m.num_shared_experts else 0.0)
+        reduces += m.moe_layers * here * per_layer / 2 * (block + mlp)
+    reduces += 2 * block  # vocabulary-parallel embedding (forward) and LM head (input gradient)
+    count = round((m.num_layers * here * per_layer + 2) * micro)
+    nbytes = 2 * reduces * _fraction(t) * c.grad_accum
+    if c.sequence_parallel:
+        half = nbytes / 2
+        return [CommTerm("all-gather", ("tensor",), half, count * c.grad_accum, "tensor"),
+                CommTerm("reduce-scatter", ("tensor",), half, count * c.grad_accum, "tensor")]
+    return [CommTerm("all-reduce", ("tensor",), nbytes, count * c.grad_accum, "tensor")]
+
+
+def pipeline_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
+    """Our executor's sends between stages (every tick, both ways) and its fp32 sum of head and input gradients."""
+    p = c.pipeline
+    if p == 1:
+        return []
+    rows = rows_per_device(c, w)
+    micro = microbatches(c, rows)
+    ticks, _, _ = schedule_stats(c.pipeline_schedule, p, micro, c.virtual_stages)
+    split = residual_ways(c)
+    stream = rows / micro * w.seq_len / split * m.d_model * m.compute_bytes
+    sends = CommTerm("collective-permute", ("pipeline",), 2 * ticks * stream * c.grad_accum,
+                     2 * ticks * c.grad_accum, "pipeline")
+    head = 0.0
+    for g in m.params:
+        if not g.path.startswith("blocks."):
+            lay = group_layout(g.axes, c.sizes, c.zero_stage)
+            head += g.numel / ways(lay.compute, c.shape) * 4
+    inputs = rows * w.seq_len / split * m.d_model * 4
+    summed = CommTerm("all-reduce", ("pipeline",), 2 * (head + inputs) * _fraction(p) * c.grad_accum,
+                      c.grad_accum, "pipeline")
+    return [sends, summed]
+
+
+def expert_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
+    """Token all-to-alls over `expert` (`analysis.moe_report._all_to_all`): 4 per MoE layer and microbatch, 6 under
+    any remat policy; each moves (N-1)/N of the E x C x d_model slot buffer (dropless: of k x tokens rows)."""
+    n = c.expert
+    if n == 1 or m.moe_layers == 0:
+        return []
+    tokens = rows_per_device(c, w) * w.seq_len / c.sequence  # moe_report's group: a device's share of a step
+    per_layer = 4 if c.remat == "none" else 6
+    count = m.moe_layers * c.grad_accum * per_layer
+    if w.moe_impl == "dropless":
+        exchange = m.experts_per_token * tokens * m.d_model * m.compute_bytes * _fraction(n)
+    else:
+        exchange = m.num_experts * capacity_slots(m, w, tokens) * m.d_model * m.compute_bytes * _fraction(n)
+    return [CommTerm("all-to-all", ("expert",), count * exchange, count, "expert")]
+
+
+def context_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
+    """Attention's collectives over `sequence` (`analysis.context_report.context_section`, docs/context.md)."""
+    n = c.sequence
+    if n == 1:
+        return []
+    heads, kv = m.num_heads // c.tensor, m.num_kv_heads // c.tensor
+    rows, local, width, hd = rows_per_device(c, w), w.seq_len // n, m.compute_bytes, m.head_dim
+    block = rows * local * kv * hd * width
+    ids = rows * local * 4
+    share = _fraction(n)
+    forward, backward, once = {}, {}, {}
+
+    def add(table, op, count, each):
+        old = table.get(op, (0, 0.0))
+        table[op] = (old[0] + count, old[1] + count * each)
+
+    if c.context_parallel == "allgather":
+        add(forward, "all-gather", 2, block * n * share)
+        add(backward, "reduce-scatter", 2, block * n * share)
+        if w.documents:
+            add(once, "all-gather", 1, ids * n * share)
+    elif c.context_parallel == "ulysses":
+        repeats = math.lcm(kv, n) // kv  # `parallel.context.kv_repeats`
+        qkv = rows * local * (heads + 2 * kv * repeats) * hd * width
+        for table in (forward, backward):
+            add(table, "all-to-all", 1, qkv * share)
+            add(table, "all-to-all", 1, rows * local * heads * hd * width * share)
+        if w.documents:
+            add(once, "all-gather", 1, ids * n * share)
+    else:
+        add(forward, "collective-permute", 2 * (n - 1), block)
+        add(backward, "collective-permute", 2 * (n - 1), block)
+        add(backward, "collective-permute", 2 * (n - 1), block * 4 / width)
+        add(backward, "collective-permute", 2, block)
+        if w.documents:
+            add(once, "collective-permute", n - 1, ids)
+    layers = m.num_layers * c.grad_accum
+    again = 2 if c.remat == "full" and c.context_parallel != "ring" else 1
+    out: dict[str, tuple[int, float]] = {}
+    for table, times in ((forward, layers * again), (backward, layers), (once, c.grad_accum)):
+        for op, (count, total) in table.items():
+            old = out.get(op, (0, 0.0))
+            out[op] = (old[0] + times * count, old[1] + times * total)
+    return [CommTerm(op, ("sequence",), total, count, "context") for op, (count, total) in out.items()]
+
+
+def comm_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
+    """Every collective a step of candidate `c` runs, per device: ZeRO, tensor, pipeline, expert and context."""
+    return [*zero_terms(m, c), *tensor_terms(m, c, w), *pipeline_terms(m, c, w), *expert_terms(m, c, w),
+            *context_terms(m, c, w)]

@@ -1,0 +1,271 @@
+"""Bytes per device of a training step: model state by ZeRO stage and optimizer, activations by remat policy,
+the pipeline stash, MoE dispatch buffers, the logits and a workspace allowance.
+
+Model state (ZeRO: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", §5): the paper's mixed-precision AdamW keeps 2Ψ + 2Ψ + 12Ψ bytes (fp16
+parameters and gradients; fp32 master copy, momentum and variance); stage 1 divides the 12Ψ, stage
+2 also the gradients, stage 3 everything by the N devices (`zero_paper_bytes`). We keep no master
+copy: parameters, gradients and optax's moments are all in model.param_dtype (`train/optimizer.py`:
+optax.adamw/lion with mu_dtype None), so per parameter p + p + 2p bytes for AdamW (fp32: 4Ψ + 4Ψ +
+8Ψ), p + p + p for Lion (one moment), and for Adafactor p + p + the factored second moment (a row
+and a column vector per matrix whose two largest dimensions are >= 128, else a full one; optax's
+`_factored_dims`) + 4 bytes per parameter of fp32 momentum when optim.b1 is set. Each tree is
+divided per parameter by the axes its layout splits it over (`candidate.group_layout`): the ZeRO
+axes for the trees the stage shards, `tensor`/`expert`/`pipeline` where they split the weights,
+which is exactly what `Engine.state_bytes_per_device` counts.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", §4: s·b·h·(34 + 5·a·s/h) bytes per layer for GPT in 16-bit, `korthikanti_layer_bytes`),
+adapted to our layer: what autodiff keeps of one layer (`layer_activation_bytes`, per token,
+c = compute bytes; the term-by-term list is there). A flash kernel (Pallas, cuDNN) keeps no
+[length, length] scores, so that term is dropped unless the workload runs XLA's attention.
+Full remat keeps each layer's input only (c·h per token and layer) and rebuilds one layer's
+residuals during that layer's backward.
+
+Peak = state + what lives through the backward pass (saved activations or the pipeline stash,
+a gradient accumulator, the pipeline's input buffers) + the largest of two transient phases (the
+head: fp32 logits and the gathered LM head; a layer's backward: its gathered weights, its
+rebuilt residuals under full remat, the MoE all-to-all buffers) + a workspace allowance.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from spmd_train.analysis.plan.candidate import (
+    STACKING_AXES,
+    Candidate,
+    GroupLayout,
+    Spec,
+    Workload,
+    capacity_slots,
+    group_layout,
+    microbatches,
+    rows_per_device,
+    schedule_stats,
+    spec_ways,
+)
+from spmd_train.analysis.plan.shape import ModelShape, ParamGroup
+from spmd_train.config.schema import MESH_AXES
+
+WORKSPACE_FRACTION = 0.05
+"""XLA's temporaries this model does not name (fusion outputs, collective staging, kernel scratch), as a
+fraction of the rest. An allowance, not a measurement: the compile stage of the planner replaces it."""
+FACTOR_MIN_DIM = 128
+"""optax.adafactor's min_dim_size_to_factor (its default; `train/optimizer.py` does not change it)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device, by what holds them."""
+
+    params: float
+    """Stored parameters (model.param_dtype)."""
+    grads: float
+    """One gradient in the ZeRO stage's gradient layout (model.param_dtype)."""
+    optimizer: float
+    """Optimizer state in its ZeRO layout."""
+    grad_accumulator: float
+    """A second gradient buffer while microbatch gradients are summed (grad_accum > 1, or pipeline stages)."""
+    activations: float
+    """Residuals kept for the backward pass: layers x per-layer bytes, or the pipeline stash."""
+    pipeline_buffers: float
+    """The pipeline's embedded inputs and their gradient for all microbatches, and one receive slot each way."""
+    logits: float
+    """fp32 logits of one microbatch (vocabulary split over `tensor`)."""
+    head_weights: float
+    """The LM head (or tied table) gathered into its compute layout at ZeRO-3."""
+    layer_weights: float
+    """Two layers' weights gathered at ZeRO-3: the one computing and the next, prefetched."""
+    recompute: float
+    """Full remat: one layer's residuals, rebuilt during its backward."""
+    moe_dispatch: float
+    """The all-to-all's send and receive slot buffers of one MoE layer."""
+    workspace: float
+    """`WORKSPACE_FRACTION` of the rest."""
+
+    @property
+    def state(self) -> float:
+        """Parameters, gradients and optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        """Estimated peak bytes per device."""
+        head = self.logits + self.head_weights
+        layer = self.layer_weights + self.recompute + self.moe_dispatch
+        return (self.state + self.grad_accumulator + self.activations + self.pipeline_buffers + max(head, layer)
+                + self.workspace)
+
+
+def zero_paper_bytes(psi: float, devices: int, stage: int, bytes_per_param: tuple[float, float, float] = (2, 2, 12)
+                     ) -> float:
+    """Model-state bytes per device in the ZeRO paper (§5.1): (parameters, gradients, optimizer) bytes per parameter,
+    the optimizer divided by N from stage 1, gradients from 2, parameters at 3."""
+    p, g, o = bytes_per_param
+    return psi * (p / (devices if stage >= 3 else 1) + g / (devices if stage >= 2 else 1)
+                  + o / (devices if stage >= 1 else 1))
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, tensor: int = 1, sequence_parallel: bool = False
+                            ) -> float:
+    """Korthikanti et al. 2022 activation bytes of one GPT layer without recomputation (§4.1-4.2.2): s·b·h·(34 +
+    5as/h); with tensor parallelism s·b·h·(10 + 24/t + 5as/(ht)); with sequence parallelism too s·b·h/t·(34 + 5as/h)."""
+    if sequence_parallel:
+        return s * b * h / tensor * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / tensor + 5 * a * s / (h * tensor))
+
+
+def optimizer_bytes(g: ParamGroup, spec: Spec, shape: dict[str, int], param_bytes: int, w: Workload) -> float:
+    """Optimizer-state bytes one device holds for parameter `g` stored with `spec` (`train/optimizer.py`, optax)."""
+    local = g.numel / spec_ways(spec, shape)
+    if w.optimizer == "adamw":
+        return 2 * local * param_bytes
+    if w.optimizer == "lion":
+        return local * param_bytes
+    momentum = 4 * local if w.momentum else 0.0
+    dims = sorted(range(len(g.shape)), key=lambda i: g.shape[i])  # optax: np.argsort of the shape
+    if len(g.shape) < 2 or g.shape[dims[-2]] < FACTOR_MIN_DIM:
+        return (local + 3) * param_bytes + momentum  # v, and (1,) placeholders for update, v_row, v_col
+    factored = 0.0
+    for drop in (dims[-1], dims[-2]):  # v_row drops the largest dimension, v_col the second largest
+        kept = g.shape[:drop] + g.shape[drop + 1:]
+        # `train.optimizer.state_sharding` does not know which dimension was reduced: it drops the split of the
+        # last dimension whose removal gives this shape (for two equal dimensions, maybe not the reduced one).
+        gone = max(i for i in range(len(g.shape)) if g.shape[:i] + g.shape[i + 1:] == kept)
+        factored += math.prod(n // _dim_ways(spec, i, shape) for i, n in enumerate(g.shape) if i != gone)
+    return (factored + 2) * param_bytes + momentum  # (1,) placeholders for update and v
+
+
+def _dim_ways(spec: Spec, dim: int, shape: dict[str, int]) -> int:
+    return math.prod(shape[a] for a in spec[dim])
+
+
+def state_bytes(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state) bytes per device, parameter by parameter."""
+    return _state_bytes(m, c.sizes, c.zero_stage, w.optimizer, w.momentum)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _state_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, optimizer: str, momentum: bool
+                 ) -> tuple[float, float, float]:
+    shape = dict(zip(MESH_AXES, sizes, strict=True))
+    w = Workload(global_batch=1, seq_len=1, optimizer=optimizer, momentum=momentum)
+    params = grads = opt = 0.0
+    for g in m.params:
+        lay = group_layout(g.axes, sizes, stage)
+        params += g.numel / spec_ways(lay.params, shape) * m.param_bytes
+        grads += g.numel / spec_ways(lay.grads, shape) * m.param_bytes
+        opt += optimizer_bytes(g, lay.optimizer, shape, m.param_bytes, w)
+    return params, grads, opt
+
+
+def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context: int, tensor: int,
+                           sequence_parallel: bool, attention: str, moe: bool = False, slots: float = 0.0) -> float:
+    """Bytes one layer keeps for its backward on one device, for `tokens` tokens of `context` keys each.
+
+    Per token, with c = compute bytes, h = d_model, H/KV query/K-V heads of width hd, f = d_ff, t = tensor
+    (heads, d_ff and the vocabulary split over it; the residual-stream terms R too under sequence parallelism):
+    - none: R·2·(8h + c·h + 8) for the two RMSNorms (fp32 input and normalised copies, the cast output, the
+      mean square and rsqrt) + c·(2H + 2KV)·hd/t (q, k, v and the attention output) + 6·c·f/t (SwiGLU: gate,
+      up, their sigmoid, silu and product pieces); attention adds 4·H/t (log-sum-exp) with a flash kernel, or
+      XLA's (4 + c)·H·context/t (fp32 probabilities and their cast) + 8·H/t (row max and sum);
+    - save_matmuls (dots_saveable): the matmul outputs q, k, v, the layer input and attention output
+      projection (R·2·c·h), gate and up (2·c·f/t); with XLA's attention also its scores (4·H·context/t) and
+      output (c·H·hd/t). A flash kernel is not a dot: it is rerun in the backward pass;
+    - save_matmuls_no_batch: as save_matmuls with a flash kernel (attention's dots have batch dimensions);
+    - full: the layer input, R·c·h.
+    An MoE layer's MLP (E·C capacity slots on the device, `slots`, for `tokens` tokens) keeps instead, under
+    none: the fp32 router input and logits, the routing bookkeeping and the fp32 per-choice outputs it combines
+    (4h + 4E + 16 + 25k + 4·k·h per token), two h-wide and six f_e/t-wide slot buffers (c·slots·(2h + 6·f_e/t));
+    under save_matmuls the logits (4E), the expert inputs and gate/up outputs (c·slots·(h + 2·f_e/t)); under
+    save_matmuls_no_batch the logits only (the expert matmuls are batched over experts); shared experts as a
+    dense SwiGLU for the shared experts. These are the residuals jax.vjp keeps (tests compare them with a traced stage).
+    """
+    c, h, hd, f = m.compute_bytes, m.d_model, m.head_dim, m.d_ff
+    heads, kv = m.num_heads / tensor, m.num_kv_heads / tensor
+    r = tensor if sequence_parallel else 1
+    xla = attention == "xla"
+    if policy == "full":
+        return tokens * c * h / r
+    if policy == "none":
+        attn = c * (2 * heads + 2 * kv) * hd + (heads * (4 + c) * context + 8 * heads if xla else 4 * heads)
+        per_token = 2 * (8 * h + c * h + 8) / r + attn
+    else:
+        keep_scores = xla and policy == "save_matmuls"
+        attn = c * (heads + 2 * kv) * hd + (4 * heads * context + c * heads * hd if keep_scores else 0)
+        per_token = 2 * c * h / r + attn
+    wide = 6 if policy == "none" else 2
+    if not moe:
+        return tokens * (per_token + wide * c * f / tensor)
+    e, k, fe = m.num_experts, m.experts_per_token, m.moe_d_ff
+    shared = wide * c * fe * m.num_shared_experts / tensor
+    if policy == "none":
+        routing, slot_width = 4 * h + 4 * e + 16 + 25 * k + 4 * k * h, 2 * h + 6 * fe / tensor
+    else:  # the router's logits are a dot; the experts' matmuls are batched over experts (no_batch drops them)
+        routing, slot_width = 4 * e, (h + 2 * fe / tensor if policy == "save_matmuls" else 0.0)
+    return tokens * (per_token + routing + shared) + slots * c * slot_width
+
+
+def estimate_memory(m: ModelShape, c: Candidate, w: Workload) -> MemoryEstimate:
+    """Per-device memory of candidate `c` running workload `w` on model `m`."""
+    params, grads, opt = state_bytes(m, c, w)
+    rows = rows_per_device(c, w)
+    micro = microbatches(c, rows)
+    tokens = rows / micro * w.seq_len / c.sequence  # one microbatch's tokens on a device
+    slots = m.num_experts * capacity_slots(m, w, tokens) if m.moe_layers else 0.0
+    kw = {"tokens": tokens, "context": w.seq_len, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel,
+          "attention": w.attention}
+    dense = layer_activation_bytes(m, c.remat, **kw)
+    moe = layer_activation_bytes(m, c.remat, moe=True, slots=slots, **kw) if m.moe_layers else 0.0
+    # Kept once per layer stack, not per layer: RoPE's fp32 cos/sin tables [s, hd/2] (the q and k broadcasts too
+    # under 'none') and, with XLA's attention under 'none', the causal mask [rows, H, s, context] as bool and fp32.
+    local = w.seq_len // c.sequence
+    per_stack = (8 if c.remat == "none" else 4) * m.head_dim * local
+    if w.attention == "xla" and c.remat == "none":
+        per_stack += tokens * m.num_heads / c.tensor * w.seq_len * 5
+    layers = (m.num_layers - m.moe_layers) * dense + m.moe_layers * moe
+    stream = tokens * m.d_model * m.compute_bytes / (c.tensor if c.sequence_parallel else 1)  # one microbatch
+    if c.pipeline > 1:
+        _, _, in_flight = schedule_stats(c.pipeline_schedule, c.pipeline, micro, c.virtual_stages)
+        activations = in_flight * (layers / (c.pipeline * c.virtual_stages) + per_stack)
+        pipeline_buffers = (2 * micro + 2) * stream
+    else:
+        activations, pipeline_buffers = layers + per_stack, 0.0
+    accumulator = grads if c.grad_accum > 1 or c.pipeline > 1 else 0.0
+    logits = tokens * m.vocab_size / c.tensor * 4
+    head, layer_w = _gathered_weights(m, c.sizes, c.zero_stage)
+    recompute = 0.0
+    if c.remat == "full":  # the largest layer's residuals, rebuilt for its backward
+        recompute = layer_activation_bytes(m, "none", **kw)
+        if m.moe_layers:
+            recompute = max(recompute, layer_activation_bytes(m, "none", moe=True, slots=slots, **kw))
+    dispatch = 2 * slots * m.d_model * m.compute_bytes if m.moe_layers and c.expert > 1 else 0.0
+    rest = (params + grads + opt + accumulator + activations + pipeline_buffers
+            + max(logits + head, layer_w + recompute + dispatch))
+    return MemoryEstimate(params=params, grads=grads, optimizer=opt, grad_accumulator=accumulator,
+                          activations=activations, pipeline_buffers=pipeline_buffers, logits=logits,
+                          head_weights=head, layer_weights=layer_w, recompute=recompute, moe_dispatch=dispatch,
+                          workspace=WORKSPACE_FRACTION * rest)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _gathered_weights(m: ModelShape, sizes: tuple[int, ...], stage: int) -> tuple[float, float]:
+    """(LM head, two layers) bytes in the compute layout, which ZeRO-3 gathers from the stored shards."""
+    shape = dict(zip(MESH_AXES, sizes, strict=True))
+    if stage < 3 or shape["fsdp"] * shape["sequence"] == 1:
+        return 0.0, 0.0
+    head, per_layer = 0.0, {}
+    for g in m.params:
+        lay: GroupLayout = group_layout(g.axes, sizes, stage)
+        if g.path == "lm_head" or (g.path == "embedding" and m.tie_embeddings):
+            head += g.numel / math.prod(shape[a] for a in lay.compute) * m.compute_bytes
+        elif g.path.startswith("blocks."):
+            # One layer of the stack, split as it computes (the stacking axes' `pipeline` split is not a layer's).
+            stacked = math.prod(n for n, a in zip(g.shape, g.axes, strict=True) if a in STACKING_AXES)
+            split = math.prod(shape[a] for a in lay.compute if a != "pipeline")
+            block = g.path.rsplit(".", 2)[0]  # blocks, blocks.dense or blocks.moe
+            per_layer[block] = per_layer.get(block, 0.0) + g.numel / stacked / split * m.compute_bytes
+    return head, 2 * max(per_layer.values(), default=0.0)

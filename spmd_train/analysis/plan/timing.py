@@ -1,0 +1,166 @@
+"""Step time of a candidate: compute at an achievable fraction of peak, each collective by the α-β model, the
+pipeline bubble, and an overlap rule; then tokens/s, MFU and each axis's communication-to-computation ratio.
+
+- Compute: the step's FLOPs per device over peak x `ACHIEVABLE_FRACTION`. Model FLOPs follow
+  `models.flops` (6·N per token with N the matmul parameters, plus causal attention 6·L·s·H·hd; MFU is
+  model FLOPs / (step time x peak x devices), that convention). The device runs more than that:
+  rematerialisation reruns forward work (full: each layer's forward, 2·N_layers + attention's forward,
+  so the layers cost 8/6 = 4/3 of 6·N_layers; save_matmuls with a flash kernel, and save_matmuls_no_batch,
+  attention's forward and, no_batch, the experts' matmuls, which are batched over experts), capacity MoE
+  computes every slot (E·C rows, not k·tokens), and context-parallel `allgather` leaves the last device
+  (2N-1)/N of the average causal attention work (contiguous chunks; `parallel.context`).
+- Collectives (α-β, Hockney): a ring over P devices costs (P-1)·α + (P-1)/P·n·β per all-gather or
+  reduce-scatter, twice that per all-reduce (`ring_allreduce_seconds`); `comm.CommTerm.bytes` already holds the
+  (P-1)/P factors. β = 1 / (link bandwidth x `LINK_EFFICIENCY`). A group over several axes, part of it over
+  the slow link (`Candidate.dcn`), runs hierarchically: of its bytes, a share (n_s-1)/(N-1) crosses the slow
+  link and n_s·(n_f-1)/(N-1) stays on the fast one (n_f devices per fast domain, n_s domains, N = n_f·n_s).
+  An all-to-all sends (N - n_f)/(N-1) of its bytes over the slow link; a permute crossing it is timed on it.
+- Pipeline bubble: (ticks - 2·m·v) / ticks from the schedule simulator (`parallel.schedules.simulate`),
+  which is (p-1)/(m+p-1) for GPipe and 1F1B and right for interleaved schedules; compute / (1 - bubble).
+- Overlap: ZeRO-3's weight gathers, the per-layer gradient reduce-scatters and ring attention's permutes run
+  while other layers (or blocks) compute, so they hide behind compute up to the compute time. Exposed in
+  full: the replica all-reduce and the post-update parameter gather (our `parallel.gradients` reduces once,
+  after the last microbatch's backward, and the update comes after it), tensor-parallel collectives (the next
+  matmul waits for them), expert all-to-alls (dispatch waits), allgather/ulysses attention collectives and the
+  pipeline's per-tick sends (each tick ends with them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd_train.analysis.plan.candidate import (
+    Candidate,
+    Workload,
+    capacity_slots,
+    microbatches,
+    rows_per_device,
+    schedule_stats,
+)
+from spmd_train.analysis.plan.comm import CommTerm
+from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.hardware import Hardware
+
+ACHIEVABLE_FRACTION = 0.6
+"""Fraction of the dense peak a large transformer's matmuls sustain: MFUs of 0.4-0.6 are what well-tuned JAX
+and Megatron runs report, so 0.6 for compute alone (communication and the bubble are counted apart)."""
+LINK_EFFICIENCY = 0.9
+"""Fraction of a link's nominal bandwidth a collective reaches: the scaling-book plans ICI at 9e10 of a 1e11 link
+(hw.md §4); applied to every link until `bench-collectives` measures it."""
+OVERLAPPED = frozenset({"weights", "grad-scatter"})
+"""CommTerm purposes that hide behind compute (ring context-parallel permutes too)."""
+
+
+@dataclass(frozen=True)
+class AxisTime:
+    """Communication time over one set of mesh axes, and how it compares with the compute."""
+
+    axes: tuple[str, ...]
+    seconds: float
+    exposed: float
+    """The part on the critical path (after the overlap rule; hidden seconds are shared pro rata)."""
+    ratio: float
+    """Communication seconds / compute seconds."""
+    regime: str
+    """"communication-bound" when the ratio exceeds 1, else "compute-bound"."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Step time and what it is made of, per device."""
+
+    model_flops: float
+    """Model FLOPs of the whole step (all devices), by the `models.flops` convention."""
+    device_flops: float
+    """FLOPs the busiest device runs: model FLOPs per device plus recompute, empty capacity slots, imbalance."""
+    compute: float
+    """Seconds of compute, bubble excluded."""
+    bubble: float
+    """Pipeline bubble fraction (0 without stages)."""
+    communication: float
+    """Seconds of communication, all of it."""
+    exposed: float
+    """Seconds of communication left on the critical path."""
+    step: float
+    tokens_per_second: float
+    mfu: float
+    axes: tuple[AxisTime, ...]
+
+
+def ring_allreduce_seconds(p: int, n: float, alpha: float, beta: float) -> float:
+    """Ring all-reduce of n bytes over p devices: 2(p-1)·α + 2(p-1)/p·n·β (Patarasuk & Yuan 2009)."""
+    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta
+
+
+def collective_seconds(term: CommTerm, c: Candidate, hw: Hardware, efficiency: float = LINK_EFFICIENCY) -> float:
+    """α-β time of one `CommTerm` over its axes, hierarchically where part of the group is on the slow link."""
+    fast_n, slow_n = c.split(term.axes)
+    n = fast_n * slow_n
+    fast_bw, slow_bw = hw.fast.bandwidth * efficiency, hw.slow.bandwidth * efficiency
+    if term.op == "collective-permute":
+        link, bw = (hw.slow, slow_bw) if slow_n > 1 else (hw.fast, fast_bw)
+        return term.count * link.latency + term.bytes / bw
+    if term.op == "all-to-all":
+        slow_share = (n - fast_n) / (n - 1)
+        hops = (fast_n - 1) * hw.fast.latency + (n - fast_n) * hw.slow.latency
+    else:
+        slow_share = (slow_n - 1) / (n - 1)
+        rounds = 2 if term.op == "all-reduce" else 1
+        hops = rounds * ((fast_n - 1) * hw.fast.latency + (slow_n - 1) * hw.slow.latency)
+    return term.count * hops + term.bytes * (slow_share / slow_bw + (1 - slow_share) / fast_bw)
+
+
+def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float]:
+    """(model FLOPs of the step over all devices, FLOPs the busiest device runs)."""
+    tokens = w.global_batch * w.seq_len
+    model = m.flops_per_token(w.seq_len) * tokens
+    attention_fwd = m.attention_flops_per_position * w.seq_len / 3  # one forward pass of attention, per token
+    experts_fwd = 2 * 3 * m.d_model * m.moe_d_ff * m.experts_per_token * m.moe_layers  # routed experts, forward
+    head = m.d_model * m.vocab_size
+    extra = 0.0  # per token
+    if c.remat == "full":
+        extra = 2 * (m.matmul_params - head) + attention_fwd
+    elif c.remat == "save_matmuls_no_batch":
+        extra = attention_fwd + experts_fwd
+    elif c.remat == "save_matmuls" and w.attention == "flash":
+        extra = attention_fwd
+    if m.moe_layers and w.moe_impl == "capacity":
+        rows = rows_per_device(c, w) / microbatches(c, rows_per_device(c, w))
+        group = rows * w.seq_len / c.sequence
+        filled = m.num_experts * capacity_slots(m, w, group) / (m.experts_per_token * group)
+        extra += 3 * experts_fwd * (filled - 1)  # forward and backward of the empty slots
+    if c.sequence > 1 and c.context_parallel == "allgather":
+        extra += 3 * attention_fwd * (c.sequence - 1) / c.sequence  # the last device's (2N-1)/N share
+    return model, (model + extra * tokens) / c.devices
+
+
+def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, terms: list[CommTerm], *,
+                    achievable: float = ACHIEVABLE_FRACTION, efficiency: float = LINK_EFFICIENCY) -> Timing:
+    """Step time, tokens/s, MFU and per-axis communication of candidate `c` on `hw`, given its collectives."""
+    model, busiest = device_flops(m, c, w)
+    compute = busiest / (hw.peak_flops * achievable)
+    bubble = 0.0
+    if c.pipeline > 1:
+        _, bubble, _ = schedule_stats(c.pipeline_schedule, c.pipeline, microbatches(c, rows_per_device(c, w)),
+                                      c.virtual_stages)
+    times = [collective_seconds(t, c, hw, efficiency) for t in terms]
+    hideable = sum(s for t, s in zip(terms, times, strict=True) if _overlaps(t, c))
+    hidden = min(hideable, compute)
+    total = sum(times)
+    exposed = total - hidden
+    step = compute / (1 - bubble) + exposed
+    hidden_share = hidden / hideable if hideable else 0.0
+    per_axes: dict[tuple[str, ...], list[float]] = {}
+    for t, s in zip(terms, times, strict=True):
+        entry = per_axes.setdefault(t.axes, [0.0, 0.0])
+        entry[0] += s
+        entry[1] += s * (1 - hidden_share) if _overlaps(t, c) else s
+    axes = tuple(AxisTime(a, s, e, s / compute, "communication-bound" if s > compute else "compute-bound")
+                 for a, (s, e) in per_axes.items())
+    return Timing(model_flops=model, device_flops=busiest, compute=compute, bubble=bubble, communication=total,
+                  exposed=exposed, step=step, tokens_per_second=w.global_batch * w.seq_len / step,
+                  mfu=model / (step * hw.peak_flops * c.devices), axes=axes)
+
+
+def _overlaps(t: CommTerm, c: Candidate) -> bool:
+    return t.purpose in OVERLAPPED or (t.purpose == "context" and c.context_parallel == "ring")

@@ -60,11 +60,14 @@ def _run(tmp_path, devices, prefetch: int):
     cfg = load_config(None, [*TINY, "train.steps=6", "mesh.fsdp=4", "mesh.tensor=2", f"data.prefetch={prefetch}",
                              f"run.dir={tmp_path / str(prefetch)}", "checkpoint.every=0"])
     trainer = Trainer(cfg, list(devices))
+    made, make = [], trainer.data.batch
+    trainer.data.batch = lambda step, *args, **kw: made.append(step) or make(step, *args, **kw)
     try:
         trainer.run()
         params = [np.asarray(x) for x in jax.tree.leaves(trainer.state.params)]
     finally:
         trainer.close()
+    assert made == list(range(6))  # each step's batch made once: compiling lowers against shapes only
     return trainer.history, params
 
 

@@ -37,6 +37,11 @@ class TokenSource:
         """(segments, positions) of the given rows, for sources with `documents`."""
         raise NotImplementedError(f"{type(self).__name__} has no documents")
 
+    def batch_shapes(self, sharding: NamedSharding) -> Batch:
+        """What `batch` returns as shapes, dtypes and sharding only: the step compiles without a batch made."""
+        spec = jax.ShapeDtypeStruct((self.global_batch, self.seq_len + 1), np.int32, sharding=sharding)
+        return Batch(spec, spec, spec) if self.documents else Batch(spec)
+
     def batch(self, step: int, sharding: NamedSharding, split: str = "train") -> Batch:
         """The step's batch as global arrays; this process materialises only the rows its devices hold."""
         shape = (self.global_batch, self.seq_len + 1)

@@ -64,7 +64,7 @@ def check_state_fits(need: int, device: jax.Device, run: str, *, allocating: boo
     if need > NO_DEVICE_HOLDS:
         raise ConfigError(f"{what}, more than any device holds ({fix})")
     if allocating and device.platform == "cpu":
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host = host_memory()
         if need * local_devices > host:
             raise ConfigError(f"{what}, {need * local_devices / GiB:,.2f} GiB for this host's {local_devices} "
                               f"simulated devices, more than its {host / GiB:.1f} GiB of memory ({fix})")
@@ -131,6 +131,11 @@ def _grad_accum_to_fit(grad_accum: int, per_microbatch: int, room: int) -> int |
     return grad_accum * math.ceil(per_microbatch / room) if room > 0 else None
 
 
+def host_memory() -> int:
+    """Bytes of physical memory on this host (what simulated CPU devices share)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _device_limit(device: jax.Device, local_devices: int) -> tuple[int | None, str]:
     """(bytes one device may use, how to say where they come from); None when unknown."""
     stats = device.memory_stats() if device.platform != "cpu" else None
@@ -140,7 +145,7 @@ def _device_limit(device: jax.Device, local_devices: int) -> tuple[int | None, s
     if spec is not None:
         return int(spec.hbm_bytes), f"of a {spec.name}"
     if device.platform == "cpu":
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host = host_memory()
         share = f"per simulated device ({host / GiB:.1f} GiB of host memory / {local_devices})"
         return host // max(local_devices, 1), share
     return None, ""

@@ -92,8 +92,9 @@ class MetricsSink:
 def step_record(index: int, metrics: dict[str, Any], *, seconds: float, data_wait: float, cfg: Config,
                 mesh: jax.sharding.Mesh, flops_per_token: float, peak_flops: float | None,
                 loss_floor: float | None) -> dict[str, Any]:
-    """The record of step `index` + 1 (what metrics.jsonl holds) from the step's metrics and its timing."""
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    """The record of step `index` + 1 (what metrics.jsonl holds) from the step's metrics, already on the host (the
+    caller fetches them: that wait is part of its timing), and its timing."""
+    values = {k: float(v) for k, v in metrics.items()}
     reason = REASONS[int(values.pop("skip_reason"))]
     values.update(skipped=reason is not None, skip_reason=reason, skipped_steps=int(values["skipped_steps"]),
                   consecutive_skips=int(values["consecutive_skips"]))

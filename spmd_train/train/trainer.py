@@ -160,7 +160,8 @@ class Trainer:
         if self._compiled is None:
             start = time.perf_counter()
             try:
-                compiled = self.engine.train_step.lower(self.state, self._batch(self.step_count)).compile()
+                shapes = self.data.batch_shapes(self.engine.batch_sharding)  # no batch is made to compile
+                compiled = self.engine.train_step.lower(self.state, shapes).compile()
                 check_compiled_fits(compiled.memory_analysis(), self.mesh.devices.flat[0], self.cfg,
                                     local_devices=len(self.mesh.local_devices))
             except jax.errors.JaxRuntimeError as err:

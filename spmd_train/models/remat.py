@@ -8,9 +8,12 @@ import jax
 
 # 'none' (no jax.checkpoint) keeps every residual autodiff wants, cheap elementwise ones included (the norms'
 # rsqrt, silu's pieces, softmax scores and probabilities): on configs/tiny.yaml that is 26 stacked [layers, ...]
-# buffers per device against 1 under 'full', 2.3x the temporaries and 16% more bytes moved per step (compiled
-# figures, XLA:CPU). A small model is bound by memory traffic, not FLOPs, which is why 'none' ran ~6% slower
-# than 'full' there; 'save_matmuls' keeps none's FLOPs at close to full's bytes.
+# buffers per device against 1 under 'full', 2.3x the temporaries and 16% more bytes moved per step. A small
+# model is bound by memory traffic, not FLOPs, so 'none' steps 6-14% slower than 'full' there although it
+# compiles 16% fewer FLOPs; 'save_matmuls' (9 buffers, the matmul outputs) keeps none's FLOPs at 2% over full's
+# bytes and steps within 1% of 'full' (benchmarks/remat.py; docs/benchmarks.md, section remat). The cause is
+# XLA keeping what autodiff saves, not our layer, so the default stays 'none' (no recompute, which large
+# models on accelerators, compute-bound, gain from) and the choice is the user's.
 POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
     "save_matmuls": jax.checkpoint_policies.dots_saveable,

@@ -298,8 +298,11 @@ def test_write_config_round_trips_into_a_trainer(tmp_path, devices):
     cfg = load_config(out)
     # The base config with the winner's layout, every key written out (so the presets are left unnamed).
     wanted = load_config(TINY, overrides(parse_label(name)))
+    # Its own run.dir (named after the file): the base config's may hold checkpoints of another layout.
+    assert cfg.run.dir == "runs/winner" != wanted.run.dir
     assert cfg == dataclasses.replace(wanted, model=dataclasses.replace(wanted.model, preset=None),
-                                      mesh=dataclasses.replace(wanted.mesh, preset=None))
+                                      mesh=dataclasses.replace(wanted.mesh, preset=None),
+                                      run=dataclasses.replace(wanted.run, dir="runs/winner"))
     assert out.read_text().startswith(f"# Written by `spmd-train plan {TINY}")
     Trainer(cfg, devices)  # the checks a run makes before its first step
 

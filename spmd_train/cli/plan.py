@@ -137,6 +137,9 @@ def _breakdown(est, place, result: SearchResult) -> list[str]:
 def _write_config(cfg: Config, stage: CompileStage, args: argparse.Namespace, out: Path) -> None:
     winner = stage.order[0]
     raw = config_dict(cfg, winner.estimate.candidate)
+    if not any(o.startswith("run.dir=") for o in args.overrides):
+        # Its own run directory: the base config's may hold checkpoints of another layout.
+        raw["run"]["dir"] = f"runs/{out.stem}"
     compiled = stage.compiled.get(winner.label)
     how = f"compiled on {stage.where}" if compiled else "analytic estimate"
     step = compiled.timing.step if compiled else winner.estimate.timing.step

@@ -85,6 +85,9 @@ class Link:
     """Bytes per second one device moves through one ring collective over this link."""
     latency: float
     """α: seconds per hop, whatever the message size."""
+    efficiency: float | None = None
+    """Fraction of `bandwidth` a collective reaches; None: the planner's assumed `LINK_EFFICIENCY` (a nominal
+    figure), 1.0 where `bench-collectives` measured `bandwidth` (`analysis.plan.profile`)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ class Hardware:
     """Dimensions of the ICI torus (3: v4, v5p, tpu7x; 2: v5e, v6e); 0 for switched GPU links."""
     devices_per_chip: int = 1
     """JAX devices per chip (2 on TPU7x, whose TensorCores are separate devices)."""
+    achievable: float | None = None
+    """Fraction of the dense peak matmuls sustain; None: the planner's assumed `ACHIEVABLE_FRACTION`, else the
+    `bench-collectives` matmul probe's measurement (`analysis.plan.profile`)."""
 
     @property
     def peak_flops(self) -> float:

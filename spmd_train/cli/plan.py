@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ from rich.table import Table
 
 from spmd_train.analysis.plan.devices import target_for
 from spmd_train.analysis.plan.labels import config_dict, label, parse_label
+from spmd_train.analysis.plan.profile import load_profile, profile_hardware
 from spmd_train.analysis.plan.report import (
     compiled_json,
     count,
@@ -58,12 +60,17 @@ def add_plan_parser(sub: Any) -> None:
                       "(a label as the table prints it; analytic only)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument("--write-config", metavar="OUT.yaml", help="write a runnable config of the winner")
+    plan.add_argument("--profile", metavar="FILE", help="a `bench-collectives` profile of this kind of device: its "
+                      "measured link α/bandwidth and achievable compute fraction replace the table's figures")
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """Search, compile, and print (or explain, or write) as the options ask; ConfigError for bad input."""
     cfg = load_config(args.config, args.overrides)
     target = target_for(args.devices, args.hardware, args.topology)
+    if args.profile:
+        measured = profile_hardware(load_profile(args.profile), target.hardware, f"--profile {args.profile}")
+        target = dataclasses.replace(target, hardware=measured)
     asked = parse_label(args.explain) if args.explain else None
     result = search(cfg, target, keep=max(KEEP, args.top, args.compile))
     if asked is not None:
@@ -122,7 +129,7 @@ def _breakdown(est, place, result: SearchResult) -> list[str]:
              f"MFU {t.mfu:.1%}", f"memory per device: {m.peak / GiB:.2f} GiB peak of "
              f"{result.target.hardware.hbm_bytes / GiB:.1f} GiB"]
     for f in ("params", "grads", "optimizer", "grad_accumulator", "activations", "pipeline_buffers", "logits",
-              "head_weights", "layer_weights", "recompute", "moe_dispatch", "workspace"):
+              "head_weights", "head_grads", "layer_weights", "recompute", "moe_dispatch", "workspace"):
         lines.append(f"  {f:18s} {getattr(m, f) / GiB:10.3f} GiB")
     lines.append("collectives per step (bytes each device sends):")
     for term in est.comm:
@@ -159,7 +166,8 @@ def _write_config(cfg: Config, stage: CompileStage, args: argparse.Namespace, ou
 
 
 def _target_args(args: argparse.Namespace) -> str:
-    return f"--topology {args.topology}" if args.topology else f"--devices {args.devices} --hardware {args.hardware}"
+    where = f"--topology {args.topology}" if args.topology else f"--devices {args.devices} --hardware {args.hardware}"
+    return f"{where} --profile {args.profile}" if args.profile else where
 
 
 def _rows(result: SearchResult, stage: CompileStage, top: int):

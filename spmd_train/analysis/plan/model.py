@@ -8,7 +8,7 @@ from spmd_train.analysis.plan.candidate import Candidate, Workload
 from spmd_train.analysis.plan.comm import CommTerm, comm_terms
 from spmd_train.analysis.plan.memory import MemoryEstimate, estimate_memory
 from spmd_train.analysis.plan.shape import ModelShape
-from spmd_train.analysis.plan.timing import ACHIEVABLE_FRACTION, LINK_EFFICIENCY, Timing, estimate_timing
+from spmd_train.analysis.plan.timing import LINK_EFFICIENCY, Timing, estimate_timing
 from spmd_train.hardware import Hardware
 
 
@@ -25,7 +25,7 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, candidate: Candidate, hw: Hardware, *, global_batch: int, seq_len: int,
-             workload: Workload | None = None, achievable: float = ACHIEVABLE_FRACTION,
+             workload: Workload | None = None, achievable: float | None = None,
              efficiency: float = LINK_EFFICIENCY) -> Estimate:
     """Memory, collective bytes and step time of `candidate` training `shape` on `hw`, with `workload`'s optimizer,
     attention and MoE settings (default: AdamW, a flash kernel, capacity MoE) at this batch and length."""

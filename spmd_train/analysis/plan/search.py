@@ -57,7 +57,7 @@ from spmd_train.analysis.plan.rules import (
     zero_reason,
 )
 from spmd_train.analysis.plan.shape import ModelShape
-from spmd_train.analysis.plan.timing import ACHIEVABLE_FRACTION, device_flops, estimate_timing
+from spmd_train.analysis.plan.timing import achievable_fraction, device_flops, estimate_timing
 from spmd_train.config.checks import check_attention
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
@@ -306,7 +306,7 @@ def _rank(shape: ModelShape, work: Workload, target: Target, fitting: list[tuple
 
 def _compute_bound(shape: ModelShape, c: Candidate, work: Workload, hw: Hardware) -> float:
     """Compute over the pipeline bubble: the step time without any communication (`timing.estimate_timing`)."""
-    compute = device_flops(shape, c, work)[1] / (hw.peak_flops * ACHIEVABLE_FRACTION)
+    compute = device_flops(shape, c, work)[1] / (hw.peak_flops * achievable_fraction(hw))
     if c.pipeline == 1:
         return compute
     bubble = schedule_stats(c.pipeline_schedule, c.pipeline, c.pipeline_microbatches, c.virtual_stages)[1]

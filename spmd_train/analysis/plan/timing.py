@@ -93,10 +93,12 @@ def ring_allreduce_seconds(p: int, n: float, alpha: float, beta: float) -> float
 
 
 def collective_seconds(term: CommTerm, c: Candidate, hw: Hardware, efficiency: float = LINK_EFFICIENCY) -> float:
-    """α-β time of one `CommTerm` over its axes, hierarchically where part of the group is on the slow link."""
+    """α-β time of one `CommTerm` over its axes, hierarchically where part of the group is on the slow link;
+    `efficiency` applies to links whose own `Link.efficiency` is unset (nominal, not measured)."""
     fast_n, slow_n = c.split(term.axes)
     n = fast_n * slow_n
-    fast_bw, slow_bw = hw.fast.bandwidth * efficiency, hw.slow.bandwidth * efficiency
+    fast_bw, slow_bw = (link.bandwidth * (efficiency if link.efficiency is None else link.efficiency)
+                        for link in (hw.fast, hw.slow))
     if term.op == "collective-permute":
         link, bw = (hw.slow, slow_bw) if slow_n > 1 else (hw.fast, fast_bw)
         return term.count * link.latency + term.bytes / bw
@@ -108,6 +110,13 @@ def collective_seconds(term: CommTerm, c: Candidate, hw: Hardware, efficiency: f
         rounds = 2 if term.op == "all-reduce" else 1
         hops = rounds * ((fast_n - 1) * hw.fast.latency + (slow_n - 1) * hw.slow.latency)
     return term.count * hops + term.bytes * (slow_share / slow_bw + (1 - slow_share) / fast_bw)
+
+
+def achievable_fraction(hw: Hardware, given: float | None = None) -> float:
+    """The fraction of peak compute runs at: `given`, else the one measured for `hw`, else `ACHIEVABLE_FRACTION`."""
+    if given is not None:
+        return given
+    return ACHIEVABLE_FRACTION if hw.achievable is None else hw.achievable
 
 
 def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float]:
@@ -135,10 +144,11 @@ def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float
 
 
 def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, terms: list[CommTerm], *,
-                    achievable: float = ACHIEVABLE_FRACTION, efficiency: float = LINK_EFFICIENCY) -> Timing:
-    """Step time, tokens/s, MFU and per-axis communication of candidate `c` on `hw`, given its collectives."""
+                    achievable: float | None = None, efficiency: float = LINK_EFFICIENCY) -> Timing:
+    """Step time, tokens/s, MFU and per-axis communication of candidate `c` on `hw`, given its collectives
+    (`achievable` None: the measured `hw.achievable`, else `ACHIEVABLE_FRACTION`)."""
     model, busiest = device_flops(m, c, w)
-    compute = busiest / (hw.peak_flops * achievable)
+    compute = busiest / (hw.peak_flops * achievable_fraction(hw, achievable))
     bubble = 0.0
     if c.pipeline > 1:
         _, bubble, _ = schedule_stats(c.pipeline_schedule, c.pipeline, microbatches(c, rows_per_device(c, w)),

@@ -159,3 +159,28 @@ def test_dense_weights_of_an_moe_model_are_scattered_over_fsdp_and_expert_togeth
     assert layout.scatter_path(P("embed", "mlp"), (6, 4 * d)) == ()  # 8 does not divide 6 rows
     # XLA:CPU makes the joint reduce-scatter an all-reduce as well: there the gradient goes straight to its shard.
     assert Engine.build(cfg, devices).layout.scatter_path(P("embed", "mlp"), (d, 4 * d)) == ()
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+def test_two_slices_over_dcn_count_the_gradient_all_reduce_between_them():
+    # XLA:TPU lowers a collective between slices to host-transfer sends to the megascale runtime, not to a
+    # collective instruction: describe saw no traffic over `data` at all before it read them.
+    cfg = load_config("configs/tiny.yaml", ["mesh.data=2", "mesh.fsdp=8", "mesh.tensor=1", "mesh.dcn.data=2",
+                                            "run.simulate_devices=null", "model.compute_dtype=bfloat16"])
+    report = describe(cfg, topology="2xv5p:2x2x2")
+    over_data = [c for c in report.collectives if c.axes == ("data",)]
+    assert [(c.op, c.group_size) for c in over_data] == [("all-reduce", 2)]
+    floor = {(t.op, t.axes): t.bytes for t in report.zero_floor}
+    assert over_data[0].bytes == pytest.approx(floor["all-reduce", ("data",)], rel=0.1)  # the fp32 shard, once
+    assert all(c.axes == ("fsdp",) for c in report.collectives if c not in over_data)  # the rest stays on a slice
+
+
+@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+def test_pipeline_stages_on_two_slices_send_over_dcn_every_tick():
+    cfg = load_config("configs/tiny.yaml", ["mesh.pipeline=2", "mesh.fsdp=8", "mesh.tensor=1", "mesh.dcn.pipeline=2",
+                                            "run.simulate_devices=null", "model.num_layers=4"])
+    report = describe(cfg, topology="2xv5p:2x2x2")
+    sends = [c for c in report.collectives if c.op == "collective-permute"]
+    # Both directions every tick (activations forward, their gradients back), between the two slices.
+    assert [(c.axes, c.count) for c in sends] == [(("pipeline",), 2 * report.pipeline.ticks)]

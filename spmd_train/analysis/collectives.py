@@ -42,6 +42,12 @@ def group_axes(groups, mesh: Mesh) -> tuple[str, ...]:
     return tuple(mesh.axis_names[i] for i in sorted(varying))
 
 
+def slice_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes that cross TPU slices (multislice: the axes `mesh.dcn` puts over DCN)."""
+    index = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0)(mesh.devices)
+    return tuple(name for i, name in enumerate(mesh.axis_names) if (np.diff(index, axis=i) != 0).any())
+
+
 def collectives_of(hlo_text: str, mesh: Mesh) -> list[CollectiveSummary]:
     """Per (op, axes): executions and bytes per device for one run of a compiled program."""
     return summarize(parse_collectives(hlo_text, mesh.size), mesh)
@@ -51,7 +57,7 @@ def summarize(ops: list[CollectiveOp], mesh: Mesh) -> list[CollectiveSummary]:
     """Total per-op records by (op kind, mesh axes, group size)."""
     totals: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
     for op in ops:
-        key = (op.kind, group_axes(op.groups, mesh), op.group_size)
+        key = (op.kind, slice_axes(mesh) if op.slices else group_axes(op.groups, mesh), op.group_size)
         totals[key][0] += op.executions
         totals[key][1] += op.executions * op.bytes_per_execution
     return [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -50,10 +50,14 @@ class CollectiveOp:
     trip_count_known: bool
     name: str
     op_name: str
+    slices: int = 0
+    """For a transfer between TPU slices over DCN (multislice), how many slices take part; 0 on a slice."""
 
     @property
     def group_size(self) -> int:
         """N, the number of devices taking part in one group (2 for a permute pair)."""
+        if self.slices:
+            return self.slices
         return max((len(g) for g in self.groups), default=1) if self.groups else 1
 
     @property
@@ -87,6 +91,11 @@ def parse_collectives(hlo_text: str, num_devices: int) -> list[CollectiveOp]:
     for comp_name, instructions in computations.items():
         shapes = {ins.name: ins.shape for ins in instructions}
         for ins in instructions:
+            dcn = _over_dcn(ins, shapes)
+            if dcn is not None:
+                if executions.get(comp_name, 0):
+                    plain.append(replace(dcn, executions=executions[comp_name], trip_count_known=known[comp_name]))
+                continue
             kind = _collective_kind(ins.opcode)
             if kind is None or executions.get(comp_name, 0) == 0:
                 continue
@@ -108,6 +117,28 @@ def parse_collectives(hlo_text: str, num_devices: int) -> list[CollectiveOp]:
     for per_comp in families.values():
         plain.extend(max(per_comp.values(), key=lambda ops: (len(ops), ops[0].executions)))
     return plain
+
+
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_TARGET = re.compile(r'_xla_megascale_target="\{([\d,]*)\}')
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+                    "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
+
+
+def _over_dcn(ins: Instruction, shapes: dict[str, str]) -> CollectiveOp | None:
+    """A collective between TPU slices: XLA:TPU lowers it to a host-transfer `send` to the megascale runtime (with
+    its `recv`), not to a collective instruction; its target's first set lists the slices taking part."""
+    if ins.opcode != "send":
+        return None
+    kind = _MEGASCALE.search(ins.rest)
+    if kind is None or kind.group(1) not in _MEGASCALE_KINDS:
+        return None
+    target = _MEGASCALE_TARGET.search(ins.rest)
+    slices = len([x for x in target.group(1).split(",") if x]) if target else 0
+    operand_bytes = sum(_shape_bytes(shapes.get(op, "")) for op in ins.operands)
+    op_name = re.search(r'op_name="([^"]*)"', ins.rest)
+    return CollectiveOp(_MEGASCALE_KINDS[kind.group(1)], operand_bytes, None, 0, True, ins.name,
+                        op_name.group(1) if op_name else "", slices=max(slices, 2))
 
 
 def _collective_kind(opcode: str) -> str | None:

@@ -4,8 +4,8 @@ bytes put in place of the estimates (`plan.compiled.rescore`), and the K ranked 
 Where they compile:
 - `--topology`: libtpu compiles for the slice on this host (the `tpu-aot` extra); several slices come
   from `jax.experimental.topologies.get_topology_desc(..., num_slices=N)`, whose devices carry their
-  slice index, so the mesh puts the `mesh.dcn` factors across slices as a real run would (their
-  collectives are not read back: `MULTISLICE_NOTE`);
+  slice index, so the mesh puts the `mesh.dcn` factors across slices as a real run would (the transfers
+  between slices are the megascale sends `analysis.hlo` reads as collectives over the slow axes);
 - GPU kinds: XLA:CPU on as many simulated devices as the target has, up to `MAX_SIMULATED_DEVICES`.
   The SPMD program is partitioned and compiled once whatever the device count, and the collectives are
   the same groups a GPU run has; the attention is XLA's, not cuDNN's (`compiled.rescore` accounts for it);
@@ -38,10 +38,6 @@ row) in 12.4 s on 64 and 10.1 s on 1024 devices (0.63 and 0.72 GB): the count ba
 compiled once. Nothing above 1024 was measured, so there the stage is skipped and says why."""
 COMPILED_FIT = "does not fit in HBM when compiled"
 PIPELINE_NOTE = "pipelined programs: their compiled collective bytes are shown, and the estimates time the step"
-MULTISLICE_NOTE = (
-    "multislice program: its collective bytes are not read (the estimates stay): compiled for 2xv5p:2x2x2, the "
-    "tiny config's data all-reduce was attributed to pipeline and the pipeline sends across slices were missing, "
-    "where the same layout on one v5p:2x2x4 slice gave every axis its own; the compiled memory is used")
 
 
 @dataclass(frozen=True)
@@ -83,8 +79,6 @@ def compile_stage(result: SearchResult, k: int, devices: list[jax.Device] | None
                              seq_len=cfg.train.seq_len, workload=Workload.from_config(cfg, platform))
         notes = tuple(n for n in report.notes if n != PIPELINE_FLOPS_NOTE)
         collectives = _by_axes(report.collectives)
-        if platform == "tpu" and result.target.domains > 1:
-            collectives, notes = None, (*notes, MULTISLICE_NOTE)
         if c.pipeline > 1:
             notes = (*notes, PIPELINE_NOTE)
         found = rescore(result.shape, result.workload, result.target.hardware, ranked.estimate, reference,

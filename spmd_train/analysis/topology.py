@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -11,7 +12,8 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from spmd_train.errors import ConfigError
 
-EXAMPLES = "v5e:2x2, v5e:2x4, v5e:4x4, v5p:2x2x2, v5p:4x4x4, v5p:8x8x8, v6e:4x4, v6e:16x16, v4:2x2x2"
+EXAMPLES = ("v5e:2x2, v5e:2x4, v5e:4x4, v5p:2x2x2, v5p:4x4x4, v5p:8x8x8, v6e:4x4, v6e:16x16, v4:2x2x2, "
+            "2xv5p:8x8x8 (two slices over DCN)")
 
 
 def has_libtpu() -> bool:
@@ -23,8 +25,15 @@ def has_libtpu() -> bool:
     return True
 
 
+def _slices(name: str) -> tuple[int, str]:
+    """'2xv5p:8x8x8' -> (2, 'v5p:8x8x8'): slices over DCN, and the slice; one slice without the prefix."""
+    match = re.fullmatch(r"(\d+)x([a-z].*)", name)
+    return (int(match.group(1)), match.group(2)) if match and int(match.group(1)) >= 1 else (1, name)
+
+
 def tpu_topology_devices(name: str) -> list[jax.Device]:
-    """The devices of TPU slice `name` (e.g. 'v5e:2x4'): enough to build a Mesh and compile."""
+    """The devices of TPU slice `name` (e.g. 'v5e:2x4'), or of N slices over DCN ('2xv5p:8x8x8'): enough to build a
+    Mesh and compile."""
     # No TPU is used, only its compiler: several processes (parallel tests, two describes) may load it.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # Off a TPU VM libtpu cannot look its workers up and logs an error for it; compiling needs no workers.
@@ -36,8 +45,9 @@ def tpu_topology_devices(name: str) -> list[jax.Device]:
         )
     from jax.experimental import topologies
 
+    slices, one = _slices(name)
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=one, num_slices=slices).devices)
     except Exception as err:  # libtpu reports bad names as a runtime error with its own text
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError(

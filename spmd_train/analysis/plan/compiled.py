@@ -9,7 +9,7 @@ What replaces what:
   axes in proportion to their estimated bytes (so each keeps its overlap rule); compiled traffic on axes
   the model has no term for becomes a term of its own, on the critical path;
 - step time: the timing model again, with those bytes (launch counts stay the model's).
-Where the compiled collectives cannot be read (a multislice TPU program), or are upper bounds (a pipelined
+Where the compiled collectives are upper bounds (a pipelined
 program counts a stage's collectives on every tick, for each branch of its per-tick switch), the estimated
 bytes time the step.
 A candidate the compiler refused for memory (libtpu's RESOURCE_EXHAUSTED) has no compiled peak and

@@ -1,0 +1,260 @@
+"""The planner's analytic estimate against the compiler: per-device memory and collective bytes per mesh axis.
+
+Each layout of `GRID` is compiled once with `analysis.report.describe` (a TPU slice through libtpu where
+`analysis.topology.has_libtpu()`, else simulated CPU devices) and estimated by `analysis.plan.estimate` from the
+same config (`Candidate.from_config`, `Workload.from_config` for the platform it compiled on,
+`ModelShape.from_config`). The table goes to docs/benchmarks.md, section `plan_accuracy`.
+
+Conventions (both sides count the same thing):
+- memory: compiled = argument + output + temp - alias of `compiled.memory_analysis()` (XLA:CPU's
+  `peak_memory_in_bytes` leaves out temporaries); estimated = `MemoryEstimate.peak`;
+- bytes: per set of mesh axes a collective's device groups span (as `describe` reports them), the bytes one
+  device sends per step by the bandwidth-optimal ring formulas (`analysis.collectives`); estimated = the sum of the
+  `CommTerm`s on those axes, put in the compiling platform's terms by `as_compiled`: XLA:CPU lowers the
+  reduce-scatters it creates itself (the gradients' at ZeRO-2/3, Megatron-SP's) as an all-reduce + slice, i.e.
+  twice a reduce-scatter's bytes, so on CPU those terms count double;
+- attention: `Workload.from_config(cfg, platform)`: on CPU `backends.attention=auto` is XLA's attention (scores
+  materialised), on TPU the Pallas flash kernel.
+
+Run: `.venv/bin/python -m benchmarks.plan_accuracy` (add `--only NAME` to run some cases, `--no-write`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, replace
+
+from spmd_train.analysis.plan.comm import CommTerm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEMORY_BOUND = 0.15
+BYTES_BOUND = 0.10
+CPU_DEVICES = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One grid point: a shipped config, overrides, and where it compiles (a TPU slice, or CPU devices)."""
+
+    name: str
+    config: str
+    overrides: tuple[str, ...] = ()
+    topology: str | None = None
+    """A TPU slice (compiled through libtpu); None: `CPU_DEVICES` simulated CPU devices."""
+    cpu_fallback: tuple[str, ...] = ()
+    """Overrides that replace the mesh when libtpu is missing and the layout compiles on 8 CPU devices instead."""
+    model: str = ""
+
+
+def _grid() -> list[Layout]:
+    mp, shrink = "mesh_presets", ("model.num_layers=2",)
+    out = [Layout(f"preset {p}", mp, (f"mesh.preset={p}",), model="tiny")
+           for p in ("ddp", "fsdp", "fsdp_tp", "hsdp", "tp_sp")]
+    out += [Layout(f"fsdp 8, ZeRO-{z}", mp, (f"parallel.zero_stage={z}",), model="tiny") for z in (0, 1, 2)]
+    out += [Layout("fsdp 4 x tensor 2, remat full", "tiny", ("parallel.remat=full",), model="tiny"),
+            Layout("fsdp 2 x tensor 4, no SP", "tiny", ("mesh.fsdp=2", "mesh.tensor=4"), model="tiny"),
+            Layout("fsdp 2 x tensor 4, SP", "tiny", ("mesh.fsdp=2", "mesh.tensor=4", "parallel.sequence_parallel=true"),
+                   model="tiny")]
+    out += [Layout(f"pipeline 4 x fsdp 2, {s}", "pipeline",
+                   (f"parallel.pipeline_schedule={s}",
+                    *(("parallel.virtual_stages=2",) if s.startswith("inter") else ())),
+                   model="tiny (8 layers)") for s in ("gpipe", "1f1b", "interleaved_1f1b")]
+    out += [Layout("fsdp 2 x expert 4", "moe", model="moe-tiny")]
+    ctx = ("mesh.fsdp=2", "mesh.sequence=4", "train.seq_len=256")
+    out += [Layout(f"fsdp 2 x sequence 4, {s}", mp, (*ctx, f"parallel.context_parallel={s}"), model="tiny")
+            for s in ("allgather", "ring", "ulysses")]
+    gpt2 = ("model.preset=gpt2-small", *shrink, "train.seq_len=256", "train.global_batch_size=8")
+    out += [Layout("fsdp 8", mp, gpt2, model="gpt2-small (2 layers)"),
+            Layout("fsdp 4 x tensor 2, SP", mp, (*gpt2, "mesh.preset=tp_sp", "mesh.data=1", "mesh.fsdp=4",
+                                                  "mesh.tensor=2"), model="gpt2-small (2 layers)")]
+    l1b = ("model.preset=llama-1b", *shrink, "train.global_batch_size=8")
+    out += [Layout("fsdp 8, remat full", mp, (*l1b, "train.seq_len=512", "parallel.remat=full"),
+                   model="llama-1b (2 layers)"),
+            Layout("fsdp 2 x sequence 4, ulysses", mp, (*l1b, "train.seq_len=2048", "mesh.fsdp=2", "mesh.sequence=4",
+                                                         "parallel.context_parallel=ulysses"),
+                   model="llama-1b (2 layers)")]
+    out += [Layout("fsdp 64 x tensor 8", "llama3-8b_v5p-512", (*shrink, "train.global_batch_size=64",
+                                                                "train.seq_len=1024"),
+                   topology="v5p:8x8x8", model="llama3-8b (2 layers)"),
+            Layout("fsdp 8 x sequence 8, ring", "llama3-8b_128k_v5p", (*shrink, "train.seq_len=4096"),
+                   topology="v5p:4x4x4", model="llama3-8b (2 layers)"),
+            Layout("fsdp 2 x expert 4", "moe", ("model.preset=mixtral-8x7b", *shrink, "train.seq_len=256",
+                                                 "train.global_batch_size=8"),
+                   topology="v5p:2x2x2", model="mixtral-8x7b (2 layers)")]
+    return out
+
+
+GRID = _grid()
+
+
+def as_compiled(terms: list[CommTerm], platform: str) -> list[CommTerm]:
+    """The estimated terms as the compiling platform counts them: XLA:CPU's all-reduce + slice for reduce-scatters."""
+    if platform != "cpu":
+        return list(terms)
+    return [replace(t, bytes=2 * t.bytes) if t.op == "reduce-scatter" else t for t in terms]
+
+
+def estimated_bytes(terms: list[CommTerm], platform: str, mesh: dict[str, int]) -> dict[tuple[str, ...], float]:
+    """Estimated bytes per set of mesh axes (axes of size > 1), in the compiling platform's terms."""
+    out: dict[tuple[str, ...], float] = {}
+    for t in as_compiled(terms, platform):
+        axes = tuple(a for a in t.axes if mesh.get(a, 1) > 1)
+        if axes:
+            out[axes] = out.get(axes, 0.0) + t.bytes
+    return out
+
+
+def golden_bytes(collectives: dict[str, dict]) -> dict[tuple[str, ...], float]:
+    """Compiled bytes per set of mesh axes from a golden record's "<op> over <axes> (group n)" rows."""
+    out: dict[tuple[str, ...], float] = {}
+    for key, row in collectives.items():
+        m = re.fullmatch(r"(.*) over (.*) \(group (\d+)\)", key)
+        axes = tuple(a for a in m.group(2).split(",") if a)
+        if axes and int(m.group(3)) > 1:
+            out[axes] = out.get(axes, 0.0) + row["bytes_per_device"]
+    return out
+
+
+def error(estimated: float, compiled: float) -> float:
+    """(estimated - compiled) / compiled; inf when only the estimate is there."""
+    if not compiled:
+        return 0.0 if not estimated else float("inf")
+    return estimated / compiled - 1
+
+
+def analytic(cfg, mesh: dict[str, int], platform: str):
+    """The analytic estimate of `cfg` on a mesh of these axis sizes, as compiled on `platform` (cpu, tpu)."""
+    from spmd_train.analysis.plan import Candidate, ModelShape, Workload, estimate
+    from spmd_train.config.schema import MESH_AXES
+    from spmd_train.hardware import hardware
+
+    c = Candidate.from_config(cfg, {a: mesh.get(a, 1) for a in MESH_AXES})
+    w = Workload.from_config(cfg, platform)
+    # Memory and bytes do not depend on the hardware; v5p (TPU) / h100 (a CPU-compiled GPU target) time the step.
+    hw = hardware("v5p" if platform == "tpu" else "h100")
+    return estimate(ModelShape.from_config(cfg.model), c, hw, global_batch=w.global_batch, seq_len=w.seq_len,
+                    workload=w)
+
+
+def _axes_name(axes: tuple[str, ...]) -> str:
+    return " x ".join(axes)
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.2f}"
+
+
+def run(layouts: list[Layout]) -> tuple[list[dict], float]:
+    import jax
+
+    from spmd_train import load_config
+    from spmd_train.analysis.report import describe
+    from spmd_train.analysis.topology import has_libtpu
+
+    tpu = has_libtpu()
+    rows, start = [], time.perf_counter()
+    for lay in layouts:
+        overrides = list(lay.overrides)
+        topology = lay.topology if tpu else None
+        if lay.topology and not tpu:
+            overrides += list(lay.cpu_fallback)
+        cfg = load_config(os.path.join(ROOT, "configs", f"{lay.config}.yaml"), overrides)
+        t0 = time.perf_counter()
+        report = (describe(cfg, topology=topology) if topology
+                  else describe(cfg, devices=jax.devices()[:CPU_DEVICES]))
+        platform = "tpu" if topology else "cpu"
+        mesh = {a: n for a, n in report.mesh.items() if n > 1}
+        est = analytic(cfg, mesh, platform)
+        compiled_bytes: dict[tuple[str, ...], float] = {}
+        for s in report.collectives:
+            axes = tuple(a for a in s.axes if mesh.get(a, 1) > 1)
+            if axes:
+                compiled_bytes[axes] = compiled_bytes.get(axes, 0.0) + s.bytes
+        rows.append({"layout": lay.name, "model": lay.model, "config": lay.config, "overrides": overrides,
+                     "where": f"TPU {topology}" if topology else f"{CPU_DEVICES} CPU",
+                     "platform": platform, "mesh": mesh, "memory": (est.memory.peak, report.per_device["peak_bytes"]),
+                     "bytes": (estimated_bytes(list(est.comm), platform, mesh), compiled_bytes),
+                     "seconds": time.perf_counter() - t0})
+        r = rows[-1]
+        print(f"{lay.name:36s} {lay.model:24s} {r['where']:14s} mem {error(*r['memory']):+.1%} "
+              + " ".join(f"{_axes_name(a)} {error(r['bytes'][0].get(a, 0), r['bytes'][1].get(a, 0)):+.1%}"
+                         for a in sorted(set(r['bytes'][0]) | set(r['bytes'][1])))
+              + f" ({r['seconds']:.1f} s)", flush=True)
+    return rows, time.perf_counter() - start
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| layout | model | compiled on | memory est. MiB | compiled MiB | error | axes | bytes est. | "
+             "compiled | error |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        est, comp = r["bytes"]
+        axes = sorted(set(est) | set(comp), key=lambda a: (len(a), a)) or [()]
+        for i, a in enumerate(axes):
+            head = ([r["layout"], r["model"], r["where"], _mib(r["memory"][0]), _mib(r["memory"][1]),
+                     _flag(error(*r["memory"]), MEMORY_BOUND)] if i == 0 else ["", "", "", "", "", ""])
+            cells = ([_axes_name(a), f"{est.get(a, 0):,.0f}", f"{comp.get(a, 0):,.0f}",
+                      _flag(error(est.get(a, 0), comp.get(a, 0)), BYTES_BOUND)] if a else ["-", "0", "0", ""])
+            lines.append("| " + " | ".join(head + cells) + " |")
+    return "\n".join(lines)
+
+
+def _flag(err: float, bound: float) -> str:
+    text = "only estimated" if err == float("inf") else f"{err:+.1%}"
+    return f"**{text}**" if abs(err) > bound else text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", help="run the layouts whose name contains this (repeatable)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+    layouts = [g for g in GRID if not args.only or any(o in f"{g.name} {g.model}" for o in args.only)]
+    rows, seconds = run(layouts)
+    body = table(rows)
+    print(body)
+    print(f"{len(rows)} layouts in {seconds:.0f} s")
+    if not args.no_write and not args.only:
+        from benchmarks.report import provenance, update_section
+
+        update_section("plan_accuracy", "Planner estimates against the compiler (issue 16)",
+                       provenance("python -m benchmarks.plan_accuracy") + f"- {len(rows)} layouts compiled in "
+                       f"{seconds:.0f} s\n\n" + NOTES + "\n\n" + body)
+    return 0
+
+
+NOTES = """Estimated: `analysis.plan.estimate` of the same config. Compiled: `describe`, one train step.
+Bounds: memory 15%, bytes per axis 10% (bold: outside). Memory is argument + output + temp - alias of
+`memory_analysis()` against `MemoryEstimate.peak`. Bytes are what one device sends per step over each set of mesh
+axes (bandwidth-optimal ring formulas on both sides); on CPU the estimate's reduce-scatters count twice because
+XLA:CPU lowers the reduce-scatters it creates itself as all-reduce + slice. On CPU the attention is XLA's
+(`backends.attention=auto`: scores materialised, in the estimate too), on TPU the Pallas flash kernel. Pipelined
+programs: the compiled bytes over axes other than `pipeline` count a stage's collectives on every tick for each
+branch of the per-tick switch (upper bounds, PIPELINE_COLLECTIVES_NOTE), so only `pipeline` is comparable there.
+
+Open misses (this run; tests/test_plan_accuracy.py pins the golden cases' documented bounds):
+- model fix: ZeRO-3's LM head gradient in its compute layout (param dtype) and the untied table gathered for
+  the lookup were missing from the head phase (`MemoryEstimate.head_grads`): llama3-8b fsdp 64 x tensor 8 at 16
+  tokens (golden) -67.5% -> +3.8%, 128k ring golden -66.9% -> +5.6%; but at 1,024 tokens (this table) the
+  compiler frees them earlier: -37% without the term, +59% with it. Not yet modelled: when XLA schedules them.
+- CPU tensor bytes -35..-38% (-67% gpt2-small): XLA:CPU re-reduces the forward's tensor all-reduces in each layer's
+  backward (7 [rows, seq, d] all-reduces a layer in the HLO of configs/tiny, Megatron counts 4); on TPU +17%.
+- CPU memory of the 1-10 MiB tiny programs -13..-25%: fp32 temporaries beyond the 5% workspace allowance.
+- context parallel on CPU: one memory estimate for all three schemes, compiled 13-91 MiB; XLA:CPU splits
+  reduce-scatters over fsdp x sequence into all-reduces over each axis. Expert bytes +40..+94%: the compiler
+  reduces expert gradients over fsdp x expert together (compare totals). Tied tables (gpt2-small, llama-1b):
+  fsdp bytes -58%, memory -43..-48%: the tied table's two uses are not modelled as XLA:CPU compiles them.
+  Pipelined: only `pipeline` bytes compare (+3.5..+5.7%); memory -35..-44%, not yet explained."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The planner's analytic estimate against compiled programs, without compiling: the figures recorded in
+tests/golden/*.json (kept true by tests/test_golden_layouts.py) against `analysis.plan.estimate` of the same config.
+
+Issue 16's bounds are memory within 15% and bytes per mesh axis within 10%. Each golden case that does not meet them
+asserts its documented bound instead, with the reason beside it (`KNOWN`): the test fails if a case gets worse, and
+also if it gets better than its documented bound by a wide margin, so the table is tightened when the model is fixed.
+Conventions as in benchmarks/plan_accuracy.py (XLA:CPU's reduce-scatter as all-reduce + slice; XLA attention on CPU).
+"""
+
+import pytest
+
+from benchmarks.plan_accuracy import BYTES_BOUND, MEMORY_BOUND, analytic, error, estimated_bytes, golden_bytes
+from spmd_train import load_config
+from tests.golden_layouts import CASES, CONFIG_DIR, load_golden
+
+CPU_TINY_MEMORY = (
+    "XLA:CPU on a 1-10 MiB program: its temp buffers hold fp32 copies and fusion outputs of every layer the model's "
+    "5% workspace allowance does not cover (the same layouts on TPU are within bounds)")
+CPU_TENSOR_BYTES = (
+    "XLA:CPU re-reduces the forward's two tensor all-reduces (and one more token block) in each layer's backward "
+    "(7 all-reduces of the [rows, seq, d] block per layer instead of Megatron's 4; seen in the HLO of configs/tiny), "
+    "while on TPU llama3-8b fsdp 64 x tensor 8 the model is +17%")
+PIPELINE = ("pipelined program: the fsdp collectives inside a stage are counted on every tick for each branch of the "
+            "per-tick switch (PIPELINE_COLLECTIVES_NOTE), an upper bound, and the stash memory is sized for the stage "
+            "that needs the most; only `pipeline` bytes compare")
+MOE_AXES = ("the compiler reduces the expert gradients over fsdp x expert together (a reduce-scatter over both) "
+            "where the model has a reduce-scatter over fsdp and an all-reduce over expert; the total compares")
+CPU_SPLIT = ("XLA:CPU splits the reduce-scatter over fsdp x sequence into all-reduces over each axis (10 GB over fsdp "
+             "and sequence each where the model has none): only fsdp x sequence compares on CPU")
+
+# case -> {"memory" or axes: (lowest, highest) error allowed, reason}
+KNOWN: dict[str, dict] = {
+    "mesh_presets-fsdp": {"memory": (-0.22, -0.15, CPU_TINY_MEMORY)},
+    "mesh_presets-fsdp_tp": {"memory": (-0.23, -0.15, CPU_TINY_MEMORY), ("tensor",): (-0.40, -0.35, CPU_TENSOR_BYTES)},
+    "mesh_presets-hsdp": {"memory": (-0.20, -0.14, CPU_TINY_MEMORY)},
+    "mesh_presets-tp_sp": {"memory": (-0.27, -0.20, CPU_TINY_MEMORY), ("tensor",): (-0.38, -0.32, CPU_TENSOR_BYTES)},
+    "tiny": {"memory": (-0.23, -0.16, CPU_TINY_MEMORY), ("tensor",): (-0.40, -0.35, CPU_TENSOR_BYTES)},
+    "pipeline": {"memory": (-0.47, -0.40, PIPELINE), ("fsdp",): (-1.0, -0.9, PIPELINE)},
+    "moe": {"memory": (-0.20, -0.14, CPU_TINY_MEMORY), ("expert",): (0.35, 0.45, MOE_AXES),
+            ("fsdp",): (0.7, 0.9, MOE_AXES), ("fsdp", "expert"): (-1.0, -1.0, MOE_AXES)},
+    "llama3-8b_v5p-512": {
+        ("fsdp",): (0.10, 0.18, "open: the model's ZeRO-3 gathers exceed libtpu's at 2 layers x 16 tokens (the "
+                                "LM head's gather is partly fused into the logits); not yet explained"),
+        ("tensor",): (0.12, 0.20, "open: libtpu moves 12 token blocks over tensor where the model counts 14"),
+        ("fsdp", "tensor"): (-1.0, -1.0, "72 bytes (a scalar's reduction over both axes): nothing to estimate")},
+    "llama3-8b_128k_v5p": {
+        ("fsdp",): (-1.0, -1.0, "57 MB over fsdp alone next to 8.8 GB over fsdp x sequence: libtpu reduces some "
+                                "gradients in two steps; the pair's total is within bounds"),
+        ("fsdp", "sequence"): (-0.15, -0.10, "see fsdp: part of this traffic goes over fsdp alone")},
+    "llama3-8b_128k_h100": {
+        "memory": (-0.50, -0.40, "XLA:CPU compiles the 64-device program with its all-reduces in place of "
+                                 "reduce-scatters (full fp32 gradient buffers) and XLA attention over 256 tokens"),
+        ("fsdp",): (-1.0, -1.0, CPU_SPLIT), ("sequence",): (-1.0, -0.99, CPU_SPLIT)},
+}
+MARGIN = 0.03
+"""How far inside its documented bound a known case may get before the test asks to tighten the bound."""
+
+
+def _check(case: str, key, err: float, bound: float, failures: list[str]) -> None:
+    known = KNOWN.get(case, {}).get(key)
+    what = key if isinstance(key, str) else " x ".join(key)
+    if known is None:
+        if abs(err) > bound:
+            failures.append(f"{case} {what}: {err:+.1%} outside ±{bound:.0%}")
+        return
+    low, high, reason = known
+    if not (low - 1e-9 <= err <= high + 1e-9):
+        failures.append(f"{case} {what}: {err:+.1%} outside its documented [{low:+.0%}, {high:+.0%}] ({reason})")
+    elif abs(err) <= bound - MARGIN:
+        failures.append(f"{case} {what}: {err:+.1%} now within ±{bound:.0%}: drop it from KNOWN")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_estimates_are_within_bounds_of_the_golden_compiled_figures(case):
+    spec = CASES[case]
+    golden = load_golden(case)
+    cfg = load_config(CONFIG_DIR / f"{spec.config}.yaml", list(spec.overrides))
+    platform = "tpu" if spec.topology else "cpu"
+    est = analytic(cfg, golden["mesh"], platform)
+    failures: list[str] = []
+    _check(case, "memory", error(est.memory.peak, golden["memory"]["total_bytes"]), MEMORY_BOUND, failures)
+    estimated, compiled = estimated_bytes(list(est.comm), platform, golden["mesh"]), golden_bytes(golden["collectives"])
+    for axes in sorted(set(estimated) | set(compiled)):
+        err = error(estimated.get(axes, 0.0), compiled.get(axes, 0.0))
+        _check(case, axes, max(err, -1.0) if err != float("inf") else 9.99, BYTES_BOUND, failures)
+    assert not failures, "\n".join(failures)
+
+
+def test_every_known_miss_names_a_golden_case_and_a_reason():
+    for case, entries in KNOWN.items():
+        assert case in CASES
+        for low, high, reason in entries.values():
+            assert low <= high and len(reason) > 20

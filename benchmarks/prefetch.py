@@ -10,11 +10,9 @@ median step time, median `data_wait_s` (what the loop waited for its batch) and 
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -23,40 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 
 from benchmarks.report import provenance, update_section
-from spmd_train import Trainer, load_config, simulate_devices
-
-DROP = 5
-"""Leading steps of a round left out of the medians."""
-
-
-def one_round(config: str, overrides: list[str], prefetch: int, steps: int, folder: Path) -> list[dict]:
-    """The step records of one fresh run of `steps` steps."""
-    cfg = load_config(config, [*overrides, f"data.prefetch={prefetch}", f"train.steps={steps}",
-                               "checkpoint.every=0", f"run.dir={folder}"])
-    trainer = Trainer(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-    return trainer.history[DROP:]
+from benchmarks.rounds import DROP, alternating_rounds, round_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--config", default="configs/tiny.yaml")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    simulate_devices(load_config(args.config, args.overrides).run.simulate_devices)
-    variants = {"prefetch=2 (background thread)": 2, "prefetch=0 (loop makes each batch)": 0}
-    records: dict[str, list[dict]] = {name: [] for name in variants}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds + 1):
-            for name, depth in variants.items():
-                got = one_round(args.config, args.overrides, depth, args.steps, Path(tmp) / f"{depth}-{r}")
-                if r:  # round 0 warms up (compilation cache, page cache)
-                    records[name].extend(got)
+    args = round_parser(__doc__.splitlines()[0], rounds=6, steps=60).parse_args()
+    records = alternating_rounds(args, {"prefetch=2 (background thread)": ["data.prefetch=2"],
+                                        "prefetch=0 (loop makes each batch)": ["data.prefetch=0"]})
     base = statistics.median(r["step_time_s"] for r in records["prefetch=0 (loop makes each batch)"])
     rows = ["| loop | step time (median) | vs prefetch=0 | data_wait_s (median) | share of the step |",
             "|---|---:|---:|---:|---:|"]

@@ -11,7 +11,6 @@ of [layers, ...] residual buffers the forward layer loop stacks for the backward
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -25,31 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 
 from benchmarks.report import provenance, update_section
-from spmd_train import Trainer, load_config, simulate_devices
+from benchmarks.rounds import DROP, alternating_rounds, round_parser, run_config
+from spmd_train import Trainer
 
-DROP = 5
-"""Leading steps of a round left out of the medians."""
 POLICIES = ("none", "full", "save_matmuls")
-
-
-def _config(config: str, overrides: list[str], policy: str, steps: int, folder: Path):
-    return load_config(config, [*overrides, f"parallel.remat={policy}", f"train.steps={steps}",
-                                "checkpoint.every=0", f"run.dir={folder}"])
-
-
-def one_round(config: str, overrides: list[str], policy: str, steps: int, folder: Path) -> list[dict]:
-    """The step records of one fresh run of `steps` steps."""
-    trainer = Trainer(_config(config, overrides, policy, steps, folder))
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-    return trainer.history[DROP:]
 
 
 def compiled_figures(config: str, overrides: list[str], policy: str, folder: Path) -> dict[str, float]:
     """Per-device FLOPs, bytes accessed and temporaries of the compiled step, and its stacked residuals."""
-    trainer = Trainer(_config(config, overrides, policy, 1, folder))
+    trainer = Trainer(run_config(config, [*overrides, f"parallel.remat={policy}"], 1, folder))
     try:
         trainer.run()
         batch = trainer.data.batch(0, trainer.engine.batch_sharding)
@@ -76,21 +59,10 @@ def _forward_loop_shapes(hlo: str) -> list[tuple[int, ...]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--config", default="configs/tiny.yaml")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    simulate_devices(load_config(args.config, args.overrides).run.simulate_devices)
-    records: dict[str, list[dict]] = {p: [] for p in POLICIES}
+    args = round_parser(__doc__.splitlines()[0], rounds=4, steps=40).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        figures = {p: compiled_figures(args.config, args.overrides, p, Path(tmp) / f"c-{p}") for p in POLICIES}
-        for r in range(args.rounds + 1):
-            for policy in POLICIES:
-                got = one_round(args.config, args.overrides, policy, args.steps, Path(tmp) / f"{policy}-{r}")
-                if r:  # round 0 warms up (compilation cache, page cache)
-                    records[policy].extend(got)
+        figures = {p: compiled_figures(args.config, args.overrides, p, Path(tmp) / p) for p in POLICIES}
+    records = alternating_rounds(args, {p: [f"parallel.remat={p}"] for p in POLICIES})
     base = statistics.median(r["step_time_s"] for r in records["full"])
     full = figures["full"]
     rows = ["| parallel.remat | step time (median) | vs full | FLOPs / device | vs full | bytes accessed | vs full "

@@ -13,6 +13,8 @@ EXPECTED = {
     # The bar of trainer.run (an ipywidgets view in Jupyter), then describe()'s tables as HTML.
     "quickstart": ("loss", "MiB sent per step", "tok/s", "Collectives per step", "Memory per device"),
     "pipeline_schedules": ("bubble fraction", "peak in flight", "3/19"),
+    # The search's count, the memory/time frontier, and the top layout's time split into its parts.
+    "plan_meshes": ("candidates over", "frontier:", "ranked exactly", "'compute':"),
 }
 
 

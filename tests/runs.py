@@ -56,6 +56,13 @@ def cli_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
 
 
+def uncached_env() -> dict[str, str]:
+    """`cli_env` without the session's persistent compilation cache: for a test whose step must really compile,
+    or whose processes must take equally long to start (one loading its step from the cache while its peer
+    compiles looks like a stall to the step watchdog)."""
+    return {k: v for k, v in cli_env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
+
+
 def cli(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m spmd_train ARGS` in a fresh process, output captured as text."""
     return subprocess.run([sys.executable, "-m", "spmd_train", *args], cwd=cwd, env=cli_env(), capture_output=True,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from spmd_train import load_config
-from tests.runs import cli, cli_env
+from tests.runs import cli, uncached_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,14 +149,9 @@ def test_main_job_ends_within_ten_percent_of_the_floor(tmp_path):
     assert (tmp_path / "checkpoints" / "600").is_dir() and "checkpoints in" in proc.stdout
 
 
-def _uncached() -> dict[str, str]:
-    """The CLI's environment without the session's compilation cache: the step must really compile."""
-    return {k: v for k, v in cli_env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
-
-
 def test_ctrl_c_while_compiling_exits_130_with_one_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "spmd_train", "train", "configs/tiny.yaml",
-                             f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=_uncached(), stderr=subprocess.PIPE,
+                             f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=uncached_env(), stderr=subprocess.PIPE,
                             text=True)
     lines = []
     for line in proc.stderr:  # "backends: ..." is the last line before the train step compiles

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from spmd_train import load_config
 from spmd_train.analysis import describe, tpu_topology_devices
@@ -192,17 +193,23 @@ def test_a_step_too_big_for_the_chip_is_reported_not_raised():
 
 
 @needs_libtpu
-def test_compiling_for_a_slice_leaves_the_persistent_cache_alone(devices, tmp_path, monkeypatch):
+def test_compiling_for_a_slice_leaves_the_persistent_cache_alone(devices, tmp_path):
     # A compile-only TPU client writes entries it cannot read back: the second compile of the same program
     # warned "Error reading persistent compilation cache entry" before describe compiled slices without it.
-    cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    before = set(cache.iterdir())
-    cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=2", "mesh.tensor=2"])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            report = describe(cfg, topology="v5e:2x2")
-    assert report.per_device["temp_bytes"] > 0
-    assert not [w for w in caught if "compilation cache" in str(w.message)], [str(w.message) for w in caught]
-    assert set(cache.iterdir()) == before  # nothing written for the slice
-    assert jax.config.jax_enable_compilation_cache  # and the cache is on again for this host's programs
+    # A cache of its own: the session's is written by the other test workers meanwhile.
+    session = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    compilation_cache.reset_cache()
+    try:
+        cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=2", "mesh.tensor=2"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                report = describe(cfg, topology="v5e:2x2")
+        assert report.per_device["temp_bytes"] > 0
+        assert not [w for w in caught if "compilation cache" in str(w.message)], [str(w.message) for w in caught]
+        assert not list(tmp_path.iterdir())  # nothing written for the slice
+        assert jax.config.jax_enable_compilation_cache  # and the cache is on again for this host's programs
+    finally:
+        jax.config.update("jax_compilation_cache_dir", session)
+        compilation_cache.reset_cache()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import cli_env
+from tests.runs import cli_env, uncached_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # A constant learning rate after warmup (min_lr_ratio=1): the schedule does not depend on train.steps, so the
@@ -42,7 +42,7 @@ def _two_processes(run_dir: Path, *args, launch: tuple[str, ...] = ("-m", "spmd_
         subprocess.Popen([sys.executable, *launch, *RUN, *args, "run.simulate_devices=4",
                           f"run.coordinator=127.0.0.1:{port}", "run.num_processes=2", f"run.process_id={i}",
                           f"run.peer_timeout_s={PEER_TIMEOUT_S}", f"run.dir={run_dir}"],
-                         cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, env=uncached_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)
     ]
 

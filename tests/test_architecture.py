@@ -30,6 +30,7 @@ LAYERS = {
     "spmd_train.data": 6,
     "spmd_train.train": 6,
     "spmd_train.analysis": 6,
+    "spmd_train.hf": 6,
     "spmd_train.cli": 7,
     "spmd_train.__main__": 7,
     "spmd_train": 7,

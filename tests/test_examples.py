@@ -37,6 +37,7 @@ SKIPPED = {
     "for i in 0 1; do": "two processes; tests/test_multihost.py runs this setup (2 x 4 simulated devices)",
 }
 COVERED = {
+    "spmd-train convert to-hf runs/qwen3": ("tests/test_hf_interop.py", ['"convert", "to-hf"']),
     # command prefix -> (the test file that runs it through the API, the arguments that file must contain)
     "spmd-train describe configs/llama3-8b_v5p-512.yaml --topology v5p:8x8x8":
         ("tests/test_describe.py", ["llama3-8b_v5p-512", "v5p:8x8x8"]),
@@ -110,8 +111,11 @@ def test_every_documented_command_is_run_or_skipped_for_a_stated_reason():
 
 
 def _in_fresh_dir(tmp_path: Path) -> Path:
-    """A directory like a fresh clone's root for the example: configs/ (read-only use), nothing else."""
+    """A directory like a fresh clone's root for the example: configs/ and the Hugging Face reference
+    checkpoints (read-only use), nothing else."""
     (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "hf_reference").symlink_to(ROOT / "tests" / "hf_reference")
     return tmp_path
 
 

@@ -76,6 +76,7 @@ def test_an_unknown_hardware_kind_is_refused_naming_it_and_the_valid_ones(kind):
     ("configs/mesh_presets.yaml", ["model.tie_embeddings=true"]),
     ("configs/moe.yaml", ["model.moe.num_shared_experts=1"]),  # every 2nd layer: `layers` x `sublayers` stacks
     ("configs/moe.yaml", ["model.moe.every=1", "model.moe.d_ff=96"]),
+    ("configs/tiny.yaml", ["model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=16"]),  # Qwen2/3 layers
 ])
 def test_model_shape_lists_the_engines_parameters_with_their_shapes_and_logical_axes(devices, path, overrides):
     cfg, engine = _build(devices, path, *overrides)
@@ -86,6 +87,9 @@ def test_model_shape_lists_the_engines_parameters_with_their_shapes_and_logical_
     shape = ModelShape.from_config(cfg.model)
     assert {g.path: (g.shape, g.axes) for g in shape.params} == real
     assert shape.total_params == engine.num_params
+    if not cfg.model.moe:
+        layers = sum(g.numel for g in shape.params if g.path.startswith("blocks."))
+        assert shape.dense_layer_params * cfg.model.num_layers == layers
     assert shape.flops_per_token(cfg.train.seq_len) == flops_per_token(cfg.model, cfg.train.seq_len)
 
 

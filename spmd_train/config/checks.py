@@ -23,6 +23,14 @@ def check_config(cfg: Config) -> None:
             f"model.head_dim={m.resolved_head_dim} is invalid: rotary embeddings need an even head_dim >= 2 "
             "(set model.head_dim, or model.d_model and model.num_heads so d_model // num_heads is even)"
         )
+    if m.sliding_window is not None and t.seq_len > m.sliding_window:
+        raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.sliding_window={m.sliding_window}: "
+                          "sliding-window attention is not implemented, so every token must see the whole "
+                          f"sequence (valid: train.seq_len up to {m.sliding_window})")
+    sc = m.rope_scaling
+    if sc is not None and sc.type == "llama3" and sc.low_freq_factor >= sc.high_freq_factor:
+        raise ConfigError(f"model.rope_scaling.low_freq_factor={sc.low_freq_factor} must be below "
+                          f"model.rope_scaling.high_freq_factor={sc.high_freq_factor} (Llama 3.1 uses 1 and 4)")
     d = cfg.data
     if d.source == "markov" and (d.vocab_size or m.vocab_size) > m.vocab_size:
         raise ConfigError(f"data.vocab_size={d.vocab_size} is larger than model.vocab_size={m.vocab_size} "

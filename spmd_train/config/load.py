@@ -20,6 +20,7 @@ import pydantic
 import yaml
 
 from spmd_train.config.checks import check_config
+from spmd_train.config.hf_config import hf_directory, model_section, read_hf_config
 from spmd_train.config.moved import MOVED_KEYS, upgrade_model_section
 from spmd_train.config.schema import Config, ModelConfig
 from spmd_train.errors import ConfigError
@@ -70,7 +71,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
 def config_from_dict(raw: Mapping[str, Any], base_dir: str | Path | None = None) -> Config:
     """Validate a nested dict (as read from YAML) into a Config, resolving presets first."""
-    raw = _resolve_presets(dict(raw), Path(base_dir) if base_dir else Path.cwd())
+    raw = _resolve_presets(_with_hf_model(dict(raw)), Path(base_dir) if base_dir else Path.cwd())
     try:
         # JSON mode: strict about scalar types (no "64" for 64), yet dicts become dataclasses
         # and lists become tuples, which is exactly what YAML input needs.
@@ -79,6 +80,25 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | Path | None = None)
         raise ConfigError(_describe_validation_error(err)) from None
     check_config(cfg)
     return cfg
+
+
+def _with_hf_model(raw: dict[str, Any]) -> dict[str, Any]:
+    """checkpoint.load_from=hf:DIR: the model section is DIR/config.json's, under the config's own model keys.
+
+    A directory that is not there leaves the section as given: a resumed run has it in full and never
+    reads DIR again; a fresh run fails when it loads the weights, naming the directory.
+    """
+    checkpoint = raw.get("checkpoint")
+    directory = hf_directory(checkpoint.get("load_from") if isinstance(checkpoint, dict) else None)
+    if directory is None or not directory.exists():
+        return raw
+    given = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    if given.get("preset") is not None:
+        raise ConfigError(f"model.preset={given['preset']} and checkpoint.load_from={checkpoint['load_from']} both "
+                          "name an architecture (valid: one of them; the checkpoint's config.json sets the model)")
+    model = model_section(read_hf_config(directory))
+    _deep_update(model, given)
+    return {**raw, "model": model}
 
 
 def model_from_record(model: Mapping[str, Any]) -> ModelConfig:

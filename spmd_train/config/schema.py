@@ -113,6 +113,23 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequencies stretched for long context: Llama 3.1's per-band rule, or plain linear interpolation."""
+
+    __pydantic_config__ = _STRICT
+
+    type: Literal["llama3", "linear"]
+    """llama3: long wavelengths divided by `factor`, short ones kept, a smooth ramp between; linear: all divided."""
+    factor: PositiveFloat
+    low_freq_factor: PositiveFloat = 1.0
+    """llama3: wavelengths above original_max_position / low_freq_factor are scaled fully."""
+    high_freq_factor: PositiveFloat = 4.0
+    """llama3: wavelengths below original_max_position / high_freq_factor are kept."""
+    original_max_position: PositiveInt = 8192
+    """llama3: the context length the model was first trained at."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model: a decoder-only transformer (Llama-style), optionally with MoE layers.
 
@@ -131,6 +148,14 @@ class ModelConfig:
     d_ff: PositiveInt = 128
     vocab_size: PositiveInt = 256
     rope_theta: PositiveFloat = 10000.0
+    rope_scaling: RopeScaling | None = None
+    """Stretched rotary frequencies (Llama 3.1/3.2); null: plain RoPE."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key before RoPE (Qwen3)."""
+    sliding_window: PositiveInt | None = None
+    """A published model's attention window (Mistral); recorded, and sequences must fit inside it."""
     norm_eps: NonNegativeFloat = 1e-5
     tie_embeddings: bool = False
     init_std: PositiveFloat = 0.02

@@ -17,7 +17,7 @@ STACKING_AXES = ("layers", "sublayers")
 
 def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std: float | None, dtype,
           stack: int | tuple[int, ...] | None = None) -> nnx.Param:
-    """A parameter drawn from N(0, std^2) (ones when std is None), tagged with its logical axes.
+    """A parameter drawn from N(0, std^2) (ones when std is None, zeros when it is 0), tagged with its logical axes.
 
     With `stack=L` the parameter gets a leading `layers` axis of size L, one slice per layer;
     with `stack=(G, n)` a `layers` axis of G groups, then a `sublayers` axis of n layers each.
@@ -25,7 +25,10 @@ def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std:
     if stack is not None:
         stack = (stack,) if isinstance(stack, int) else tuple(stack)
         shape, axes = (*stack, *shape), (*STACKING_AXES[: len(stack)], *axes)
-    value = jnp.ones(shape, jnp.float32) if std is None else std * jax.random.normal(key, shape, jnp.float32)
+    if std is None or std == 0:
+        value = jnp.full(shape, 1.0 if std is None else 0.0, jnp.float32)
+    else:
+        value = std * jax.random.normal(key, shape, jnp.float32)
     return nnx.Param(value.astype(dtype), logical_axes=P(*axes))
 
 

@@ -1,6 +1,7 @@
 """Decoder-only Llama-style transformer in Flax NNX.
 
-RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention, tied or untied embeddings.
+RMSNorm, rotary embeddings (optionally Llama 3.1-scaled), SwiGLU MLP, grouped-query attention (optionally
+with Q/K/V biases as in Qwen2, or per-head Q/K norms as in Qwen3), tied or untied embeddings.
 The layers' parameters are stacked on a leading `layers` axis and run with `lax.scan`, so
 compile time does not grow with depth. The model speaks logical axis names only
 (`constrain`); which mesh axes they land on is decided outside.
@@ -24,11 +25,15 @@ RESIDUAL = ("batch", "norm_length", "embed")
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square layer norm with a learned scale; statistics in fp32."""
+    """Root-mean-square norm over the last axis with a learned scale; statistics in fp32.
 
-    def __init__(self, cfg: ModelConfig, *, stack: int | None = None):
+    The residual stream's norms span `embed`; Qwen3's query/key norms span each head's `head_dim`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, stack: int | None = None, axis: str = "embed"):
         self.eps = cfg.norm_eps
-        self.scale = param(None, (cfg.d_model,), ("embed",), std=None, dtype=cfg.param_dtype, stack=stack)
+        width = cfg.d_model if axis == "embed" else cfg.resolved_head_dim
+        self.scale = param(None, (width,), (axis,), std=None, dtype=cfg.param_dtype, stack=stack)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -48,18 +53,41 @@ class Attention(nnx.Module):
         self.wk = param(rngs.params(), (d, cfg.num_kv_heads, hd), kv_axes, std=cfg.init_std, **kw)
         self.wv = param(rngs.params(), (d, cfg.num_kv_heads, hd), kv_axes, std=cfg.init_std, **kw)
         self.wo = param(rngs.params(), (cfg.num_heads, hd, d), ("heads", "head_dim", "embed"), std=out_std, **kw)
+        if cfg.qkv_bias:
+            self.bq = param(None, (cfg.num_heads, hd), q_axes[1:], std=0.0, **kw)
+            self.bk = param(None, (cfg.num_kv_heads, hd), kv_axes[1:], std=0.0, **kw)
+            self.bv = param(None, (cfg.num_kv_heads, hd), kv_axes[1:], std=0.0, **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg, stack=stack, axis="head_dim")
+            self.k_norm = RMSNorm(cfg, stack=stack, axis="head_dim")
+        self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
         self.compute_dtype = cfg.compute_dtype
         self.backends = backends
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array | None = None) -> jax.Array:
-        dt = self.compute_dtype
-        q = constrain(dense("bld,dhk->blhk", x, self.wq, dt), ("batch", "length", "heads", "head_dim"))
-        k = constrain(dense("bld,dhk->blhk", x, self.wk, dt), ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(dense("bld,dhk->blhk", x, self.wv, dt), ("batch", "length", "kv_heads", "head_dim"))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         out = attention(q, k, v, backends=self.backends, segments=segments)
+        return self.output(out)
+
+    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The residual stream -> queries, keys (both rotated) and values, [batch, length, heads, head_dim]."""
+        dt = self.compute_dtype
+        q = dense("bld,dhk->blhk", x, self.wq, dt)
+        k = dense("bld,dhk->blhk", x, self.wk, dt)
+        v = dense("bld,dhk->blhk", x, self.wv, dt)
+        if self.qkv_bias:
+            q, k, v = q + weight(self.bq, dt), k + weight(self.bk, dt), v + weight(self.bv, dt)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """The heads' attention output [batch, length, heads, head_dim] -> the residual stream's update."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return constrain(dense("blhk,hkd->bld", out, self.wo, dt), RESIDUAL)
+        return constrain(dense("blhk,hkd->bld", out, self.wo, self.compute_dtype), RESIDUAL)
 
 
 class MLP(nnx.Module):
@@ -203,7 +231,7 @@ def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: 
         positions = constrain(positions, ("batch", "length"))
     if segments is not None:
         segments = constrain(segments, ("batch", "length"))
-    cos, sin = rope_tables(x.shape[1], cfg.resolved_head_dim, cfg.rope_theta, positions)
+    cos, sin = rope_tables(x.shape[1], cfg.resolved_head_dim, cfg.rope_theta, positions, scaling=cfg.rope_scaling)
 
     def layer(carry, layer_params):
         return nnx.merge(graphdef, layer_params)(carry, cos, sin, segments)

@@ -1,16 +1,44 @@
-"""Rotary position embeddings (Llama's rotate-half convention)."""
+"""Rotary position embeddings (Llama's rotate-half convention), with Llama 3.1's and linear frequency scaling."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 
-def rope_tables(length: int, head_dim: int, theta: float,
-                positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables for rotary position embeddings (fp32): [length, head_dim // 2] for positions
-    0 .. length - 1, or [batch, length, head_dim // 2] for given per-token `positions` [batch, length]."""
+def inverse_frequencies(head_dim: int, theta: float, scaling=None) -> jax.Array:
+    """RoPE's per-pair frequencies theta^(-2i/head_dim) [head_dim // 2] in fp32, optionally stretched.
+
+    `scaling` (a `config.schema.RopeScaling` or anything with its fields): `linear` divides every
+    frequency by `factor`; `llama3` (Llama 3.1, as `transformers` computes it) divides those whose
+    wavelength exceeds original_max_position / low_freq_factor, keeps those below
+    original_max_position / high_freq_factor, and blends linearly in 1 / wavelength between the two.
+    """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.type != "llama3":
+        raise ValueError(f"rope scaling {scaling.type!r} is not one of: llama3, linear")
+    original, factor = scaling.original_max_position, scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, blended, scaled)
+
+
+def rope_tables(length: int, head_dim: int, theta: float, positions: jax.Array | None = None, *,
+                scaling=None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables for rotary position embeddings (fp32): [length, head_dim // 2] for positions
+    0 .. length - 1, or [batch, length, head_dim // 2] for given per-token `positions` [batch, length].
+    `scaling` as in `inverse_frequencies`."""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling)
     pos = jnp.arange(length, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
     angles = pos[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)

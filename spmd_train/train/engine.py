@@ -138,6 +138,16 @@ class Engine:
         """
         return self.init_fn()
 
+    def state_from_params(self, params: Any) -> TrainState:
+        """A fresh train state around given parameters (stored layout and shardings; donated): step 0, new
+        optimizer state. No random parameters are drawn, so the model is held once."""
+        train_cfg = self.cfg.train
+
+        def build(params):
+            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), init_guard(train_cfg))
+
+        return jax.jit(build, out_shardings=self.state_shardings, donate_argnums=0)(params)
+
     @functools.cached_property
     def init_fn(self):
         """The jitted initialiser: each device computes only its own shards."""

@@ -22,11 +22,13 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from spmd_train.config.hf_config import hf_directory
 from spmd_train.config.schema import Config
 from spmd_train.data import Batch, make_source
 from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError, TrainingHalted
 from spmd_train.hardware import device_spec
+from spmd_train.hf.run import import_hf
 from spmd_train.models.flops import flops_per_token
 from spmd_train.output_dir import make_output_dir
 from spmd_train.train import run_lock
@@ -139,6 +141,10 @@ class Trainer:
                 self._say(f"train.resume_step={step}: moved the newer checkpoint {aside.name} to {aside.parent}")
             self.history = read_history(self.run_dir / "metrics.jsonl", step)
             self._say(f"resumed from {self.run_dir / 'checkpoints'} at step {step}")
+        elif (hf := hf_directory(self.cfg.checkpoint.load_from)) is not None:
+            self.state = self.engine.state_from_params(import_hf(self.engine, hf, self.run_dir))
+            self.history = read_history(self.run_dir / "metrics.jsonl", 0)
+            self._say(f"started from the Hugging Face checkpoint {hf}")
         else:
             self.state = self.engine.init_state()
             self.history = read_history(self.run_dir / "metrics.jsonl", 0)

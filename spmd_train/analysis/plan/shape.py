@@ -75,6 +75,10 @@ class ModelShape:
     """Parameters a token's matmuls use (`models.flops.matmul_params`): what '6N' counts."""
     attention_flops_per_position: float
     """Training FLOPs per token per position of context (`flops_per_token(m, s)` is linear in s)."""
+    qkv_bias: bool = False
+    """Biases on Q/K/V (model.qkv_bias)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm scales on Q and K (model.qk_norm)."""
 
     @classmethod
     def from_config(cls, m: ModelConfig) -> ModelShape:
@@ -89,7 +93,8 @@ class ModelShape:
             num_shared_experts=moe.num_shared_experts if moe else 0,
             param_bytes=DTYPE_BYTES[m.param_dtype], compute_bytes=DTYPE_BYTES[m.compute_dtype],
             params=_param_groups(m), matmul_params=matmul_params(m),
-            attention_flops_per_position=flops_per_token(m, 1) - zero_flops,
+            attention_flops_per_position=flops_per_token(m, 1) - zero_flops, qkv_bias=m.qkv_bias,
+            qk_norm=m.qk_norm,
         )
 
     @property
@@ -106,7 +111,8 @@ class ModelShape:
     def dense_layer_params(self) -> int:
         """Parameters of one dense layer (norms, attention, SwiGLU MLP)."""
         d, hd = self.d_model, self.head_dim
-        return 2 * d + d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * self.d_ff
+        extras = hd * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias + 2 * hd * self.qk_norm
+        return 2 * d + d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * self.d_ff + extras
 
     @property
     def moe_layer_params(self) -> int:
@@ -163,6 +169,11 @@ def _block(m: ModelConfig, prefix: str, stack: tuple[int, ...], *, moe: bool) ->
            group("attn.wv", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
            group("attn.wo", (h, hd, d), ("heads", "head_dim", "embed")),
            group("mlp_norm.scale", (d,), ("embed",))]
+    if m.qkv_bias:
+        out += [group("attn.bq", (h, hd), ("heads", "head_dim")), group("attn.bk", (kv, hd), ("kv_heads", "head_dim")),
+                group("attn.bv", (kv, hd), ("kv_heads", "head_dim"))]
+    if m.qk_norm:
+        out += [group("attn.q_norm.scale", (hd,), ("head_dim",)), group("attn.k_norm.scale", (hd,), ("head_dim",))]
     if not moe:
         f = m.d_ff
         return [*out, group("mlp.w_gate", (d, f), ("embed", "mlp")), group("mlp.w_up", (d, f), ("embed", "mlp")),

@@ -1,0 +1,342 @@
+"""Make the committed Hugging Face reference fixtures under ``tests/hf_reference/<family>/``.
+
+For each tiny model family (llama, llama32, mistral, qwen2, qwen3, mixtral) this script builds a
+randomly initialised ``transformers`` model in float32, re-initialises every parameter with
+large-ish values (so that interop tests are sensitive to any layout or math mistake), and writes:
+
+* ``config.json`` (+ ``generation_config.json``) and the weights, exactly as
+  ``save_pretrained(..., safe_serialization=True)`` writes them (``model.safetensors``; qwen2 is
+  saved sharded with ``model.safetensors.index.json``). The llama config is afterwards rewritten
+  into the legacy layout (top-level ``rope_theta`` / ``rope_scaling``, ``torch_dtype``) that most
+  published Llama 3.1 checkpoints use, and the script asserts transformers still loads it to the
+  same logits.
+* ``reference.npz``: ``input_ids`` int32 [8, 24], ``logits`` float32 [8, 24, vocab] (fp32, eval,
+  no_grad), and ``prompt_{0,1}`` / ``greedy_{0,1}`` int32 1-D (greedy ``generate`` of exactly 12
+  new tokens; ``greedy_k`` is the full sequence prompt + new tokens).
+
+It needs the ``hf-reference`` extra (torch, transformers, safetensors, numpy); it does not import
+spmd_train or jax. The output is deterministic (``torch.manual_seed`` per family). Run from the
+repository root::
+
+    python tests/hf_reference/make_reference.py                 # regenerate every family
+    python tests/hf_reference/make_reference.py --only llama    # just some families
+    python tests/hf_reference/make_reference.py --check-export DIR
+
+``--check-export DIR`` loads DIR with ``AutoModelForCausalLM.from_pretrained(DIR, dtype=float32)``,
+runs it on ``input_ids`` from ``DIR/reference.npz`` and compares with the ``logits`` stored there
+(e.g. written by our exporter); it exits non-zero when max|diff| / max|ref| exceeds 1e-4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+HERE = Path(__file__).resolve().parent
+VOCAB = 256
+BATCH, SEQ = 8, 24
+PROMPT_LENS = (5, 9)
+NEW_TOKENS = 12
+CHECK_RTOL = 1e-4
+
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def llama3_rope(factor: float) -> dict:
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+
+
+def make_config(family: str):
+    if family == "llama":
+        return LlamaConfig(**COMMON, rope_parameters=llama3_rope(8.0), tie_word_embeddings=False)
+    if family == "llama32":
+        return LlamaConfig(**COMMON, rope_parameters=llama3_rope(32.0), tie_word_embeddings=True)
+    if family == "mistral":
+        return MistralConfig(
+            **COMMON,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            sliding_window=None,
+            tie_word_embeddings=False,
+        )
+    if family == "qwen2":
+        return Qwen2Config(
+            **COMMON,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=None,
+        )
+    if family == "qwen3":
+        return Qwen3Config(
+            **COMMON,
+            head_dim=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+        )
+    if family == "mixtral":
+        common = dict(COMMON, intermediate_size=96)
+        return MixtralConfig(
+            **common,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            sliding_window=None,
+            tie_word_embeddings=False,
+            router_jitter_noise=0.0,
+        )
+    raise ValueError(family)
+
+
+MODEL_CLASSES = {
+    "llama": LlamaForCausalLM,
+    "llama32": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+}
+FAMILIES = list(MODEL_CLASSES)
+SEEDS = {f: 1000 + i for i, f in enumerate(FAMILIES)}
+# Router std: with N(0, 1) the router logits (std ~8 for unit-RMS hidden states of width 64) saturate
+# the softmax, the 2nd/3rd probabilities are both ~1e-8 (never > 1e-3 apart) and the second expert's
+# weight is ~0, so the test could not see it. 0.3 keeps top-2 weights comparable; near-ties are
+# excluded by reseeding (see ROUTER_MIN_GAP).
+ROUTER_STD = 0.3
+ROUTER_MIN_GAP = 1e-4  # on probabilities: 100x the fp32 difference between implementations
+ROUTER_MIN_LOGIT_GAP = 1e-3  # and on logits, so an fp32 re-implementation cannot flip a choice
+
+
+@torch.no_grad()
+def reinit(model: torch.nn.Module, router_std: float = ROUTER_STD) -> None:
+    """Matrices ~ N(0, 0.15), norm weights ~ 1 + N(0, 0.2), biases ~ N(0, 0.2), routers ~ N(0, router_std)."""
+    for name, p in model.named_parameters():  # tied parameters appear once
+        if name.endswith("bias"):
+            p.normal_(0.0, 0.2)
+        elif "norm" in name and p.ndim == 1:
+            p.normal_(0.0, 0.2).add_(1.0)
+        elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+            p.normal_(0.0, router_std)
+        elif p.ndim >= 2:
+            p.normal_(0.0, 0.15)
+        else:
+            raise AssertionError(f"unhandled parameter {name} {tuple(p.shape)}")
+
+
+@torch.no_grad()
+def router_margin(model, input_ids: torch.Tensor) -> tuple[float, float]:
+    """Smallest gap between the 2nd and 3rd router probability (and logit) over all tokens and layers."""
+    captured = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda mod, args, out: captured.append(out[0]))
+        for layer in model.model.layers
+    ]
+    try:
+        model(input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(captured) == len(model.model.layers)
+    prob_gaps, logit_gaps = [], []
+    for router_logits in captured:
+        probs = torch.softmax(router_logits.float(), dim=-1).sort(dim=-1, descending=True).values
+        prob_gaps.append((probs[:, 1] - probs[:, 2]).min().item())
+        top = router_logits.float().sort(dim=-1, descending=True).values
+        logit_gaps.append((top[:, 1] - top[:, 2]).min().item())
+    return min(prob_gaps), min(logit_gaps)
+
+
+@torch.no_grad()
+def greedy(model, prompt: torch.Tensor) -> torch.Tensor:
+    out = model.generate(
+        prompt[None],
+        attention_mask=torch.ones_like(prompt)[None],
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0]
+    assert out.shape[0] == prompt.shape[0] + NEW_TOKENS, out.shape
+    assert torch.equal(out[: prompt.shape[0]], prompt)
+    return out
+
+
+def legacy_llama_config(path: Path) -> None:
+    """Rewrite config.json into the pre-v5 layout: top-level rope_theta/rope_scaling and torch_dtype."""
+    cfg = json.loads(path.read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    theta = rope.pop("rope_theta")
+    new = {}
+    for k, v in cfg.items():
+        if k == "dtype":
+            new["torch_dtype"] = v
+            continue
+        new[k] = v
+    new["rope_theta"] = theta
+    new["rope_scaling"] = {
+        "factor": rope["factor"],
+        "high_freq_factor": rope["high_freq_factor"],
+        "low_freq_factor": rope["low_freq_factor"],
+        "original_max_position_embeddings": rope["original_max_position_embeddings"],
+        "rope_type": "llama3",
+    }
+    path.write_text(json.dumps(dict(sorted(new.items())), indent=2) + "\n")
+
+
+def make_family(family: str, out_root: Path) -> None:
+    seed = SEEDS[family]
+    out = out_root / family
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+
+    config = make_config(family)
+    gen = torch.Generator().manual_seed(seed + 7)
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in PROMPT_LENS]
+
+    for attempt in range(50):
+        torch.manual_seed(seed + 100 * attempt)
+        model = MODEL_CLASSES[family](config).to(torch.float32)
+        reinit(model)
+        model.eval()
+        if family != "mixtral":
+            break
+        prob_gap, logit_gap = router_margin(model, input_ids)
+        print(f"  mixtral attempt {attempt}: min 2nd-3rd router gap: prob {prob_gap:.2e}, logit {logit_gap:.2e}")
+        if prob_gap > ROUTER_MIN_GAP and logit_gap > ROUTER_MIN_LOGIT_GAP:
+            break
+    else:
+        raise RuntimeError("no mixtral seed without router near-ties")
+
+    with torch.no_grad():
+        logits = model(input_ids).logits.float()
+    gens = [greedy(model, p) for p in prompts]
+
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    save_kwargs = {"safe_serialization": True}
+    if family == "qwen2":
+        save_kwargs["max_shard_size"] = "200KB"
+    model.save_pretrained(out, **save_kwargs)
+
+    arrays = {
+        "input_ids": input_ids.numpy().astype(np.int32),
+        "logits": logits.numpy().astype(np.float32),
+    }
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+        arrays[f"prompt_{i}"] = p.numpy().astype(np.int32)
+        arrays[f"greedy_{i}"] = g.numpy().astype(np.int32)
+    np.savez(out / "reference.npz", **arrays)
+
+    if family == "llama":
+        legacy_llama_config(out / "config.json")
+        # The scaling must matter at these 24 positions, otherwise the fixture could not catch a missing llama3 rope.
+        plain = make_config(family)
+        plain.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        plain_model = LlamaForCausalLM(plain).eval()
+        plain_model.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            plain_logits = plain_model(input_ids).logits
+        rope_effect = (plain_logits - logits).abs().max().item()
+        print(f"  llama3 rope scaling changes logits by up to {rope_effect:.3f}")
+        assert rope_effect > 1e-2, rope_effect
+
+    # Reload what was written (legacy llama config included) and check it reproduces the reference.
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    if family == "llama":
+        rp = reloaded.config.rope_parameters
+        assert rp["rope_type"] == "llama3" and rp["factor"] == 8.0, rp
+    with torch.no_grad():
+        re_logits = reloaded(input_ids).logits.float()
+    diff = (re_logits - logits).abs().max().item()
+    assert diff < 1e-5, (family, diff)
+    for p, g in zip(prompts, gens, strict=True):
+        assert torch.equal(greedy(reloaded, p), g), family
+    for f in out.iterdir():  # save_pretrained writes safetensors files 0600
+        f.chmod(0o644)
+    print(f"  {family}: wrote {out} (reload max|diff| {diff:.1e})")
+
+
+def check_export(directory: Path) -> int:
+    ref = np.load(directory / "reference.npz")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    input_ids = torch.from_numpy(ref["input_ids"].astype(np.int64))
+    with torch.no_grad():
+        logits = model(input_ids).logits.float().numpy()
+    expected = ref["logits"].astype(np.float32)
+    if logits.shape != expected.shape:
+        print(f"FAIL {directory}: logits shape {logits.shape} != stored {expected.shape}")
+        return 1
+    max_abs = float(np.abs(logits - expected).max())
+    rel = max_abs / max(float(np.abs(expected).max()), 1e-30)
+    ok = rel <= CHECK_RTOL
+    print(
+        f"{'OK' if ok else 'FAIL'} {directory}: max|diff| {max_abs:.3e}, relative {rel:.3e} "
+        f"(limit {CHECK_RTOL:.0e}), argmax agreement {(logits.argmax(-1) == expected.argmax(-1)).mean():.4f}"
+    )
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", choices=FAMILIES, help="families to regenerate (default: all)")
+    parser.add_argument("--out", type=Path, default=HERE, help="output root (default: this directory)")
+    parser.add_argument("--check-export", type=Path, metavar="DIR", help="check an exported checkpoint DIR")
+    args = parser.parse_args(argv)
+    if args.check_export is not None:
+        return check_export(args.check_export)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    for family in args.only or FAMILIES:
+        print(f"{family}:")
+        make_family(family, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Hugging Face interop: imported checkpoints give transformers' logits, exports round-trip, bad input is named.
+
+The references under tests/hf_reference were made by `transformers` itself (make_reference.py there, with
+the `hf-reference` extra): tiny random checkpoints of each family with its special features on (Llama 3.1
+rope scaling in the legacy config layout, a tied Llama 3.2, Mistral, Qwen2's Q/K/V biases in a sharded
+save with an index, Qwen3's Q/K norms with head_dim != d_model / heads, Mixtral's 8 experts), and the
+logits of a fixed batch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+
+from spmd_train import load_config
+from spmd_train.config.hf_config import model_section, read_hf_config, same_architecture
+from spmd_train.errors import ConfigError
+from spmd_train.hf import export_hf, load_hf_params
+from spmd_train.hf import names as hf_names
+from spmd_train.sharding.constrain import use_layout
+from spmd_train.train.engine import Engine
+from tests.runs import cli
+
+REFERENCE = Path(__file__).parent / "hf_reference"
+FAMILIES = ("llama", "llama32", "mistral", "qwen2", "qwen3", "mixtral")
+TOLERANCE = 1e-4
+"""Largest |ours - transformers'| over the largest |logit|, fp32 on both sides."""
+
+
+def _engine(family: str, devices, *overrides: str, directory: Path | None = None) -> Engine:
+    directory = directory or REFERENCE / family
+    ref = np.load(directory / "reference.npz") if (directory / "reference.npz").exists() else None
+    batch, length = ref["input_ids"].shape if ref is not None else (8, 24)
+    # Capacity for every token: the reference drops none (E / k = 4 slots per token's share).
+    cfg = load_config(None, [f"checkpoint.load_from=hf:{directory}", f"train.seq_len={length}",
+                             f"train.global_batch_size={batch}", "model.compute_dtype=float32",
+                             "backends.capacity_factor=4.0", *overrides])
+    return Engine.build(cfg, devices)
+
+
+def _logits(engine: Engine, params, tokens: np.ndarray) -> np.ndarray:
+    def forward(params, tokens):
+        with use_layout(engine.layout):
+            return nnx.merge(engine.graphdef, engine.model_params(params))(tokens)
+
+    with jax.set_mesh(engine.mesh):
+        return np.asarray(jax.jit(forward)(params, tokens))
+
+
+def _error(ours: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
+MESHES = {"1 device": ((), 1), "fsdp 2 x tensor 4": (("mesh.fsdp=2", "mesh.tensor=4"), 8),
+          "fsdp 2 x expert 4": (("mesh.fsdp=2", "mesh.expert=4"), 8)}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_imported_checkpoints_give_the_reference_logits(devices, family, mesh):
+    if (mesh == "fsdp 2 x expert 4") != (family == "mixtral") and mesh != "1 device":
+        pytest.skip("tensor 4 for dense families, expert 4 for Mixtral")
+    overrides, count = MESHES[mesh]
+    engine = _engine(family, devices[:count], *overrides)
+    ref = np.load(REFERENCE / family / "reference.npz")
+    params = load_hf_params(engine, REFERENCE / family)
+    assert _error(_logits(engine, params, ref["input_ids"]), ref["logits"]) < TOLERANCE
+
+
+def test_both_config_layouts_read_the_same(tmp_path):
+    legacy = read_hf_config(REFERENCE / "llama")
+    assert "rope_scaling" in legacy and "torch_dtype" in legacy  # the layout published checkpoints use
+    current = {k: v for k, v in legacy.items() if k not in ("rope_scaling", "rope_theta", "torch_dtype")}
+    current["rope_parameters"] = {"rope_theta": legacy["rope_theta"], **legacy["rope_scaling"]}
+    current["dtype"] = legacy["torch_dtype"]
+    assert model_section(current) == model_section(legacy)
+    assert model_section(legacy)["rope_scaling"] == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position": 64}
+
+
+# --- mutations: each would be a silent conversion bug, and each moves the logits past the tolerance -------------
+
+
+def _swap_experts(pieces):
+    for p in pieces:
+        if ".experts.0." in p.hf_name or ".experts.1." in p.hf_name:
+            e = p.index[1]
+            yield hf_names.Piece(p.hf_name, p.path, (p.index[0], 1 - e), p.layout)
+        else:
+            yield p
+
+
+def _heads_transposed(pieces):
+    # A plausible bug: splitting q_proj's rows as [head_dim, heads] instead of [heads, head_dim].
+    wrong = type("Wrong", (hf_names.Layout,), {
+        "to_ours": lambda self, x, ours: x.reshape(ours[2], ours[1], ours[0]).transpose(2, 1, 0)})("heads_in")
+    for p in pieces:
+        yield hf_names.Piece(p.hf_name, p.path, p.index, wrong) if p.path == "blocks.attn.wq" else p
+
+
+@pytest.mark.parametrize(("family", "mutation", "overrides"), [
+    ("mixtral", _swap_experts, ()),
+    ("llama", _heads_transposed, ()),
+    ("llama", None, ("model.rope_scaling=null",)),  # rope scaling dropped
+    ("qwen3", None, ("model.norm_eps=1e-2",)),  # the Q/K norms' epsilon off
+])
+def test_a_conversion_bug_fails_the_comparison(devices, monkeypatch, family, mutation, overrides):
+    if mutation is not None:
+        original = hf_names.pieces
+        monkeypatch.setattr("spmd_train.hf.load.pieces", lambda model: list(mutation(original(model))))
+    engine = _engine(family, devices[:1], *overrides)
+    ref = np.load(REFERENCE / family / "reference.npz")
+    assert _error(_logits(engine, load_hf_params(engine, REFERENCE / family), ref["input_ids"]), ref["logits"]) \
+        > 100 * TOLERANCE
+
+
+# --- export ---------------------------------------------------------------------------------------------------
+
+
+def _tensors(directory: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, framework="np") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize(("family", "mesh"), [("qwen2", ("mesh.fsdp=2", "mesh.tensor=4")),
+                                              ("mixtral", ("mesh.fsdp=2", "mesh.expert=4"))])
+def test_import_then_export_gives_the_same_bytes_and_an_equivalent_config(devices, tmp_path, family, mesh):
+    engine = _engine(family, devices, *mesh)
+    params = load_hf_params(engine, REFERENCE / family)
+    base = read_hf_config(REFERENCE / family)
+    out = export_hf(engine, params, tmp_path / "out", base_config=base, dtype="float32", max_shard_bytes=150_000)
+    assert len(out.files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    theirs, ours = _tensors(REFERENCE / family), _tensors(tmp_path / "out")
+    assert set(index["weight_map"]) == set(ours) == set(theirs)
+    for name, value in theirs.items():
+        assert ours[name].dtype == value.dtype and ours[name].tobytes() == value.tobytes(), name
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert same_architecture(base, exported) == {}
+    assert {k: v for k, v in exported.items() if k not in ("head_dim",)} == \
+        {k: v for k, v in base.items() if k not in ("head_dim",)}
+
+
+def test_a_model_trained_here_exports_and_imports_back_exactly(devices, tmp_path):
+    from spmd_train.train.trainer import Trainer
+
+    cfg = load_config("configs/tiny.yaml", [f"run.dir={tmp_path / 'run'}", "train.steps=2", "mesh.fsdp=4",
+                                            "mesh.tensor=2", "checkpoint.every=0", "model.qkv_bias=true"])
+    trainer = Trainer(cfg, devices=devices)
+    trainer.run()
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (8, 24)).astype(np.int32)
+    ours = _logits(trainer.engine, trainer.state.params, tokens)
+    export_hf(trainer.engine, trainer.state.params, tmp_path / "hf", dtype="float32")
+    trainer.close()
+    config = read_hf_config(tmp_path / "hf")
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and "torch_dtype" in config  # legacy layout: any version
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    # What make_reference.py --check-export compares in transformers (run by hand with the hf-reference extra).
+    np.savez(tmp_path / "hf" / "reference.npz", input_ids=tokens, logits=ours)
+    back = _engine("", devices[:1], directory=tmp_path / "hf")
+    assert _error(_logits(back, load_hf_params(back, tmp_path / "hf"), tokens), ours) < 1e-6
+
+
+# --- bad input: exit 2, the value named, nothing written ------------------------------------------------------
+
+
+def _copy(family: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(REFERENCE / family, tmp_path / family))
+
+
+def _no_config(d: Path) -> None:
+    (d / "config.json").unlink()
+
+
+def _no_weights(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+
+
+def _unsupported(d: Path) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+
+
+def _big_tokenizer(d: Path) -> None:
+    (d / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 300}}, "added_tokens": []}))
+
+
+@pytest.mark.parametrize(("breakage", "overrides", "message"), [
+    (_no_config, (), "has no config.json"),
+    (_no_weights, (), "has no *.safetensors weights"),
+    (_unsupported, (), "unsupported architecture: model_type='gpt2'"),
+    (None, ("model.d_ff=96",), "model.layers.0.mlp.gate_proj.weight has shape [128, 64]"),
+    (_big_tokenizer, (), "token ids up to 300, more than the model's vocabulary of model.vocab_size=256"),
+])
+def test_bad_checkpoints_exit_2_naming_the_problem_and_write_nothing(tmp_path, breakage, overrides, message):
+    source = _copy("llama32", tmp_path)
+    if breakage is not None:
+        breakage(source)
+    run = tmp_path / "run"
+    result = cli("convert", "hf", str(source), "--to", str(run), *overrides)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not run.exists()
+
+
+def test_unsupported_config_fields_are_named():
+    cfg = read_hf_config(REFERENCE / "llama32")
+    with pytest.raises(ConfigError, match="rope scaling type 'yarn' is not supported"):
+        model_section({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
+        model_section({**cfg, "hidden_act": "gelu"})
+    with pytest.raises(ConfigError, match="attention_bias=True is not supported"):
+        model_section({**cfg, "attention_bias": True})
+
+
+def test_convert_round_trip_through_the_cli(tmp_path):
+    run, out = tmp_path / "run", tmp_path / "out"
+    result = cli("convert", "hf", str(REFERENCE / "qwen3"), "--to", str(run), "run.simulate_devices=8",
+                 "mesh.fsdp=2", "mesh.tensor=4")
+    assert result.returncode == 0, result.stderr
+    assert "into" in result.stdout and (run / "checkpoints" / "0").is_dir()
+    result = cli("convert", "to-hf", str(run), "--to", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "float32" in result.stdout  # the imported checkpoint's dtype
+    theirs, ours = _tensors(REFERENCE / "qwen3"), _tensors(out)
+    assert all(ours[k].tobytes() == v.tobytes() for k, v in theirs.items()) and set(ours) == set(theirs)
+    again = cli("convert", "to-hf", str(run), "--to", str(out))
+    assert again.returncode == 2 and "already exists" in again.stderr

@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,6 +230,50 @@ def test_sentencepiece_pieces_tokenize_as_the_whole(tmp_path, options):
     (tmp_path / "a.txt").write_text(text)
     out = prepare_data([tmp_path / "a.txt"], tmp_path / "out", tokenizer=f"sentencepiece:{model}", chunk_bytes=24)
     np.testing.assert_array_equal(_tokens(out), [*sp.encode(text), sp.eos_id()])
+
+
+def _hf_tokenizer(directory: Path, style: str, texts: list[str]):
+    """A small tokenizer.json trained here: byte-level BPE (Llama 3, Qwen) or Metaspace (Llama 2, Mistral)."""
+    tk = pytest.importorskip("tokenizers")
+    if style == "byte_level":
+        tok = tk.Tokenizer(tk.models.BPE())
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tok = tk.Tokenizer(tk.models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = tk.pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = tk.decoders.Metaspace(prepend_scheme="first")
+        trainer = tk.trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(texts, trainer)
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "config.json").write_text(json.dumps({"eos_token_id": tok.token_to_id("</s>")}))
+    return tok
+
+
+@pytest.mark.parametrize("style", ["byte_level", "metaspace"])
+def test_hugging_face_tokenizer_pieces_tokenize_as_the_whole_and_end_with_eos(tmp_path, style):
+    tok = _hf_tokenizer(tmp_path / "hf", style, [_wordy_text(seed, 30) for seed in range(50)])
+    texts = [_wordy_text(1), "the fox jumps " * 30]
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text)
+    out = prepare_data([tmp_path / "0.txt", tmp_path / "1.txt"], tmp_path / "out", tokenizer=f"hf:{tmp_path / 'hf'}",
+                       chunk_bytes=24)
+    eos = tok.token_to_id("</s>")
+    whole = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    np.testing.assert_array_equal(_tokens(out), [*whole[0], eos, *whole[1], eos])
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["eot_id"] == eos and meta["vocab_size"] == tok.get_vocab_size()
+
+
+def test_hugging_face_tokenizer_bad_input_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="has no tokenizer.json"):
+        load_tokenizer(f"hf:{tmp_path}")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not a tokenizers file"):
+        load_tokenizer(f"hf:{tmp_path}")
 
 
 def test_cli_prepares_jsonl_with_a_text_field(tmp_path, capsys):

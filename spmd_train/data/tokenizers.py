@@ -1,7 +1,8 @@
 """Tokenizers for `prepare-data`, and where a text may be cut so that its pieces tokenize like the whole.
 
 `byte`: UTF-8 bytes 0-255 plus an end-of-text id 256 (vocabulary 257), no extra dependency.
-`tiktoken:NAME` and `sentencepiece:PATH` need their packages (the `tokenizers` extra).
+`tiktoken:NAME` and `sentencepiece:PATH` need their packages, `hf:DIR` (a Hugging Face checkpoint's
+`tokenizer.json`) the `tokenizers` package (all in the `tokenizers` extra).
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return _tiktoken(spec, arg)
     if kind == "sentencepiece" and arg:
         return _sentencepiece(spec, arg)
-    raise ConfigError(f"--tokenizer {spec!r} is not a tokenizer (valid: byte, tiktoken:NAME, sentencepiece:PATH)")
+    if kind == "hf" and arg:
+        return _hugging_face(spec, Path(arg))
+    raise ConfigError(f"--tokenizer {spec!r} is not a tokenizer (valid: byte, tiktoken:NAME, sentencepiece:PATH, "
+                      "hf:DIR)")
 
 
 def _encode_bytes(text: str) -> np.ndarray:
@@ -82,6 +86,54 @@ def _sentencepiece(spec: str, path: str) -> Tokenizer:
     dummy_prefix = bool(probe) and probe[0].startswith("\u2581")
     return Tokenizer(sp.encode, sp.get_piece_size(), eos if eos >= 0 else None,
                      "drop_space" if dummy_prefix else "before_space")
+
+
+def _hugging_face(spec: str, directory: Path) -> Tokenizer:
+    try:
+        import tokenizers
+    except ImportError:
+        raise ConfigError("--tokenizer hf:... needs the tokenizers package: pip install tokenizers") from None
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"--tokenizer {spec}: {directory} has no tokenizer.json (valid: a Hugging Face checkpoint "
+                          "or tokenizer directory saved by a fast tokenizer)")
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # the Rust parser's own exception type
+        raise ConfigError(f"--tokenizer {spec}: {path} is not a tokenizers file ({str(err)[:200]})") from None
+    vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+    def encode(text: str) -> list[int]:
+        # No special tokens: documents are packed, each ending with the model's end-of-sequence id.
+        return tok.encode(text, add_special_tokens=False).ids
+
+    probe = tok.encode("x", add_special_tokens=False).tokens
+    dummy_prefix = bool(probe) and probe[0].startswith("\u2581")  # SentencePiece-style (Llama 2, Mistral)
+    return Tokenizer(encode, vocab, _eos_id(spec, directory, tok), "drop_space" if dummy_prefix else "before_space")
+
+
+def _eos_id(spec: str, directory: Path, tok) -> int:
+    """The model's end-of-sequence id: config.json's eos_token_id (the first of a list), else
+    tokenizer_config.json's eos_token, else generation_config.json's."""
+    import json
+
+    for name, key in (("config.json", "eos_token_id"), ("tokenizer_config.json", "eos_token"),
+                      ("generation_config.json", "eos_token_id")):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        value = value[0] if isinstance(value, list) and value else value
+        value = value.get("content") if isinstance(value, dict) else value  # an AddedToken record
+        if isinstance(value, str):
+            value = tok.token_to_id(value)
+        if isinstance(value, int):
+            return value
+    raise ConfigError(f"--tokenizer {spec}: no end-of-sequence token found (valid: eos_token_id in "
+                      f"{directory / 'config.json'} or eos_token in tokenizer_config.json)")
 
 
 def safe_cut(text: str, cut: str, max_carry: int) -> tuple[int, int]:

@@ -204,7 +204,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("inputs", nargs="+", metavar="INPUT",
                       help="UTF-8 text files, or .jsonl files of JSON objects; a .gz suffix is decompressed")
     prep.add_argument("--out", required=True, help="output directory")
-    prep.add_argument("--tokenizer", default="byte", help="byte (default), tiktoken:NAME, sentencepiece:PATH or hf:DIR (its tokenizer.json)")
+    prep.add_argument("--tokenizer", default="byte",
+                      help="byte (default), tiktoken:NAME, sentencepiece:PATH or hf:DIR (its tokenizer.json)")
     prep.add_argument("--name", default="data", help="file name stem (default: data)")
     prep.add_argument("--text-field", default="text", metavar="KEY",
                       help="the field of each JSONL object that holds the document's text (default: text)")

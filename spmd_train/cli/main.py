@@ -14,6 +14,7 @@ from spmd_train.analysis import describe
 from spmd_train.analysis.render import render, render_rules
 from spmd_train.cli.bench_collectives import add_bench_parser, run_bench
 from spmd_train.cli.convert import add_convert_parser, run_convert
+from spmd_train.cli.generate import add_generate_parser, run_generate
 from spmd_train.cli.plan import add_plan_parser, run_plan
 from spmd_train.cli.schedule import schedule_report
 from spmd_train.config import load_config
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_plan(args)
         if args.command == "bench-collectives":
             return run_bench(args)
+        if args.command == "generate":
+            return run_generate(args)
         if args.command == "convert":
             return run_convert(args)
         cfg = load_config(args.config, args.overrides)
@@ -108,6 +111,7 @@ EXIT_INTERRUPTED = 130
 _STAGE = {"train": "starting the run (restoring or compiling)", "describe": "compiling",
           "plan": "searching or compiling layouts",
           "bench-collectives": "timing collectives", "convert": "converting (nothing is left half-written)",
+          "generate": "restoring or generating",
           "prepare-data": "tokenizing", "schedule": "building the schedule"}
 
 
@@ -196,6 +200,7 @@ def _parser() -> argparse.ArgumentParser:
                               "(needs the tpu-aot extra)")
     add_plan_parser(sub)
     add_bench_parser(sub)
+    add_generate_parser(sub)
     add_convert_parser(sub)
     prep = sub.add_parser("prepare-data", help="tokenize text or JSONL files into a .bin token file",
                           description="Tokenize UTF-8 text files (one document each) and JSONL files (one document "

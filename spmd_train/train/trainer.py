@@ -41,6 +41,7 @@ from spmd_train.train.capacity import (
 )
 from spmd_train.train.checkpoint import Checkpointer
 from spmd_train.train.engine import Engine, TrainState
+from spmd_train.train.generate import GenerateResult, generate
 from spmd_train.train.guards import halt_reason
 from spmd_train.train.metrics import MetricsSink, read_history, step_record
 from spmd_train.train.prefetch import Prefetcher
@@ -318,6 +319,14 @@ class Trainer:
             total += float(self.engine.eval_step(self.state.params,
                                                  self.data.batch(i, self.engine.batch_sharding, split="val")))
         return total / batches
+
+    def generate(self, prompts: list[list[int]], **kw) -> GenerateResult:
+        """New tokens for each prompt (token ids) from the current parameters, with a KV cache; starts or resumes the
+        run first if it has no state. Keywords as `train.generate.generate` (max_new_tokens, temperature, top_k, top_p,
+        seed)."""
+        if self.state is None:
+            self.init()
+        return generate(self.engine, self.state.params, prompts, **kw)
 
     def describe(self):
         """The compiled-step report of `spmd-train describe` for this run's config and mesh."""

@@ -1,0 +1,189 @@
+"""Text generation with a KV cache: a prefill over the prompts, then one token per step.
+
+The model's own modules and parameters run the layers (`Attention.project` / `output`, the norms,
+the MLP or MoE layer); only attention differs from training: queries attend to a cache of keys
+and values instead of to their own sequence.
+
+- The cache: keys and values of every layer, [layers, batch, max_len, kv_heads, head_dim] in the
+  compute dtype, carried through the `lax.scan` over layers (and over an `MoEGroup`'s dense
+  sublayers) and written one slice at a time. max_len = padded prompt length + max_new_tokens is
+  static, so a whole generation compiles once.
+- Prompts of different lengths are LEFT-padded to one length P: every row's newest token sits
+  in the same cache slot, so a step writes one slot for the whole batch. Row b's first `pads[b]`
+  slots are padding: no query attends to them, and RoPE's position of slot s is s - pads[b], so
+  each row computes what it would alone (its prompt at positions 0, 1, ...).
+- Attention is `ops.attention.dot_product_attention`'s math (grouped query heads, fp32 scores and
+  softmax, masked scores at the most negative finite fp32, which softmax turns into exact zeros),
+  with the mask "key slot <= query slot and key slot >= pads[b]".
+
+Everything here speaks logical axis names (`constrain`); the caller sets the layout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmd_train.models.transformer import RESIDUAL, Block, MoEGroup, Transformer
+from spmd_train.ops.rope import rope_tables
+from spmd_train.sharding.constrain import constrain
+
+CACHE_AXES = (None, "batch", None, "kv_heads", "head_dim")
+"""Logical axes of the cache [layers, batch, max_len, kv_heads, head_dim]: rows over the batch axes, K/V heads
+over `tensor`, like the activations they came from. Its length is never split: a step writes one slot."""
+
+
+class Cache(NamedTuple):
+    """Every layer's keys and values [layers, batch, max_len, kv_heads, head_dim], in model layer order."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def empty_cache(model: Transformer, batch: int, max_len: int) -> Cache:
+    """A zero cache for `batch` rows of `max_len` tokens."""
+    cfg = model.cfg
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
+    zeros = constrain(jnp.zeros(shape, cfg.compute_dtype), CACHE_AXES)
+    return Cache(zeros, zeros)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [b, l, h, d] against a cache k/v [b, T, kvh, d] -> [b, l, h, d]; `mask` [b, l, T]: which keys each query sees.
+
+    The numerics of `ops.attention.dot_product_attention` (grouped-query, fp32 scores and softmax).
+    """
+    b, lq, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, lq, kvh, h // kvh, d)
+    s = jnp.einsum("blkgd,bmkd->bkglm", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bkglm,bmkd->blkgd", p.astype(v.dtype), v).reshape(b, lq, h, d).astype(q.dtype)
+
+
+def _block_step(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, cache: Cache,
+                layer: jax.Array, start: jax.Array) -> tuple[jax.Array, Cache]:
+    """`Block.__call__` for tokens at cache slots start .. start + l - 1, reading and writing cache layer `layer`."""
+    q, k, v = block.attn.project(constrain(block.attn_norm(x), RESIDUAL), cos, sin)
+    dt = cache.k.dtype
+    where = (layer, 0, start, 0, 0)
+    ks = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(dt), where), CACHE_AXES)
+    vs = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(dt), where), CACHE_AXES)
+    k_layer = constrain(ks[layer], CACHE_AXES[1:])
+    v_layer = constrain(vs[layer], CACHE_AXES[1:])
+    x = x + block.attn.output(cached_attention(q, k_layer, v_layer, mask))
+    out = block.mlp(constrain(block.mlp_norm(x), RESIDUAL))
+    out = out[0] if isinstance(out, tuple) else out  # an MoE layer's router statistics are not needed
+    return constrain(x + out, RESIDUAL), Cache(ks, vs)
+
+
+def forward_cached(model: Transformer, tokens: jax.Array, pads: jax.Array, start: jax.Array | int,
+                   cache: Cache, *, last_only: bool = False) -> tuple[jax.Array, Cache]:
+    """Tokens [batch, l] at cache slots start .. start + l - 1 -> (logits [batch, l or 1, vocab] fp32, the cache with
+    their keys and values written).
+
+    `pads` [batch]: the padding slots at the start of each row. `last_only`: logits of the last token only.
+    """
+    cfg = model.cfg
+    length, max_len = tokens.shape[1], cache.k.shape[2]
+    slots = start + jnp.arange(length)
+    pads = constrain(pads, ("batch",))
+    positions = constrain(jnp.maximum(slots[None, :] - pads[:, None], 0), ("batch", "length"))
+    cos, sin = rope_tables(length, cfg.resolved_head_dim, cfg.rope_theta, positions, scaling=cfg.rope_scaling)
+    keys = jnp.arange(max_len)
+    mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pads[:, None, None])
+
+    graphdef, stacked = nnx.split(model.blocks)
+    x = model.embed(tokens)
+    if isinstance(model.blocks, MoEGroup):
+        every = cfg.moe_every
+
+        def group(carry, xs):
+            x, cache = carry
+            params, g = xs
+            merged = nnx.merge(graphdef, params)
+            dense_def, dense_stack = nnx.split(merged.dense)
+
+            def sublayer(carry, xs):
+                p, j = xs
+                return _block_step(nnx.merge(dense_def, p), carry[0], cos, sin, mask, carry[1],
+                                   g * every + j, start), None
+
+            (x, cache), _ = jax.lax.scan(sublayer, (x, cache), (dense_stack, jnp.arange(every - 1)))
+            return _block_step(merged.moe, x, cos, sin, mask, cache, g * every + every - 1, start), None
+
+        (x, cache), _ = jax.lax.scan(group, (x, cache), (stacked, jnp.arange(cfg.num_layers // every)))
+    else:
+        def layer(carry, xs):
+            params, i = xs
+            return _block_step(nnx.merge(graphdef, params), carry[0], cos, sin, mask, carry[1], i, start), None
+
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
+    if last_only:
+        x = x[:, -1:]
+    return model.head(x).astype(jnp.float32), cache
+
+
+class Sampling(NamedTuple):
+    """How the next token is chosen from the logits [batch, vocab]: the argmax when `greedy` (the one choice that
+    shapes the program), else a draw at `temperature` from the `top_k` most likely tokens (all: the vocabulary size),
+    cut to the fewest whose probability reaches `top_p` (1: no cut)."""
+
+    greedy: bool
+    temperature: jax.Array | float = 1.0
+    top_k: jax.Array | int | None = None
+    top_p: jax.Array | float = 1.0
+
+
+def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """The next token of each row [batch] from logits [batch, vocab] (fp32).
+
+    Sampled: logits / temperature, then the top_k largest kept, then the smallest set of the most likely
+    tokens whose probability reaches top_p (the token that crosses it included), then a categorical draw.
+    One sort serves both cuts, so top_k and top_p are values, not shapes: changing them compiles nothing.
+    """
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+    logits = logits / sampling.temperature
+    top_k = vocab if sampling.top_k is None else sampling.top_k
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+    ordered = jnp.where(jnp.arange(vocab) < top_k, ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the more likely tokens
+    # Rank 0 always stays; at top_p >= 1 nothing is cut (cumsum's rounding could otherwise cut the least likely).
+    keep = (jnp.arange(vocab) == 0) | ((before < sampling.top_p) | (sampling.top_p >= 1)) & (ordered > -jnp.inf)
+    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def prefill(model: Transformer, tokens: jax.Array, pads: jax.Array, max_len: int, key: jax.Array,
+            sampling: Sampling) -> tuple[Cache, jax.Array]:
+    """Left-padded prompts [batch, P] -> (the cache of `max_len` slots holding their keys and values, the first
+    new token of each row [batch])."""
+    cache = empty_cache(model, tokens.shape[0], max_len)
+    logits, cache = forward_cached(model, tokens, pads, 0, cache, last_only=True)
+    return cache, choose(logits[:, 0], jax.random.fold_in(key, 0), sampling)
+
+
+def decode(model: Transformer, cache: Cache, first: jax.Array, pads: jax.Array, prompt_len: int, steps: int,
+           key: jax.Array, sampling: Sampling) -> tuple[jax.Array, Cache]:
+    """(`steps` new tokens per row [batch, steps], the first being `first` (from `prefill`), the final cache): one
+    forward pass of one token per step in a `fori_loop` (compiled once). Returning the cache lets a caller donate
+    it, so the loop updates it in place instead of in a copy."""
+    out = jnp.zeros((first.shape[0], steps), jnp.int32).at[:, 0].set(first)
+    graphdef, state = nnx.split(model)
+
+    def step(i, carry):
+        out, cache = carry
+        previous = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)  # [batch, 1], at slot prompt_len + i - 1
+        logits, cache = forward_cached(nnx.merge(graphdef, state), previous, pads, prompt_len + i - 1, cache)
+        token = choose(logits[:, 0], jax.random.fold_in(key, i), sampling)
+        return jax.lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1), cache
+
+    return jax.lax.fori_loop(1, steps, step, (out, cache))

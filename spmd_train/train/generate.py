@@ -1,0 +1,200 @@
+"""`generate`: new tokens for a batch of prompts from an engine's parameters, under the engine's mesh and layout.
+
+Two programs, each compiled once per (rows, padded prompt length, max_new_tokens, greedy or sampled):
+the prefill (all prompts at once, filling the KV cache) and the decode loop (one token per
+step in a `fori_loop`); see `models.decode`. Both run under the run's layout, with two changes
+for generation:
+
+- the tokens' length is never split (`length` and `norm_length` map to no mesh axis): a decode
+  step holds one token per row. Rows go over the batch axes, heads over `tensor`, as in training;
+- an MoE layer drops nothing (capacity = every token of a group): with capacity dropping, a
+  row's tokens would depend on the other rows and on the padding.
+
+The pipeline schedule is not used: with mesh.pipeline > 1 `generate` refuses (the run's
+checkpoint can be generated from on a mesh without pipeline stages: restoring reshards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd_train.errors import ConfigError
+from spmd_train.models import decode
+from spmd_train.models.transformer import Transformer
+from spmd_train.parallel import Backends
+from spmd_train.sharding.constrain import use_layout
+from spmd_train.sharding.rules import Layout
+from spmd_train.train.engine import Engine
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """The new tokens of each prompt (prompt tokens not included) and how long making them took."""
+
+    tokens: list[list[int]]
+    prefill_s: float
+    """Seconds of the prefill (the prompts' forward pass and the first new token), compiled beforehand."""
+    decode_s: float
+    """Seconds of the decode loop (every new token after the first)."""
+    compile_s: float
+    """Seconds spent compiling both programs in this call (0 when they were compiled by an earlier call)."""
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """New tokens per second of the decode loop, summed over the prompts (None when it made none)."""
+        made = sum(len(t) - 1 for t in self.tokens)
+        return made / self.decode_s if made and self.decode_s > 0 else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """All new tokens per second of prefill and decode together."""
+        return sum(map(len, self.tokens)) / max(self.prefill_s + self.decode_s, 1e-9)
+
+
+def check_request(prompts: Any, vocab_size: int, *, max_new_tokens: Any, temperature: Any, top_k: Any,
+                  top_p: Any) -> None:
+    """Refuse (ConfigError naming the value and what is valid) a request `generate` cannot serve."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r} (valid: an integer >= 1)")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"temperature={temperature!r} (valid: a number >= 0; 0 is greedy)")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= vocab_size):
+        raise ConfigError(f"top_k={top_k!r} (valid: an integer from 1 to the vocabulary size {vocab_size}, or none)")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ConfigError(f"top_p={top_p!r} (valid: a number in (0, 1], or none)")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ConfigError(f"prompts={prompts!r} (valid: a non-empty list of prompts, each a non-empty list of "
+                          "token ids)")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__") or len(prompt) == 0:
+            raise ConfigError(f"prompt {i} is {prompt!r} (valid: a non-empty list of token ids)")
+        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or isinstance(t, bool)
+               or not 0 <= t < vocab_size]
+        if bad:
+            raise ConfigError(f"prompt {i} holds token id {bad[0]!r} (valid: integers from 0 to {vocab_size - 1}, "
+                              f"model.vocab_size={vocab_size})")
+
+
+def check_engine(engine: Engine) -> None:
+    """Refuse an engine `generate` cannot run on: one with pipeline stages (generation uses no schedule)."""
+    if engine.mesh.shape["pipeline"] > 1:
+        raise ConfigError(f"generate runs without the pipeline schedule, but mesh.pipeline="
+                          f"{engine.mesh.shape['pipeline']} (valid: mesh.pipeline=1; a pipelined run's checkpoint "
+                          "restores onto such a mesh, e.g. `spmd-train generate RUN_DIR mesh.pipeline=1`)")
+
+
+def generate(engine: Engine, params: Any, prompts: list[list[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int = 0) -> GenerateResult:
+    """`max_new_tokens` new tokens for each prompt (a list of token ids) from `params` (stored as the engine stores
+    them), greedy at temperature 0, else sampled (top_k, top_p, seeded: the same call gives the same tokens).
+
+    Each prompt's tokens are those it gets alone (greedy; up to floating-point ties), whatever the other prompts.
+    """
+    cfg = engine.cfg
+    vocab = cfg.model.vocab_size
+    check_request(prompts, vocab, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    check_engine(engine)
+    greedy = temperature == 0
+    # Rows: a multiple of the devices the batch is split over (dummy rows repeat the first prompt).
+    ways = math.prod(engine.mesh.shape[a] for a in engine.layout.batch_axes)
+    rows = -(-len(prompts) // ways) * ways
+    length = max(map(len, prompts))
+    tokens = np.zeros((rows, length), np.int32)
+    pads = np.zeros((rows,), np.int32)
+    for i in range(rows):
+        prompt = prompts[i] if i < len(prompts) else prompts[0]
+        pads[i] = length - len(prompt)
+        tokens[i, pads[i]:] = prompt
+    programs = _programs(engine, rows, length, max_new_tokens, greedy)
+    compile_s = programs.pop("compile_s")
+    key = jax.random.key(seed)
+    scalars = (jnp.float32(1.0 if greedy else temperature), jnp.int32(top_k or vocab),
+               jnp.float32(1.0 if top_p is None else top_p))
+    tokens = jax.device_put(tokens, programs["token_sharding"])
+    pads = jax.device_put(pads, programs["row_sharding"])
+    params = jax.device_put(engine.model_params(params), engine.state_shardings.params)  # a no-op when laid out
+    start = time.perf_counter()
+    cache, first = programs["prefill"](params, tokens, pads, key, *scalars)
+    first.block_until_ready()
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    out, cache = programs["decode"](params, cache, first, pads, key, *scalars)
+    out = np.asarray(jax.device_get(out))
+    del cache
+    decode_s = time.perf_counter() - start
+    return GenerateResult([out[i].tolist() for i in range(len(prompts))], prefill_s, decode_s, compile_s)
+
+
+def generation_backends(backends: Backends, moe_experts: int, experts_per_token: int) -> Backends:
+    """The run's backends with MoE capacity that drops nothing: every token of a group fits in one expert's slots."""
+    if backends.moe != "capacity" or not moe_experts:
+        return backends
+    return dataclasses.replace(backends, capacity_factor=moe_experts / experts_per_token)
+
+
+def generation_layout(layout: Layout) -> Layout:
+    """The run's layout with tokens' length unsplit (a decode step holds one token per row)."""
+    return dataclasses.replace(layout, activations={**layout.activations, "length": (), "norm_length": ()})
+
+
+def _programs(engine: Engine, rows: int, length: int, max_new: int, greedy: bool) -> dict[str, Any]:
+    """The compiled prefill and decode programs for this shape, built once per engine and shape."""
+    cache = vars(engine).setdefault("_generate_programs", {})  # Engine is frozen; its __dict__ is not
+    key = (rows, length, max_new, greedy)
+    if key in cache:
+        return {**cache[key], "compile_s": 0.0}
+    cfg, mesh = engine.cfg.model, engine.mesh
+    moe = cfg.moe
+    backends = engine.backends if moe is None else generation_backends(engine.backends, moe.num_experts,
+                                                                       moe.experts_per_token)
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), backends=backends)))[0]
+    layout = generation_layout(engine.layout)
+    max_len = length + max_new
+    replicated = NamedSharding(mesh, P())
+    token_sh = NamedSharding(mesh, layout.activation_spec(P("batch", None)))
+    row_sh = NamedSharding(mesh, layout.activation_spec(P("batch")))
+    cache_sh = NamedSharding(mesh, layout.activation_spec(P(*decode.CACHE_AXES)))
+    param_sh = engine.state_shardings.params
+
+    def prefill(params, tokens, pads, key, temperature, top_k, top_p):
+        with use_layout(layout):
+            model = nnx.merge(graphdef, params)
+            return decode.prefill(model, tokens, pads, max_len, key, decode.Sampling(greedy, temperature, top_k, top_p))
+
+    def run_decode(params, cache, first, pads, key, temperature, top_k, top_p):
+        with use_layout(layout):
+            model = nnx.merge(graphdef, params)
+            return decode.decode(model, cache, first, pads, length, max_new, key,
+                                 decode.Sampling(greedy, temperature, top_k, top_p))
+
+    start = time.perf_counter()
+    key_arg = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    abstract_params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                   engine.param_shapes, param_sh)
+    tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=token_sh)
+    pads = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sh)
+    cache_sh_tree = decode.Cache(cache_sh, cache_sh)
+    prefill_c = jax.jit(prefill, out_shardings=(cache_sh_tree, row_sh)).lower(
+        abstract_params, tokens, pads, key_arg, scalar, count, scalar).compile()
+    kv = jax.ShapeDtypeStruct((cfg.num_layers, rows, max_len, cfg.num_kv_heads, cfg.resolved_head_dim),
+                              cfg.compute_dtype, sharding=cache_sh)
+    first = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sh)
+    # The cache is donated: the loop writes it in place (one copy of it, not two, at the peak).
+    decode_c = jax.jit(run_decode, out_shardings=(replicated, cache_sh_tree), donate_argnums=1).lower(
+        abstract_params, decode.Cache(kv, kv), first, pads, key_arg, scalar, count, scalar).compile()
+    cache[key] = {"prefill": prefill_c, "decode": decode_c, "token_sharding": token_sh, "row_sharding": row_sh}
+    return {**cache[key], "compile_s": time.perf_counter() - start}

@@ -105,9 +105,10 @@ def hyperparameters(cfg: OptimConfig) -> dict[str, float | None]:
 
 
 def decay_mask(logical_tree: Any) -> Any:
-    """Weight decay applies to matrices only: norm scales (one axis besides the stacking axes) are exempt."""
+    """Weight decay applies to matrices only, each of which maps `embed` to something: norm scales (one axis
+    besides the stacking axes) and Q/K/V biases ([heads, head_dim], a vector per head) are exempt."""
     return jax.tree.map(
-        lambda spec: sum(1 for name in spec if name not in STACKING_AXES) >= 2, logical_tree,
+        lambda spec: "embed" in spec and sum(1 for name in spec if name not in STACKING_AXES) >= 2, logical_tree,
         is_leaf=lambda x: isinstance(x, P),
     )
 

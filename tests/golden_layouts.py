@@ -68,6 +68,7 @@ CASES: dict[str, Case] = {
     "pipeline": Case("pipeline"),
     "moe": Case("moe"),
     "tiny": Case("tiny"),
+    "hf_finetune": Case("hf_finetune"),
     # 512 chips, fsdp 64 x tensor 8. Two layers instead of 32 (the scan keeps one layer's layout and
     # the same collectives per layer), the smallest batch the 64-way batch split allows and a short
     # sequence: the same collectives (op, axes, count) as two layers at the shipped 512 x 8192 (only

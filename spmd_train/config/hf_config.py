@@ -27,9 +27,9 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
 as training needs, no loss scaling). Parameters are kept in float32 (param_dtype) either way."""
 
 
-def hf_directory(load_from: str | None) -> Path | None:
-    """The directory of checkpoint.load_from=hf:DIR, or None for any other value."""
-    if load_from is None or not load_from.startswith(HF_PREFIX):
+def hf_directory(load_from: object) -> Path | None:
+    """The directory of checkpoint.load_from=hf:DIR, or None for any other value (the schema judges those)."""
+    if not isinstance(load_from, str) or not load_from.startswith(HF_PREFIX):
         return None
     return Path(load_from[len(HF_PREFIX):]).expanduser()
 

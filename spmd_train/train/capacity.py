@@ -44,7 +44,9 @@ def describe_run(cfg: Any, mesh_shape: dict[str, int]) -> str:
         attention = f"num_heads={m.num_heads}, num_kv_heads={m.num_kv_heads}, head_dim={m.resolved_head_dim}, "
     moe = ""
     if m.moe is not None and m.moe.num_experts > 1:
-        moe = f"moe.num_experts={m.moe.num_experts}, moe.d_ff={m.moe.d_ff}, "
+        moe = f"model.moe.num_experts={m.moe.num_experts}, model.moe.d_ff={m.moe.d_ff}, "
+        if m.moe.num_shared_experts:
+            moe += f"model.moe.num_shared_experts={m.moe.num_shared_experts}, "
     return (f"model.num_layers={m.num_layers}, d_model={m.d_model}, d_ff={m.d_ff}, {attention}{moe}"
             f"vocab_size={m.vocab_size}, param_dtype={m.param_dtype}, parallel.zero_stage={cfg.parallel.zero_stage} "
             f"on mesh {axes}")

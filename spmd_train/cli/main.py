@@ -219,9 +219,10 @@ def _parser() -> argparse.ArgumentParser:
                            "schedule, and its bubble fraction, peak in-flight activations and transfers.")
     sched.add_argument("--stages", type=int, required=True, metavar="P", help="pipeline stages (mesh.pipeline)")
     sched.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches per step")
-    sched.add_argument("--schedule", required=True, metavar="NAME", help="gpipe, 1f1b or interleaved_1f1b")
+    sched.add_argument("--schedule", required=True, metavar="NAME",
+                       help="gpipe, 1f1b, interleaved_1f1b, or zb_h1 / zb_v (zero-bubble, simulated only)")
     sched.add_argument("--virtual", type=int, metavar="V",
-                       help="model chunks per stage (default: 2 for interleaved_1f1b, else 1)")
+                       help="model chunks per stage (default: 2 for interleaved_1f1b and zb_v, else 1)")
     return parser
 
 

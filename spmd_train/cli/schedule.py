@@ -5,17 +5,19 @@ from __future__ import annotations
 from fractions import Fraction
 
 from spmd_train.errors import ConfigError
-from spmd_train.parallel.schedules import build_schedule, render_timeline, simulate
+from spmd_train.parallel.schedules import ScheduleStats, build_schedule, render_timeline, simulate
 
 MAX_CHUNKS = 16384
 """stages x microbatches x virtual this command draws: about 200 KB of timeline and a few seconds (the
 simulator's cost grows with it; 4x that took minutes)."""
 
+_V_DEFAULT = {"interleaved_1f1b": 2, "zb_v": 2}
+
 
 def schedule_report(name: str, stages: int, microbatches: int, virtual: int | None = None) -> str:
-    """The timeline of schedule `name` followed by its figures; `virtual=None` means 2 for interleaved_1f1b, else 1."""
+    """The timeline of schedule `name` and its figures; `virtual=None`: 2 for interleaved_1f1b and zb_v, else 1."""
     if virtual is None:
-        virtual = 2 if name == "interleaved_1f1b" else 1
+        virtual = _V_DEFAULT.get(name, 1)
     if stages * microbatches * virtual > MAX_CHUNKS:
         raise ConfigError(f"--stages {stages} x --microbatches {microbatches} x --virtual {virtual} = "
                           f"{stages * microbatches * virtual:,} microbatch-chunks is more than this command draws "
@@ -23,24 +25,56 @@ def schedule_report(name: str, stages: int, microbatches: int, virtual: int | No
     schedule = build_schedule(name, stages, microbatches, virtual)
     stats = simulate(schedule)
     p, m, v = stages, microbatches, virtual
-    # The bubble every one of these schedules should reach: p-1 idle ticks before the first
-    # backward and after it on each stage, against v*m ticks of forwards and as many of backwards.
-    ideal = Fraction(p - 1, v * m + p - 1)
     activations = sum(t.kind == "activation" for t in stats.transfers)
     gradients = len(stats.transfers) - activations
     chunks = f", {v} chunks per stage" if v > 1 else ""
-    legend = ("F<microbatch>.<chunk> / B<microbatch>.<chunk> (chunk c runs on stage c % stages)" if v > 1
-              else "F<microbatch> / B<microbatch>")
-    return "\n".join([
+    ops = "F/B/W" if schedule.split_backward else "F/B"
+    where = ("chunk c runs on stage c for c < stages, else 2*stages-1-c" if schedule.placement == "v"
+             else "chunk c runs on stage c % stages")
+    legend = f"{ops}<microbatch>.<chunk> ({where})" if v > 1 else f"{ops}<microbatch>"
+    lines = [
         f"{name}: {p} stages, {m} microbatches{chunks}; {legend}, '.' idle",
         render_timeline(schedule),
         "",
         f"ticks:           {stats.num_ticks}" + (f" (each runs one chunk: 1/{v} of a stage's layers)" if v > 1 else ""),
-        f"bubble fraction: {stats.bubble_fraction:.4f} (formula (p-1)/(v*m+p-1) = {ideal} = {float(ideal):.4f})",
-        f"peak in flight:  {_per_stage(stats.peak_in_flight)} (microbatch-chunks holding activations)",
+        f"bubble fraction: {stats.bubble_fraction:.4f}{_tick_formula(name, p, m, v)}",
+        f"peak in flight:  {_per_stage(stats.peak_in_flight)} (microbatch-chunks holding activations"
+        + (", F until W)" if schedule.split_backward else ")"),
+    ]
+    if schedule.split_backward:
+        lines.append(f"whole:           {_per_stage(stats.peak_whole_activations)} (F until B: B frees all but "
+                     "what W needs)")
+    lines += [
         f"busy ticks:      {_per_stage(stats.busy_ticks)}",
         f"transfers:       {activations} activation, {gradients} gradient",
-    ])
+        *_unit_lines(name, p, stats, schedule.split_backward),
+    ]
+    return "\n".join(lines)
+
+
+def _tick_formula(name: str, p: int, m: int, v: int) -> str:
+    if name == "zb_h1":  # 3m ops per stage, p-1 idle ticks
+        ideal = Fraction(p - 1, 3 * m + p - 1)
+        return f" (formula (p-1)/(3m+p-1) = {ideal} = {float(ideal):.4f})"
+    if name == "zb_v":
+        return ""
+    # The bubble every fused schedule should reach: p-1 idle ticks before the first backward and
+    # after it on each stage, against v*m ticks of forwards and as many of backwards.
+    ideal = Fraction(p - 1, v * m + p - 1)
+    return f" (formula (p-1)/(v*m+p-1) = {ideal} = {float(ideal):.4f})"
+
+
+def _unit_lines(name: str, p: int, stats: ScheduleStats, split: bool) -> list[str]:
+    costs = "F = B = W = 1" if split else "F = 1, B = 2 (input and weight gradients)"
+    formula = {"1f1b": f"; formula 3(p-1) = {3 * (p - 1)}", "gpipe": f"; formula 3(p-1) = {3 * (p - 1)}",
+               "zb_h1": f"; formula (p-1) = {p - 1}, 1F1B's is 3(p-1) = {3 * (p - 1)}",
+               "zb_v": f"; lower bound (p-1) = {p - 1}"}.get(name, "")
+    return [
+        f"time units:      {costs} (a unit: one chunk's forward)",
+        f"async:           {stats.makespan_units} units; bubble per stage {_per_stage(stats.bubble_units)}{formula}",
+        f"lockstep:        {stats.lockstep_units} units (each tick as long as its longest op), "
+        f"bubble fraction {stats.lockstep_bubble_fraction:.4f}",
+    ]
 
 
 def _per_stage(values: tuple[int, ...]) -> str:

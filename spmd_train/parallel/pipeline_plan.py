@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd_train.parallel.schedules import FORWARD, Schedule, simulate
+from spmd_train.errors import ConfigError
+from spmd_train.parallel.schedules import FORWARD, SCHEDULES, Schedule, simulate
 
 IDLE_CODE, FORWARD_CODE, BACKWARD_CODE = 0, 1, 2
 """A plan row's `kind` column: the integer index of the executor's `lax.switch` branch (the schedule
@@ -71,6 +72,10 @@ class _Slots:
 
 def build_plan(schedule: Schedule) -> PipelinePlan:
     """Validate the schedule and compile it into buffer-slot assignments per tick and stage."""
+    if schedule.split_backward or schedule.placement != "loop":
+        # Its rows would need W ops, a slot for what W reads and V-placed chunks: refused, not mis-run.
+        raise ConfigError(f"parallel.pipeline_schedule={schedule.name} is simulated only: the executor runs "
+                          f"{', '.join(SCHEDULES)} (valid: one of those)")
     simulate(schedule)  # raises on an invalid table
     p, last = schedule.stages, schedule.stages * schedule.virtual - 1
     when: dict[tuple[str, int, int], int] = {}

@@ -6,13 +6,23 @@ against the timing model before anyone trusts it.
 Timing model. Every op (the forward "F" or backward "B" of one microbatch on one chunk) takes one
 tick, and a stage runs at most one op per tick. An op's output is sent to the neighbouring stage
 during the tick that produced it and is usable from the next tick on. Chunk c (a "virtual stage",
-0..stages*virtual-1) runs on stage c % stages, so device d holds chunks d, d+p, d+2p, ...
+0..stages*virtual-1) runs on `stage_of(c)`: c % stages for the "loop" placement, so device d holds
+chunks d, d+p, d+2p, ...; for the "v" placement (zb_v) device d holds chunks d and 2p-1-d.
 F(mb, c) needs F(mb, c-1); B(mb, c) needs F(mb, c) and, below the last chunk, B(mb, c+1).
 
-Builders give each stage an op ORDER (GPipe, PipeDream-Flush 1F1B, Megatron-LM interleaved 1F1B)
-and list-schedule it: at each tick every stage runs its next op if that op's inputs were produced
-at an earlier tick, else it idles. The tick tables therefore follow from the orders and the
-timing model alone; the tests prove the resulting tick counts equal the closed-form bubbles.
+Split backward (zb_h1, zb_v): "B" is only the gradient w.r.t. the chunk's input and a third op
+"W", the gradient w.r.t. its weights, needs B(mb, c) from an earlier tick on the same stage; nothing
+waits for W. Elsewhere "B" is the fused backward (input and weight gradients in one op).
+
+Builders give each stage an op ORDER (GPipe, PipeDream-Flush 1F1B, Megatron-LM interleaved 1F1B,
+and the zero-bubble orders of `zero_bubble`) and list-schedule it: at each tick every stage runs its
+next op if that op's inputs were produced at an earlier tick, else it idles. The tick tables
+therefore follow from the orders and the timing model alone; the tests prove the resulting tick
+counts equal the closed-form bubbles.
+
+Cost model (`ScheduleStats.*_units`): F = B = W = 1 time unit for split schedules, fused B = 2
+(= B + W) elsewhere, so a microbatch-chunk costs 3 units in every schedule; a unit is the forward
+time of one chunk (1/virtual of a stage's layers).
 """
 
 from __future__ import annotations
@@ -24,18 +34,24 @@ from typing import NamedTuple
 from spmd_train.config.checks import divisors
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
+from spmd_train.parallel.zero_bubble import zb_h1_orders, zb_v_orders
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""The schedules training runs (parallel.pipeline_schedule)."""
+SPLIT_BACKWARD = ("zb_h1", "zb_v")
+"""Schedules with the backward split into B and W: simulated only, the executor cannot run W ops yet."""
+SIMULATED_SCHEDULES = (*SCHEDULES, *SPLIT_BACKWARD)
+"""What `build_schedule` and `spmd-train schedule` accept."""
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
 
 class Op(NamedTuple):
     """One unit of pipeline work: the forward or backward of one microbatch on one chunk."""
 
-    kind: str  # "F" (forward) or "B" (backward)
+    kind: str  # "F" (forward), "B" (backward; input gradient only if split) or "W" (weight gradient)
     microbatch: int  # 0..microbatches-1
-    chunk: int  # global virtual-stage index 0..stages*virtual-1; runs on stage chunk % stages
+    chunk: int  # global virtual-stage index 0..stages*virtual-1; runs on Schedule.stage_of(chunk)
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,27 @@ class Schedule:
     def num_ticks(self) -> int:
         """Length of the schedule in ticks (one op per stage per tick)."""
         return len(self.ticks)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether backward is B (input gradient) plus W (weight gradient) rather than one fused B."""
+        return self.name in SPLIT_BACKWARD
+
+    @property
+    def placement(self) -> str:
+        """Where chunks live: "loop" (chunk c on stage c % stages) or "v" (chunks d and 2p-1-d on stage d)."""
+        return "v" if self.name == "zb_v" else "loop"
+
+    def stage_of(self, chunk: int) -> int:
+        """The stage that runs `chunk`."""
+        return stage_of(chunk, self.stages, self.placement)
+
+
+def stage_of(chunk: int, stages: int, placement: str) -> int:
+    """The stage holding `chunk` under `placement` ("loop": chunk % stages; "v": chunk, then back up)."""
+    if placement == "v":
+        return chunk if chunk < stages else 2 * stages - 1 - chunk
+    return chunk % stages
 
 
 @dataclass(frozen=True)
@@ -72,9 +109,21 @@ class ScheduleStats:
 
     num_ticks: int
     bubble_fraction: float  # idle (stage, tick) slots / (stages * num_ticks)
-    peak_in_flight: tuple[int, ...]  # per stage: most (microbatch, chunk) pairs with F done and B not yet
+    peak_in_flight: tuple[int, ...]  # per stage: most (microbatch, chunk) pairs with F done and W (fused B) not
     transfers: tuple[Transfer, ...]
     busy_ticks: tuple[int, ...]  # per stage
+    # Per stage: most pairs with F done and B not yet, i.e. holding the whole activation. B frees what
+    # only the input gradient needed; W needs the rest (matmul inputs and output gradients) and frees
+    # it. peak_in_flight counts conservatively from F to W; equal to this for fused schedules.
+    peak_whole_activations: tuple[int, ...] = ()
+    # Cost model (module docstring), asynchronous: each stage runs its ops in table order back to
+    # back, each as soon as its inputs are finished (the ZB paper's model). makespan = the last finish.
+    makespan_units: int = 0
+    bubble_units: tuple[int, ...] = ()  # per stage: makespan_units - the stage's work, idle time
+    # Lockstep: one SPMD program, one op per stage per tick, a collective each tick, so every tick
+    # lasts as long as its longest op.
+    lockstep_units: int = 0
+    lockstep_bubble_fraction: float = 0.0  # 1 - all work / (stages * lockstep_units)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,8 +142,12 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) 
     elif name == "1f1b":
         # PipeDream-Flush: p-s-1 warm-up forwards, so stage s never holds more than p-s activations.
         orders = [_one_forward_one_backward(forwards[s], backwards[s], warmup=p - s - 1) for s in range(p)]
-    else:
+    elif name == "interleaved_1f1b":
         orders = [_interleaved_order(d, p, m, v) for d in range(p)]
+    elif name == "zb_h1":
+        orders = [[Op(*op) for op in order] for order in zb_h1_orders(p, m)]
+    else:
+        orders = [[Op(*op) for op in order] for order in zb_v_orders(p, m, lambda op: _inputs(Op(*op), 2 * p - 1))]
     return Schedule(name=name, stages=p, microbatches=m, virtual=v, ticks=_list_schedule(orders, last_chunk=p * v - 1))
 
 
@@ -142,6 +195,8 @@ def _list_schedule(orders: Sequence[Sequence[Op]], last_chunk: int) -> tuple[tup
 
 def _inputs(op: Op, last_chunk: int) -> tuple[Op, ...]:
     """The ops whose outputs `op` consumes (they must run at earlier ticks)."""
+    if op.kind == WEIGHT:
+        return (Op(BACKWARD, op.microbatch, op.chunk),)
     if op.kind == FORWARD:
         return (Op(FORWARD, op.microbatch, op.chunk - 1),) if op.chunk > 0 else ()
     if op.chunk == last_chunk:
@@ -154,20 +209,28 @@ _COUNTS = {"mesh.pipeline": "pipeline stages", "parallel.pipeline_microbatches":
 
 
 def _check_request(name: str, stages: int, microbatches: int, virtual: int) -> None:
-    if name not in SCHEDULES:
+    if name not in SIMULATED_SCHEDULES:
         raise ConfigError(f"parallel.pipeline_schedule={name!r} is not a pipeline schedule "
-                          f"(valid: {', '.join(SCHEDULES)})")
+                          f"(valid: {', '.join(SCHEDULES)}; simulated only: {', '.join(SPLIT_BACKWARD)})")
     for key, value in (("mesh.pipeline", stages), ("parallel.pipeline_microbatches", microbatches),
                        ("parallel.virtual_stages", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{key}={value!r} is invalid: it counts {_COUNTS[key]} (valid: an integer >= 1)")
     where = f"for parallel.pipeline_schedule={name} with mesh.pipeline={stages}"
-    if name in ("gpipe", "1f1b") and virtual != 1:
+    if name in ("gpipe", "1f1b", "zb_h1") and virtual != 1:
         raise ConfigError(f"parallel.virtual_stages={virtual} is invalid for parallel.pipeline_schedule={name}: "
-                          f"only interleaved_1f1b runs several chunks per stage (valid: 1)")
-    if name == "1f1b" and microbatches < stages:
-        raise ConfigError(f"parallel.pipeline_microbatches={microbatches} is invalid {where}: 1F1B needs at least "
+                          f"only interleaved_1f1b and zb_v run several chunks per stage (valid: 1)")
+    if name in ("1f1b", "zb_h1") and microbatches < stages:
+        what = "1F1B" if name == "1f1b" else "ZB-H1 (1F1B's warm-up)"
+        raise ConfigError(f"parallel.pipeline_microbatches={microbatches} is invalid {where}: {what} needs at least "
                           f"as many microbatches as stages (valid: >= {stages})")
+    if name == "zb_v" and virtual != 2:
+        raise ConfigError(f"parallel.virtual_stages={virtual} is invalid for parallel.pipeline_schedule=zb_v: "
+                          f"a V schedule runs exactly 2 chunks per stage (valid: 2)")
+    if name == "zb_v" and microbatches < stages:
+        raise ConfigError(f"parallel.pipeline_microbatches={microbatches} is invalid {where}: ZB-V needs at least "
+                          f"as many microbatches as stages to fill the V before its first backward "
+                          f"(valid: >= {stages})")
     if name == "interleaved_1f1b":
         if virtual < 2:
             raise ConfigError(f"parallel.virtual_stages={virtual} is invalid for parallel.pipeline_schedule="
@@ -190,9 +253,10 @@ def simulate(schedule: Schedule) -> ScheduleStats:
     for key, value in (("stages", p), ("microbatches", m), ("virtual", v)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"schedule {schedule.name!r}: {key}={value!r} is invalid (valid: an integer >= 1)")
-    last_chunk = p * v - 1
     done: dict[Op, tuple[int, int]] = {}  # op -> (tick, stage)
-    in_flight, peak, busy = [0] * p, [0] * p, [0] * p
+    releases = WEIGHT if schedule.split_backward else BACKWARD  # the op that frees the last of an activation
+    in_flight, whole, busy = [0] * p, [0] * p, [0] * p
+    peak, peak_whole = [0] * p, [0] * p
     transfers: list[Transfer] = []
     for tick, row in enumerate(schedule.ticks):
         if len(row) != p:
@@ -201,36 +265,76 @@ def simulate(schedule: Schedule) -> ScheduleStats:
         for stage, op in enumerate(row):
             if op is None:
                 continue
-            _check_op(schedule, tick, stage, op, done)
+            op = _check_op(schedule, tick, stage, op, done)
             done[op] = (tick, stage)
             busy[stage] += 1
-            in_flight[stage] += 1 if op.kind == FORWARD else -1
-            transfers.extend(_sends(op, tick, p, last_chunk))
+            in_flight[stage] += 1 if op.kind == FORWARD else -1 if op.kind == releases else 0
+            whole[stage] += 1 if op.kind == FORWARD else -1 if op.kind == BACKWARD else 0
+            transfers.extend(_sends(schedule, op, tick))
         peak = [max(a, b) for a, b in zip(peak, in_flight, strict=False)]  # counted at the end of each tick
-    missing = [op for op in _all_ops(p, m, v) if op not in done]
-    if missing:
-        listed = ", ".join(f"{_label(op)} on stage {op.chunk % p}" for op in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ConfigError(f"schedule {schedule.name!r} never runs {listed}{more}: every forward and backward of "
-                          f"each of {m} microbatches on each of {p * v} chunks must run exactly once")
+        peak_whole = [max(a, b) for a, b in zip(peak_whole, whole, strict=False)]
+    _check_complete(schedule, done)
     slots = p * schedule.num_ticks
+    makespan, work = _asynchronous(schedule)
+    lockstep = sum(max((_cost(op, schedule.split_backward) for op in row if op is not None), default=0)
+                   for row in schedule.ticks)
     return ScheduleStats(num_ticks=schedule.num_ticks, bubble_fraction=(slots - sum(busy)) / slots,
-                         peak_in_flight=tuple(peak), transfers=tuple(transfers), busy_ticks=tuple(busy))
+                         peak_in_flight=tuple(peak), transfers=tuple(transfers), busy_ticks=tuple(busy),
+                         peak_whole_activations=tuple(peak_whole), makespan_units=makespan,
+                         bubble_units=tuple(makespan - w for w in work), lockstep_units=lockstep,
+                         lockstep_bubble_fraction=1 - sum(work) / (p * lockstep) if lockstep else 0.0)
 
 
-def _check_op(schedule: Schedule, tick: int, stage: int, op: object, done: dict[Op, tuple[int, int]]) -> None:
+def _check_complete(schedule: Schedule, done: dict[Op, tuple[int, int]]) -> None:
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual
+    missing = [op for op in _all_ops(p, m, v, schedule.split_backward) if op not in done]
+    if missing:
+        listed = ", ".join(f"{_label(op)} on stage {schedule.stage_of(op.chunk)}" for op in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        every = "F, B and W" if schedule.split_backward else "forward and backward"
+        raise ConfigError(f"schedule {schedule.name!r} never runs {listed}{more}: every {every} of "
+                          f"each of {m} microbatches on each of {p * v} chunks must run exactly once")
+
+
+def _cost(op: Op, split_backward: bool) -> int:
+    """Time units of `op`: F = B = W = 1 when the backward is split, the fused B = 2 (= B + W)."""
+    return 2 if op.kind == BACKWARD and not split_backward else 1
+
+
+def _asynchronous(schedule: Schedule) -> tuple[int, list[int]]:
+    """(makespan, work per stage) in time units when each stage runs its ops in table order, each as soon
+    as the stage is free and its inputs have finished (transfers take no time)."""
+    free, work = [0] * schedule.stages, [0] * schedule.stages
+    finish: dict[Op, int] = {}
+    last_chunk = schedule.stages * schedule.virtual - 1
+    for row in schedule.ticks:  # tick order is a topological order: inputs run at earlier ticks
+        for stage, op in enumerate(row):
+            if op is None:
+                continue
+            op, cost = Op(*op), _cost(Op(*op), schedule.split_backward)
+            start = max([free[stage], *(finish[dep] for dep in _inputs(op, last_chunk))])
+            finish[op] = free[stage] = start + cost
+            work[stage] += cost
+    return max(free, default=0), work
+
+
+def _check_op(schedule: Schedule, tick: int, stage: int, op: object, done: dict[Op, tuple[int, int]]) -> Op:
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual
     where = f"schedule {schedule.name!r}, tick {tick}, stage {stage}"
-    if (not isinstance(op, tuple) or len(op) != 3 or op[0] not in (FORWARD, BACKWARD)
+    kinds = (FORWARD, BACKWARD, WEIGHT) if schedule.split_backward else (FORWARD, BACKWARD)
+    if (not isinstance(op, tuple) or len(op) != 3 or op[0] not in kinds
             or not all(isinstance(x, int) for x in op[1:])):
-        raise ConfigError(f"{where}: {op!r} is not an op (valid: Op(kind='F' or 'B', microbatch, chunk) or None)")
+        valid = "'F', 'B' or 'W'" if schedule.split_backward else "'F' or 'B'"
+        raise ConfigError(f"{where}: {op!r} is not an op (valid: Op(kind={valid}, microbatch, chunk) or None)")
     op = Op(*op)
     if not 0 <= op.microbatch < m or not 0 <= op.chunk < p * v:
         raise ConfigError(f"{where}: {_label(op)} is out of range (valid: microbatch 0..{m - 1}, "
                           f"chunk 0..{p * v - 1})")
-    if op.chunk % p != stage:
+    home = schedule.stage_of(op.chunk)
+    if home != stage:
+        rule = f"chunk % {p}" if schedule.placement == "loop" else f"V placement: chunk c or {2 * p - 1} - c"
         raise ConfigError(f"{where}: {_label(op)} is on the wrong stage: chunk {op.chunk} runs on stage "
-                          f"{op.chunk % p} (chunk % {p})")
+                          f"{home} ({rule})")
     if op in done:
         first_tick, first_stage = done[op]
         raise ConfigError(f"{where}: {_label(op)} runs twice (first at tick {first_tick} on stage {first_stage})")
@@ -241,19 +345,33 @@ def _check_op(schedule: Schedule, tick: int, stage: int, op: object, done: dict[
         if done[dep][0] >= tick:
             raise ConfigError(f"{where}: {_label(op)} needs the output of {_label(dep)} from an earlier tick, "
                               f"but {_label(dep)} runs in the same tick")
+    return op
 
 
-def _sends(op: Op, tick: int, p: int, last_chunk: int) -> list[Transfer]:
-    """What `op` sends to the stage of its consumer (listed even when that is the same stage)."""
+def _sends(schedule: Schedule, op: Op, tick: int) -> list[Transfer]:
+    """What `op` sends through the pipeline to the stage of its consumer: F's activation, B's gradient.
+
+    The loop placement routes every chunk boundary through the executor's stage-to-stage send, so a
+    hop between two chunks of one stage (only when stages == 1) is listed with src == dst. The V
+    placement keeps chunk p-1 -> p on one stage by design: that hand-off moves no data between stages
+    and is not a transfer, so it is not listed. W sends nothing.
+    """
+    last_chunk = schedule.stages * schedule.virtual - 1
     if op.kind == FORWARD and op.chunk < last_chunk:
-        return [Transfer(tick, op.chunk % p, (op.chunk + 1) % p, "activation", op.microbatch, op.chunk)]
-    if op.kind == BACKWARD and op.chunk > 0:
-        return [Transfer(tick, op.chunk % p, (op.chunk - 1) % p, "gradient", op.microbatch, op.chunk)]
-    return []
+        kind, dst_chunk = "activation", op.chunk + 1
+    elif op.kind == BACKWARD and op.chunk > 0:
+        kind, dst_chunk = "gradient", op.chunk - 1
+    else:
+        return []
+    src, dst = schedule.stage_of(op.chunk), schedule.stage_of(dst_chunk)
+    if schedule.placement == "v" and src == dst:
+        return []
+    return [Transfer(tick, src, dst, kind, op.microbatch, op.chunk)]
 
 
-def _all_ops(p: int, m: int, v: int) -> list[Op]:
-    return [Op(kind, i, c) for kind in (FORWARD, BACKWARD) for c in range(p * v) for i in range(m)]
+def _all_ops(p: int, m: int, v: int, split_backward: bool = False) -> list[Op]:
+    kinds = (FORWARD, BACKWARD, WEIGHT) if split_backward else (FORWARD, BACKWARD)
+    return [Op(kind, i, c) for kind in kinds for c in range(p * v) for i in range(m)]
 
 
 def _label(op: Op) -> str:
@@ -265,7 +383,7 @@ def _label(op: Op) -> str:
 
 
 def render_timeline(schedule: Schedule) -> str:
-    """The table as text: one row per stage, one column per tick; "F3" (or "F3.5": microbatch 3, chunk 5), "." idle."""
+    """The table as text: one row per stage, one column per tick; "F3", "B3", "W3" (or "F3.5": chunk 5), "." idle."""
     def cell(op: Op | None) -> str:
         if op is None:
             return "."

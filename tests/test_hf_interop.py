@@ -238,9 +238,10 @@ def test_convert_round_trip_through_the_cli(tmp_path):
     assert again.returncode == 2 and "already exists" in again.stderr
 
 
-def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tmp_path):
-    # Interleaved 1F1B stores the layer stack out of model order (engine.layer_order); files are in model order.
-    pipe_cfg = load_config("configs/pipeline.yaml", ["parallel.pipeline_schedule=interleaved_1f1b",
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_v"])
+def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tmp_path, schedule):
+    # Interleaved 1F1B and ZB-V store the layer stack out of model order (engine.layer_order); files are in model order.
+    pipe_cfg = load_config("configs/pipeline.yaml", [f"parallel.pipeline_schedule={schedule}",
                                                      "parallel.virtual_stages=2", "model.qk_norm=true"])
     pipe = Engine.build(pipe_cfg, devices)
     assert pipe.layer_order is not None

@@ -12,11 +12,13 @@ from spmd_train.analysis import collectives_of
 from spmd_train.errors import ConfigError
 from spmd_train.parallel.pipeline import run_pipeline
 from spmd_train.parallel.pipeline_plan import build_plan
-from spmd_train.parallel.schedules import build_schedule, simulate
+from spmd_train.parallel.schedules import build_schedule, placement_of, simulate
 from spmd_train.train.pipelined import layer_order
 from tests.runs import TINY, relative_error, run_steps
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+FUSED = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+SPLIT = [("zb_h1", 1), ("zb_v", 2)]  # backward split into B and W
+SCHEDULES = FUSED + SPLIT
 GRID = [(p, m) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 DEEP = ["model.num_layers=8"]
 
@@ -59,7 +61,7 @@ def test_executor_equals_autodiff_of_the_sequential_model(devices, name, v, p, m
 
 def _executor_equals_autodiff(devices, name, v, p, m):
     blocks, head, x, targets = jax.tree.map(lambda a: a.astype(jnp.float64), _toy(p, m, v))
-    order = layer_order(blocks["w"].shape[0], p, v)
+    order = layer_order(blocks["w"].shape[0], p, v, placement_of(name))
     inverse = np.argsort(order)
 
     def sequential(blocks, head, x):
@@ -75,10 +77,13 @@ def _executor_equals_autodiff(devices, name, v, p, m):
     loss, g_blocks, g_head, g_x = step(stored, head, x)
     assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
     assert relative_error((g_blocks, g_head, g_x), ref_grads) <= 1e-5
-    # Every tick sends one activation and one cotangent around the ring: 2 permutes per tick.
+    # Every tick sends one value each way around the ring (fused: an activation down and a cotangent up;
+    # split: the op's output both ways, the plan keeping the real copy): 2 permutes per tick, as simulated.
+    # Split plans at p = 2 send once: both rings are the same permutation.
+    per_tick = 1 if plan.schedule.split_backward and p == 2 else 2
     text = step.lower(stored, head, x).compile().as_text()
     permutes = [c for c in collectives_of(text, mesh) if c.op == "collective-permute" and c.axes == ("pipeline",)]
-    assert sum(c.count for c in permutes) == 2 * simulate(plan.schedule).num_ticks == 2 * plan.num_ticks
+    assert sum(c.count for c in permutes) == per_tick * simulate(plan.schedule).num_ticks == per_tick * plan.num_ticks
 
 
 # --- the whole model: 3 optimizer steps against one device
@@ -111,9 +116,12 @@ def test_pipeline_fsdp_tensor_equals_one_device(reference, devices, name, v):
 MODEL_GRID = [(2, 4), (4, 4), (4, 16)]
 
 
+# The split schedules share the fused ones' model path except for B/W: one 4-stage case each.
+HEAVY = [(name, v, p, m) for name, v in FUSED for p, m in MODEL_GRID] + [(name, v, 4, 8) for name, v in SPLIT]
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("p,m", MODEL_GRID)
-@pytest.mark.parametrize("name,v", SCHEDULES)
+@pytest.mark.parametrize("name,v,p,m", HEAVY)
 def test_pipelined_model_equals_one_device(reference, devices, name, v, p, m):
     _check(reference, [f"mesh.pipeline={p}", f"mesh.fsdp={8 // p}", f"parallel.pipeline_schedule={name}",
                        f"parallel.virtual_stages={v}", f"parallel.pipeline_microbatches={m}"], devices)
@@ -151,6 +159,12 @@ def test_interleaved_storage_order_is_a_permutation_recorded_by_the_engine(devic
                           jax.tree.map(np.asarray, plain.init_state().params)) == 0.0
 
 
+def test_v_storage_order_puts_both_legs_of_the_v_on_each_device():
+    # 8 layers, 2 stages x 2 chunks of 2: device 0 stores model chunks 0 and 3, device 1 chunks 1 and 2.
+    assert layer_order(8, 2, 2, placement_of("zb_v")).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert layer_order(8, 4, 2, "v").tolist() == [0, 7, 1, 6, 2, 5, 3, 4]  # one layer per chunk
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (["mesh.pipeline=4", "mesh.fsdp=2", "model.num_layers=6"],
      "model.num_layers=6 is not divisible by mesh.pipeline=4"),
@@ -162,6 +176,12 @@ def test_interleaved_storage_order_is_a_permutation_recorded_by_the_engine(devic
     (["mesh.pipeline=2", "mesh.fsdp=4", "parallel.virtual_stages=2"], "parallel.virtual_stages=2"),
     (["mesh.pipeline=2", "mesh.fsdp=4", "parallel.pipeline_microbatches=3"],
      "parallel.pipeline_microbatches=3 does not divide"),
+    (["mesh.pipeline=2", "mesh.fsdp=4", "parallel.pipeline_schedule=zb_v"],
+     "parallel.virtual_stages=1 is invalid with parallel.pipeline_schedule=zb_v"),
+    (["mesh.pipeline=2", "mesh.fsdp=4", "parallel.pipeline_schedule=zb_v", "parallel.virtual_stages=3",
+      "model.num_layers=6"], "parallel.virtual_stages=3 is invalid with parallel.pipeline_schedule=zb_v"),
+    (["mesh.pipeline=2", "mesh.fsdp=4", "parallel.pipeline_schedule=zb_h1", "parallel.virtual_stages=2"],
+     "parallel.virtual_stages=2 is invalid for parallel.pipeline_schedule=zb_h1"),
 ])
 def test_bad_pipeline_configs_name_the_numbers(devices, overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
@@ -182,3 +202,14 @@ def test_bf16_compute_pipeline_trains_like_one_device(devices):
     ref_losses, _, _, _ = run_steps(["mesh.fsdp=1", *common], devices[:1])
     losses, _, _, _ = run_steps(["mesh.pipeline=2", "mesh.fsdp=4", *common], devices)
     assert np.abs(losses - ref_losses).max() <= 2e-2 * np.abs(ref_losses).max()
+
+
+@pytest.mark.parametrize("virtual", [1, 3])
+def test_zb_v_needs_two_virtual_stages_and_says_so(capsys, virtual):
+    from spmd_train.cli.main import main
+
+    code = main(["describe", "configs/pipeline.yaml", "parallel.pipeline_schedule=zb_v",
+                 f"parallel.virtual_stages={virtual}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"parallel.virtual_stages={virtual} is invalid" in err, err
+    assert "set parallel.virtual_stages=2" in err

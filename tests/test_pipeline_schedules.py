@@ -236,9 +236,9 @@ def test_build_schedule_rejects_bad_requests(args, needles):
 
 
 def test_every_listed_schedule_builds():
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v")
     for name in SCHEDULES:
-        simulate(build_schedule(name, 2, 4, 2 if name == "interleaved_1f1b" else 1))
+        simulate(build_schedule(name, 2, 4, 2 if name in ("interleaved_1f1b", "zb_v") else 1))
 
 
 # -- CLI ---------------------------------------------------------------------------------------------

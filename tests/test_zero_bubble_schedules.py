@@ -140,12 +140,12 @@ def test_v_placement_puts_the_loss_on_device_0():
 
 
 def test_fused_schedules_are_unchanged_in_kind():
-    for name in SCHEDULES:
+    for name in ("gpipe", "1f1b", "interleaved_1f1b"):
         schedule = build_schedule(name, 2, 4, 2 if name == "interleaved_1f1b" else 1)
         assert not schedule.split_backward and schedule.placement == "loop"
         assert all(op.kind in "FB" for row in schedule.ticks for op in row if op is not None)
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b")  # what training runs: unchanged
-    assert SIMULATED_SCHEDULES == (*SCHEDULES, "zb_h1", "zb_v")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v")  # training runs all of them
+    assert SIMULATED_SCHEDULES == SCHEDULES
 
 
 # -- validation -------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def test_cli_zb_v_defaults_to_two_chunks(capsys):
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
-    [(["--schedule", "zb_h3"], "gpipe, 1f1b, interleaved_1f1b; simulated only: zb_h1, zb_v"),
+    [(["--schedule", "zb_h3"], "gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v"),
      (["--schedule", "zb_v", "--virtual", "3"], "a V schedule runs exactly 2 chunks per stage (valid: 2)"),
      (["--schedule", "zb_h1", "--virtual", "2"], "parallel.virtual_stages=2")],
 )
@@ -251,8 +251,18 @@ def test_cli_bad_input_exits_2(capsys, argv, needle):
     assert captured.err.startswith("spmd-train: error:") and needle in captured.err and captured.out == ""
 
 
-def test_the_executor_refuses_a_split_schedule_instead_of_running_it_wrong():
-    from spmd_train.parallel.pipeline_plan import build_plan
+def test_the_v_plan_keeps_the_turn_on_its_device():
+    from spmd_train.parallel.pipeline_plan import SPLIT_FIELDS, WEIGHT_CODE, build_plan
 
-    with pytest.raises(ConfigError, match=r"zb_h1 is simulated only: the executor runs gpipe, 1f1b"):
-        build_plan(build_schedule("zb_h1", 2, 4))
+    p, m = 4, 8
+    plan = build_plan(build_schedule("zb_v", p, m, 2))
+    col = {name: i for i, name in enumerate(SPLIT_FIELDS)}
+    rows, spare = plan.rows, plan.act_slots
+    assert plan.fields == SPLIT_FIELDS and (rows[..., col["kind"]] == WEIGHT_CODE).sum() == 2 * p * m
+    for t, row in enumerate(plan.schedule.ticks):
+        for s, op in enumerate(row):
+            kept = rows[t, s, col["keep"]] != spare
+            # F of chunk p-1 (into F of chunk p), B of chunk p (into B of chunk p-1) and the loss's cotangent
+            # (F of the last chunk into its B) stay on their stage; nothing else does.
+            turn = op is not None and ((op.kind, op.chunk) in (("F", p - 1), ("B", p), ("F", 2 * p - 1)))
+            assert kept == turn, (t, s, op)

@@ -160,7 +160,7 @@ def pipeline_renderables(pipe: Any) -> list[RenderableType]:
     rows = f"{pipe.microbatch_rows} row{'s' if pipe.microbatch_rows != 1 else ''}"
     out.append(f"[bold]Pipeline schedule {pipe.schedule}[/bold]: {pipe.stages} stages, {pipe.microbatches} "
                f"microbatches of {rows} per device{virtual}; {pipe.ticks} ticks; bubble fraction "
-               f"{pipe.bubble_fraction:.4f} (closed form (p-1)/(v*m+p-1) = {pipe.bubble_fraction_formula:.4f})")
+               f"{pipe.bubble_fraction:.4f} ({_bubble_formula(pipe.schedule)} = {pipe.bubble_fraction_formula:.4f})")
     table = Table(title="Pipeline stages (stash: VJP residuals kept from a forward to its backward)",
                   title_justify="left")
     for col in ("stage", "busy ticks", "peak in flight (microbatch, chunk)", "stash at peak"):
@@ -173,8 +173,7 @@ def pipeline_renderables(pipe: Any) -> list[RenderableType]:
     out.append(f"stash at peak = peak in flight x {human_bytes(pipe.stash_bytes_per_microbatch)} per (microbatch, "
                f"chunk); the compiled program is the same on every stage, so every device reserves the largest "
                f"stage's {pipe.stash_slots} slots (plus receive buffers of one microbatch activation each: "
-               f"{pipe.activation_slots} + 1 spare for activations, {pipe.cotangent_slots} + 1 spare for "
-               f"cotangents)")
+               f"{_receive_buffers(pipe)})")
     return out
 
 
@@ -229,3 +228,19 @@ def context_renderables(context: dict) -> list[RenderableType]:
     exact = "" if context["exact"] else " (approximate: XLA decides what this remat policy or pipeline recomputes)"
     out.append(f"[dim]predicted: {context['formula']}{exact}[/dim]")
     return out
+
+
+def _bubble_formula(schedule: str) -> str:
+    """How `bubble_fraction_formula` was computed: split-backward schedules run F, B and W per microbatch-chunk."""
+    if schedule == "zb_v":
+        return "lower bound (p-1)/(3*v*m+p-1)"
+    return "closed form (p-1)/(3*v*m+p-1)" if schedule == "zb_h1" else "closed form (p-1)/(v*m+p-1)"
+
+
+def _receive_buffers(pipe) -> str:
+    """The receive slots in words: split-backward plans keep activations and cotangents in one buffer."""
+    if pipe.schedule in ("zb_h1", "zb_v"):
+        return (f"{pipe.activation_slots} + 1 spare, shared by activations and cotangents; B also keeps what W needs "
+                f"in at most as many slots as the stash (B..W lies within F..W), not counted here")
+    return (f"{pipe.activation_slots} + 1 spare for activations, {pipe.cotangent_slots} + 1 spare for "
+            "cotangents")

@@ -329,7 +329,8 @@ def _pipeline_report(engine: Engine) -> PipelineReport:
     return PipelineReport(
         schedule=sched.name, stages=p, microbatches=m, virtual_stages=v, microbatch_rows=rows // m,
         ticks=plan.num_ticks, bubble_fraction=stats.bubble_fraction,
-        bubble_fraction_formula=(p - 1) / (v * m + p - 1),
+        # Split schedules run 3 one-tick ops (F, B, W) per microbatch-chunk: ZB-H1's closed form, ZB-V's lower bound.
+        bubble_fraction_formula=(p - 1) / ((3 if sched.split_backward else 1) * v * m + p - 1),
         stash_bytes_per_microbatch=per_mb, stash_slots=plan.stash_slots,
         activation_slots=plan.act_slots, cotangent_slots=plan.ct_slots,
         per_stage=[PipelineStage(stage=s, busy_ticks=stats.busy_ticks[s], peak_in_flight=stats.peak_in_flight[s],

@@ -220,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     sched.add_argument("--stages", type=int, required=True, metavar="P", help="pipeline stages (mesh.pipeline)")
     sched.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches per step")
     sched.add_argument("--schedule", required=True, metavar="NAME",
-                       help="gpipe, 1f1b, interleaved_1f1b, or zb_h1 / zb_v (zero-bubble, simulated only)")
+                       help="gpipe, 1f1b, interleaved_1f1b, or zb_h1 / zb_v (zero-bubble: split backward)")
     sched.add_argument("--virtual", type=int, metavar="V",
                        help="model chunks per stage (default: 2 for interleaved_1f1b and zb_v, else 1)")
     return parser

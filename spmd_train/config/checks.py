@@ -119,6 +119,9 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
         raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} is invalid with parallel.pipeline_schedule="
                           "interleaved_1f1b, which gives each stage several chunks of layers (valid: "
                           "parallel.virtual_stages >= 2, or parallel.pipeline_schedule=1f1b or gpipe)")
+    if sizes["pipeline"] > 1 and par.pipeline_schedule == "zb_v" and par.virtual_stages != 2:
+        raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} is invalid with parallel.pipeline_schedule="
+                          "zb_v, which runs exactly 2 chunks per stage in a V (valid: set parallel.virtual_stages=2)")
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
     check_context(cfg, sizes)

@@ -258,12 +258,12 @@ class ParallelConfig:
     context_parallel: Literal["allgather", "ring", "ulysses"] = "allgather"
     """How attention sees the other devices' tokens when mesh.sequence > 1 (docs/context.md)."""
     remat: RematPolicy = "none"
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"] = "1f1b"
     """Microbatch schedule of the pipeline stages (used when mesh.pipeline > 1)."""
     pipeline_microbatches: PositiveInt | None = None
     """Microbatches per pipeline flush; default 4 x mesh.pipeline (fewer if the batch does not divide)."""
     virtual_stages: PositiveInt = 1
-    """Chunks of layers per device for interleaved_1f1b (>= 2 there, 1 otherwise)."""
+    """Chunks of layers per device: >= 2 for interleaved_1f1b, exactly 2 for zb_v, 1 otherwise."""
 
 
 @dataclass(frozen=True)

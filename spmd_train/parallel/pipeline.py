@@ -14,6 +14,9 @@ the residuals of the microbatches the schedule keeps in flight: at most p - s un
 m under GPipe, whatever `parallel.remat` leaves in them. Idle ticks run no stage code at all
 (`lax.switch`), so a bubble can never put garbage into anything that reaches a gradient.
 
+Split-backward schedules (zb_h1, zb_v) run their own tick loop, `pipeline_split.run_split_ticks`, inside the
+same shard_map: B and W ops, a saved slot per B..W pair, V-placed chunks.
+
 This module knows mesh axis names and pure functions; what a stage computes is the caller's.
 """
 
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.parallel.pipeline_plan import FIELDS, PipelinePlan
+from spmd_train.parallel.pipeline_split import run_split_ticks
 
 AXIS = "pipeline"
 
@@ -56,7 +60,7 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     if inputs.shape[0] != m:
         raise ValueError(f"inputs has {inputs.shape[0]} microbatches, the schedule {m}")
     rows = jnp.asarray(plan.rows)
-    col = {name: i for i, name in enumerate(FIELDS)}
+    col = {name: i for i, name in enumerate(FIELDS)}  # split-backward plans: their own columns, pipeline_split
     if context is None:
         context, run_stage = (), lambda params, x, _: stage_fn(params, x)
     else:
@@ -70,6 +74,10 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
         of_microbatch = lambda tree, mb: jax.tree.map(lambda a: a[mb], tree)
         vjp_layout = _VjpLayout.of(run_stage, chunk_params(0), x_like, of_microbatch(context, 0))
+        if sched.split_backward:
+            grads, head_grads, loss, d_inputs = run_split_ticks(plan, run_stage, head_fn, chunks, head, inputs,
+                                                                targets, context, vjp_layout)
+            return _finish(grads, head_grads, loss, d_inputs)
 
         acts = jnp.zeros((plan.act_slots + 1, *x_like.shape), x_like.dtype)  # + 1: the spare slot
         cts = jnp.zeros((plan.ct_slots + 1, *x_like.shape), x_like.dtype)
@@ -127,14 +135,7 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
 
         carry, _ = jax.lax.scan(tick, carry, rows)
         _, _, _, grads, head_grads, loss, d_inputs = carry
-        grads = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), grads)
-        # The loss and head gradients live on the last stage, the input gradients on the first.
-        # Summed in fp32: exact either way (one stage holds each value), and XLA:CPU cannot
-        # compile a bf16 all-reduce inside a partly manual region.
-        totals = jax.tree.map(lambda a: a.astype(jnp.float32), (loss, head_grads, d_inputs))
-        loss, head_grads, d_inputs = jax.tree.map(lambda t, a: t.astype(a.dtype), jax.lax.psum(totals, AXIS),
-                                                  (loss, head_grads, d_inputs))
-        return loss, grads, head_grads, d_inputs
+        return _finish(grads, head_grads, loss, d_inputs)
 
     block_spec = jax.tree.map(lambda _: P(AXIS), blocks)
     rest_spec = lambda tree: jax.tree.map(lambda _: P(), tree)
@@ -149,6 +150,18 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         axis_names={AXIS},
         check_vma=False,
     )(blocks, head, inputs, targets, context)
+
+
+def _finish(grads: Any, head_grads: Any, loss: jax.Array, d_inputs: jax.Array) -> tuple:
+    """(loss, grads, head grads, d inputs) of the whole pipeline from one stage's accumulators."""
+    grads = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), grads)
+    # The loss and head gradients live on the stage of the last chunk, the input gradients on stage 0.
+    # Summed in fp32: exact either way (one stage holds each value), and XLA:CPU cannot
+    # compile a bf16 all-reduce inside a partly manual region.
+    totals = jax.tree.map(lambda a: a.astype(jnp.float32), (loss, head_grads, d_inputs))
+    loss, head_grads, d_inputs = jax.tree.map(lambda t, a: t.astype(a.dtype), jax.lax.psum(totals, AXIS),
+                                              (loss, head_grads, d_inputs))
+    return loss, grads, head_grads, d_inputs
 
 
 class _VjpLayout:

@@ -36,12 +36,12 @@ from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 from spmd_train.parallel.zero_bubble import zb_h1_orders, zb_v_orders
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-"""The schedules training runs (parallel.pipeline_schedule)."""
 SPLIT_BACKWARD = ("zb_h1", "zb_v")
-"""Schedules with the backward split into B and W: simulated only, the executor cannot run W ops yet."""
-SIMULATED_SCHEDULES = (*SCHEDULES, *SPLIT_BACKWARD)
-"""What `build_schedule` and `spmd-train schedule` accept."""
+"""Schedules with the backward split into B and W (the executor runs them with `pipeline_split`)."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", *SPLIT_BACKWARD)
+"""The schedules training runs (parallel.pipeline_schedule)."""
+SIMULATED_SCHEDULES = SCHEDULES
+"""What `build_schedule` and `spmd-train schedule` accept: every schedule training runs."""
 
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
@@ -77,11 +77,16 @@ class Schedule:
     @property
     def placement(self) -> str:
         """Where chunks live: "loop" (chunk c on stage c % stages) or "v" (chunks d and 2p-1-d on stage d)."""
-        return "v" if self.name == "zb_v" else "loop"
+        return placement_of(self.name)
 
     def stage_of(self, chunk: int) -> int:
         """The stage that runs `chunk`."""
         return stage_of(chunk, self.stages, self.placement)
+
+
+def placement_of(name: str) -> str:
+    """The chunk placement of schedule `name`: "v" for zb_v, else "loop"."""
+    return "v" if name == "zb_v" else "loop"
 
 
 def stage_of(chunk: int, stages: int, placement: str) -> int:
@@ -211,7 +216,7 @@ _COUNTS = {"mesh.pipeline": "pipeline stages", "parallel.pipeline_microbatches":
 def _check_request(name: str, stages: int, microbatches: int, virtual: int) -> None:
     if name not in SIMULATED_SCHEDULES:
         raise ConfigError(f"parallel.pipeline_schedule={name!r} is not a pipeline schedule "
-                          f"(valid: {', '.join(SCHEDULES)}; simulated only: {', '.join(SPLIT_BACKWARD)})")
+                          f"(valid: {', '.join(SCHEDULES)})")
     for key, value in (("mesh.pipeline", stages), ("parallel.pipeline_microbatches", microbatches),
                        ("parallel.virtual_stages", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -407,7 +412,10 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
     (`sharding.arithmetic.rows_per_device`); the schedule checks its own numbers."""
     p, par, m, t = sizes["pipeline"], cfg.parallel, cfg.model, cfg.train
     v = par.virtual_stages
-    if par.pipeline_schedule != "interleaved_1f1b" and v != 1:
+    if par.pipeline_schedule == "zb_v" and v != 2:
+        raise ConfigError(f"parallel.virtual_stages={v} is invalid for parallel.pipeline_schedule=zb_v, which "
+                          "runs exactly 2 chunks per stage in a V (valid: set parallel.virtual_stages=2)")
+    if par.pipeline_schedule not in ("interleaved_1f1b", "zb_v") and v != 1:
         raise ConfigError(f"parallel.virtual_stages={v} is invalid for parallel.pipeline_schedule="
                           f"{par.pipeline_schedule} (valid: 1; use interleaved_1f1b for virtual stages)")
     if par.pipeline_schedule == "interleaved_1f1b" and v < 2:

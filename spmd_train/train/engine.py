@@ -122,7 +122,8 @@ class Engine:
         plan = order = None
         if mesh.shape["pipeline"] > 1:
             plan = pipeline_plan(cfg, dict(mesh.shape))
-            order = layer_order(cfg.model.num_layers, mesh.shape["pipeline"], cfg.parallel.virtual_stages)
+            order = layer_order(cfg.model.num_layers, mesh.shape["pipeline"], cfg.parallel.virtual_stages,
+                                plan.schedule.placement)
             if (order == np.arange(order.size)).all():
                 order = None
         return cls(cfg=cfg, mesh=mesh, layout=layout, backends=backends, graphdef=graphdef, logical=logical,

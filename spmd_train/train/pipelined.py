@@ -5,12 +5,13 @@ global batch; microbatches have equal sizes, so the mean of their means):
 - the embedding, before the pipeline, on every stage (a lookup; its backward is a scatter-add
   of the input gradients the first stage returns);
 - the layer stack, split over `pipeline` into stages (and chunks for interleaved 1F1B);
-- the final norm, LM head and cross-entropy, on the last stage right after each microbatch's
+- the final norm, LM head and cross-entropy, on the last chunk's stage right after each microbatch's
   forward, whose cotangent then starts that microbatch's backward.
 
-With interleaved 1F1B device d holds chunks d, d+p, d+2p, ... while parameters are stored as
-one stack split in contiguous blocks over `pipeline`; `layer_order` says which model layer
-each stored row is, and the engine stores parameters in that order (and records it).
+With interleaved 1F1B device d holds chunks d, d+p, d+2p, ... (with zb_v chunks d and 2p-1-d) while
+parameters are stored as one stack split in contiguous blocks over `pipeline`; `layer_order` says
+which model layer each stored row is, and the engine stores parameters in that order (and records it).
+The loss lives on the stage of the last chunk: stage p-1, or stage 0 under zb_v.
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ def pipeline_plan(cfg: Config, sizes: dict[str, int]) -> PipelinePlan:
     return build_plan(build_schedule(par.pipeline_schedule, p, microbatches, par.virtual_stages))
 
 
-def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
+def layer_order(num_layers: int, stages: int, virtual: int, placement: str = "loop") -> np.ndarray:
     """Model layer index of each stored row of the layer stack (identity unless virtual > 1).
 
-    Stored chunk j (rows j*n .. j*n+n-1, n = layers per chunk) sits on device j // virtual as
-    its local chunk j % virtual, which the interleaved schedule runs as model chunk
-    (j % virtual) * stages + j // virtual.
+    Stored chunk j (rows j*n .. j*n+n-1, n = layers per chunk) sits on device d = j // virtual as
+    its local chunk k = j % virtual, which runs as model chunk k * stages + d under the "loop"
+    placement (interleaved) and as d (k = 0) or 2 * stages - 1 - d (k = 1) under "v" (zb_v).
     """
     per_chunk = num_layers // (stages * virtual)
     chunk = np.arange(stages * virtual)
-    model_chunk = (chunk % virtual) * stages + chunk // virtual
+    device, local = chunk // virtual, chunk % virtual
+    model_chunk = np.where(local == 0, device, 2 * stages - 1 - device) if placement == "v" else local * stages + device
     return (model_chunk[:, None] * per_chunk + np.arange(per_chunk)[None, :]).reshape(-1)
 
 

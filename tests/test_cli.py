@@ -149,6 +149,26 @@ def test_main_job_ends_within_ten_percent_of_the_floor(tmp_path):
     assert (tmp_path / "checkpoints" / "600").is_dir() and "checkpoints in" in proc.stdout
 
 
+def test_a_ctrl_c_that_native_code_swallowed_still_stops_the_run_before_its_first_step(tmp_path, devices):
+    # What a SIGINT during compilation looks like when the compiler catches the KeyboardInterrupt it raised.
+    from spmd_train.train import interrupts
+    from spmd_train.train.trainer import Trainer
+
+    interrupts.install()
+    try:
+        try:
+            interrupts.on_sigint(signal.SIGINT, None)
+        except KeyboardInterrupt:
+            pass  # swallowed
+        trainer = Trainer(load_config("configs/tiny.yaml", ["train.steps=3", f"run.dir={tmp_path}"]), devices)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.run()
+        assert trainer.step_count == 0 and not (tmp_path / "metrics.jsonl").exists()
+    finally:
+        interrupts.install()  # clears the flag
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def test_ctrl_c_while_compiling_exits_130_with_one_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "spmd_train", "train", "configs/tiny.yaml",
                              f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=uncached_env(), stderr=subprocess.PIPE,

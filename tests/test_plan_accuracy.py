@@ -35,6 +35,9 @@ KNOWN: dict[str, dict] = {
     "mesh_presets-hsdp": {"memory": (-0.20, -0.14, CPU_TINY_MEMORY)},
     "mesh_presets-tp_sp": {"memory": (-0.27, -0.20, CPU_TINY_MEMORY), ("tensor",): (-0.38, -0.32, CPU_TENSOR_BYTES)},
     "tiny": {"memory": (-0.23, -0.16, CPU_TINY_MEMORY), ("tensor",): (-0.40, -0.35, CPU_TENSOR_BYTES)},
+    # The tiny Qwen3 of tests/hf_reference on fsdp 2 x tensor 4 (8 MiB compiled): the same two CPU effects as tiny;
+    # its memory gap is larger than tiny's and not yet broken down.
+    "hf_finetune": {"memory": (-0.38, -0.32, CPU_TINY_MEMORY), ("tensor",): (-0.41, -0.35, CPU_TENSOR_BYTES)},
     "pipeline": {"memory": (-0.47, -0.40, PIPELINE), ("fsdp",): (-1.0, -0.9, PIPELINE)},
     "moe": {"memory": (-0.20, -0.14, CPU_TINY_MEMORY), ("expert",): (0.35, 0.45, MOE_AXES),
             ("fsdp",): (0.7, 0.9, MOE_AXES), ("fsdp", "expert"): (-1.0, -1.0, MOE_AXES)},

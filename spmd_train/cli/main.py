@@ -22,6 +22,7 @@ from spmd_train.config.rules import resolve_rules
 from spmd_train.data import prepare_data
 from spmd_train.devices import simulate_devices, start_distributed
 from spmd_train.errors import ConfigError, TrainingHalted
+from spmd_train.train import interrupts
 from spmd_train.train.loop import train
 
 EXIT_BAD_INPUT = 2
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     _log_to_stderr()
+    interrupts.install()
     try:
         if args.command == "prepare-data":
             path = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, name=args.name,

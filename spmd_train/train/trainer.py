@@ -31,7 +31,7 @@ from spmd_train.hardware import device_spec
 from spmd_train.hf.run import import_hf
 from spmd_train.models.flops import flops_per_token
 from spmd_train.output_dir import make_output_dir
-from spmd_train.train import run_lock
+from spmd_train.train import interrupts, run_lock
 from spmd_train.train.capacity import (
     activation_floor,
     check_batch_fits,
@@ -219,6 +219,7 @@ class Trainer:
             self._say(f"nothing to do: the run is at step {first} and train.steps={self.cfg.train.steps}")
             return []
         self.compile()
+        interrupts.raise_if_interrupted()  # a Ctrl-C the compiler swallowed still stops the run here
         self._close_step_sink()  # one writer of metrics.jsonl at a time
         sink = MetricsSink(self.run_dir, total_steps=self.cfg.train.steps, log_every=self.cfg.run.log_every,
                            start_step=first, mirrors=self._mirrors())

@@ -10,11 +10,11 @@ from spmd_train.parallel.schedules import (
     SCHEDULES,
     SIMULATED_SCHEDULES,
     Op,
-    Schedule,
     build_schedule,
     render_timeline,
     simulate,
 )
+from tests.test_pipeline_schedules import _when
 
 
 def _grid():
@@ -32,17 +32,6 @@ def _home(name: str, p: int, chunk: int) -> int:
     if name == "zb_v":
         return chunk if chunk < p else 2 * p - 1 - chunk
     return chunk
-
-
-def _when(schedule: Schedule) -> dict[Op, tuple[int, int]]:
-    seen = {}
-    for t, row in enumerate(schedule.ticks):
-        assert len(row) == schedule.stages
-        for s, op in enumerate(row):
-            if op is not None:
-                assert op not in seen, f"{op} twice"
-                seen[op] = (t, s)
-    return seen
 
 
 @pytest.mark.parametrize(("name", "p", "m", "v"), GRID, ids=[f"{n}-p{p}-m{m}" for n, p, m, v in GRID])

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.parallel.pipeline_plan import FIELDS, PipelinePlan
-from spmd_train.parallel.pipeline_split import run_split_ticks
+from spmd_train.parallel.pipeline_split import head_on_last_chunk, run_split_ticks
 
 AXIS = "pipeline"
 
@@ -96,16 +96,7 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
             y, vjp = jax.vjp(lambda params, x: run_stage(params, x, ctx), params, x)
             stash = [buf.at[slot].set(r) for buf, r in zip(stash, vjp_layout.residuals(vjp, params), strict=True)]
             is_last = (stage == p - 1) & (k == v - 1)
-            target = of_microbatch(targets, mb)
-
-            def with_head(y):
-                loss_mb, (g_head, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, target)
-                return (loss_mb / m).astype(jnp.float32), jax.tree.map(lambda g: g / m, g_head), dy / m
-
-            def without_head(y):
-                return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(y)
-
-            loss_mb, g_head, dy = jax.lax.cond(is_last, with_head, without_head, y)
+            loss_mb, g_head, dy = head_on_last_chunk(head_fn, head, y, of_microbatch(targets, mb), m, is_last)
             cts = cts.at[row[col["write_ct"]]].set(dy.astype(cts.dtype))
             head_grads = jax.tree.map(jnp.add, head_grads, g_head)
             return (acts, cts, stash, grads, head_grads, loss + loss_mb.astype(jnp.float32), d_inputs), y, x_like

@@ -27,6 +27,22 @@ from spmd_train.parallel.split_backward import split_vjp
 AXIS = "pipeline"
 
 
+def head_on_last_chunk(head_fn: Callable, head: Any, y: jax.Array, target: Any, microbatches: int,
+                       is_last: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
+    """(loss, head gradients, d loss / d y) of one microbatch, each over `microbatches`, when `is_last` (the chunk
+    that ends the model), else zeros: the loss's cotangent starts that microbatch's backward."""
+    m = microbatches
+
+    def with_head(y):
+        loss_mb, (g_head, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, target)
+        return (loss_mb / m).astype(jnp.float32), jax.tree.map(lambda g: g / m, g_head), dy / m
+
+    def without_head(y):
+        return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(y)
+
+    return jax.lax.cond(is_last, with_head, without_head, y)
+
+
 def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, chunks: Any, head: Any,
                     inputs: jax.Array, targets: Any, context: Any, vjp_layout: Any) -> tuple[Any, Any, Any, Any]:
     """One stage's (grads [v, ...], head grads, loss, d inputs) from running the plan's F, B and W ops."""
@@ -59,16 +75,7 @@ def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, 
         slot = row[col["stash"]]
         stash = [buf.at[slot].set(r) for buf, r in zip(stash, vjp_layout.residuals(vjp, params), strict=True)]
         is_last = row[col["model_chunk"]] == last
-        target = of_microbatch(targets, mb)
-
-        def with_head(y):
-            loss_mb, (g_head, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, target)
-            return (loss_mb / m).astype(jnp.float32), jax.tree.map(lambda g: g / m, g_head), dy / m
-
-        def without_head(y):
-            return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(y)
-
-        loss_mb, g_head, dy = jax.lax.cond(is_last, with_head, without_head, y)
+        loss_mb, g_head, dy = head_on_last_chunk(head_fn, head, y, of_microbatch(targets, mb), m, is_last)
         head_grads = jax.tree.map(jnp.add, head_grads, g_head)
         out = jnp.where(is_last, dy.astype(y.dtype), y)  # the last chunk's output is its own B's cotangent
         return (bufs, stash, saved, grads, head_grads, loss + loss_mb, d_inputs), out

@@ -1,6 +1,5 @@
 """Zero-bubble schedules (backward split into B and W): valid tables, the papers' bubbles, 1F1B's memory."""
 
-import dataclasses
 
 import pytest
 
@@ -14,7 +13,7 @@ from spmd_train.parallel.schedules import (
     render_timeline,
     simulate,
 )
-from tests.test_pipeline_schedules import _when
+from tests.test_pipeline_schedules import _rejected, _when, _with
 
 
 def _grid():
@@ -138,22 +137,6 @@ def test_fused_schedules_are_unchanged_in_kind():
 
 
 # -- validation -------------------------------------------------------------------------------------
-
-
-def _with(schedule, changes):
-    ticks = [list(row) for row in schedule.ticks]
-    for (t, s), op in changes.items():
-        while t >= len(ticks):
-            ticks.append([None] * schedule.stages)
-        ticks[t][s] = op
-    return dataclasses.replace(schedule, ticks=tuple(tuple(row) for row in ticks))
-
-
-def _rejected(schedule, *needles):
-    with pytest.raises(ConfigError) as err:
-        simulate(schedule)
-    for needle in needles:
-        assert needle in str(err.value), (needle, str(err.value))
 
 
 def _where(schedule, op):

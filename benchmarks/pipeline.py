@@ -12,6 +12,10 @@ emulates bf16 matmuls slowly.
 A second section compares GPipe and 1F1B at m = 8p microbatches (the memory that
 tests/test_pipeline_memory.py asserts on): the 8-layer tiny model and llama-1b on the CPU
 devices, and llama-1b compiled for a TPU v5e:2x4 slice (needs the tpu-aot extra).
+
+A third compares the zero-bubble schedules (zb_h1, zb_v) with 1F1B at m = 4p: compiled memory per
+device (llama-1b on the TPU slice and the CPU devices) and the simulator's bubble in time units.
+`--zero-bubble-only` runs just that section.
 """
 
 from __future__ import annotations
@@ -37,13 +41,13 @@ from spmd_train.analysis import describe  # noqa: E402
 from spmd_train.analysis.render import human_bytes  # noqa: E402
 from spmd_train.analysis.topology import has_libtpu  # noqa: E402
 from spmd_train.data import make_source  # noqa: E402
-from spmd_train.parallel.schedules import simulate  # noqa: E402
+from spmd_train.parallel.schedules import build_schedule, simulate  # noqa: E402
 
 
 def cases(layers: int) -> list[tuple[str, list[str]]]:
     """(label, config overrides): the fsdp-8 baseline, then each schedule on a pipeline mesh that divides the layers."""
     found = [("fsdp 8 (no pipeline)", ["mesh.fsdp=8"])]
-    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2)):
         p = 4 if layers % (4 * virtual) == 0 else 2
         found.append((f"{schedule}{f' v={virtual}' if virtual > 1 else ''}, pipeline {p} x fsdp {8 // p}",
                       [f"mesh.pipeline={p}", f"mesh.fsdp={8 // p}", f"parallel.pipeline_schedule={schedule}",
@@ -118,6 +122,40 @@ def memory_comparison(include_tpu: bool) -> tuple[str, str]:
     return "\n".join(lines), note
 
 
+def zero_bubble_comparison(include_tpu: bool) -> tuple[str, str]:
+    """1F1B, zb_h1 and zb_v at m = 4p on pipeline 4 x fsdp 2, no remat: compiled memory and simulated bubble."""
+    common = ["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1", "mesh.data=1", "parallel.pipeline_microbatches=16",
+              "parallel.remat=none", "run.simulate_devices=null", "model.preset=llama-1b", "train.seq_len=512",
+              "train.global_batch_size=32"]
+    rows = [("llama-1b (fp32 compute), 32 x 512 tokens", "8 x CPU", None, ["model.compute_dtype=float32"])]
+    if include_tpu and has_libtpu():
+        rows.append(("llama-1b (bf16 compute), 32 x 512 tokens", "TPU v5e:2x4", "v5e:2x4", []))
+    lines = ["| model | compiled for | schedule | ticks | idle units / stage (async) | lockstep bubble | "
+             "temp / device | total / device | total / 1F1B |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for label, where, topology, overrides in rows:
+        base = None
+        for schedule, virtual in (("1f1b", 1), ("zb_h1", 1), ("zb_v", 2)):
+            cfg = load_config(None, [*common, *overrides, f"parallel.pipeline_schedule={schedule}",
+                                     f"parallel.virtual_stages={virtual}"])
+            report = describe(cfg, topology=topology, devices=None if topology else jax.devices())
+            d = report.per_device
+            base = base or d["peak_bytes"]
+            stats = simulate(_schedule_of(cfg))
+            lines.append(f"| {label} | {where} | {schedule} | {stats.num_ticks} | {max(stats.bubble_units)} | "
+                         f"{stats.lockstep_bubble_fraction:.3f} | {human_bytes(d['temp_bytes'])} | "
+                         f"{human_bytes(d['peak_bytes'])} | {d['peak_bytes'] / base:.3f} |")
+            print(lines[-1], flush=True)
+    note = ("" if include_tpu and has_libtpu() else
+            "\nThe TPU row needs the tpu-aot extra (libtpu); it was not run here.\n")
+    return "\n".join(lines), note
+
+
+def _schedule_of(cfg):
+    """The schedule a config with explicit pipeline keys runs."""
+    par = cfg.parallel
+    return build_schedule(par.pipeline_schedule, cfg.mesh.pipeline, par.pipeline_microbatches, par.virtual_stages)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -125,7 +163,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--dtype", default="float32", help="model.compute_dtype (default float32; see above)")
     parser.add_argument("--no-tpu", action="store_true", help="leave out the TPU v5e:2x4 memory row")
+    parser.add_argument("--zero-bubble-only", action="store_true", help="run only the zero-bubble section")
     args = parser.parse_args()
+    command = "python benchmarks/pipeline.py " + " ".join(sys.argv[1:])
+    zero_bubble_section(command.strip(), not args.no_tpu)
+    if args.zero_bubble_only:
+        return
     # The Markov data's transition table must stay small: tokens from the first 4096 of the vocabulary.
     base = [f"train.global_batch_size={args.batch}", f"train.seq_len={args.seq}", "mesh.tensor=1",
             f"model.compute_dtype={args.dtype}", "run.simulate_devices=null", "train.steps=1000",
@@ -147,7 +190,6 @@ def main() -> None:
                     f"{r['total'] / baseline['total']:.2f} | {r['loss']:.4f} |")
     table = "\n".join(rows)
     print(table)
-    command = "python benchmarks/pipeline.py " + " ".join(sys.argv[1:])
     tokens = args.batch * args.seq
     body = (
         provenance(command.strip())
@@ -190,6 +232,27 @@ def main() -> None:
         "logits, gathered weights), that puts the TPU ratio far from the stash ratio 4/32.\n"
     )
     update_section("pipeline_memory", "Pipeline activation memory: GPipe vs 1F1B at m = 8p (`benchmarks/pipeline.py`)",
+                   body)
+
+
+def zero_bubble_section(command: str, include_tpu: bool) -> None:
+    """Write docs/benchmarks.md's pipeline_zero_bubble section."""
+    table, note = zero_bubble_comparison(include_tpu)
+    print(table)
+    body = (
+        provenance(command).replace("- hardware:", "- host (compiles the TPU row through libtpu):")
+        + "- pipeline 4 x fsdp 2, m = 4p = 16 microbatches of one 512-token row per device, no remat; `describe` "
+        "on abstract inputs (nothing allocated); zb_v runs 2 chunks of 2 layers per stage, the others 1 of 4\n"
+        "- ticks and bubbles from the schedule simulator, in time units F = B = W = 1 (a fused backward = 2): "
+        "async = each stage runs its ops back to back as soon as inputs are ready (the zero-bubble paper's "
+        "model); lockstep = every tick lasts its longest op, as in our one-program executor\n"
+        "- temp = the compiled temporaries; total = argument + output + temp - alias\n\n"
+        + table + "\n" + note + "\n"
+        "zb_h1 and zb_v keep, between each microbatch's B and W, the per-matmul output cotangents W needs (the "
+        "`saved` slots) next to the stash, which lives until W: the memory price of filling the bubble "
+        "(docs/pipeline.md). CPU compiles hold every temporary; the TPU row is what a v5e slice would allocate.\n"
+    )
+    update_section("pipeline_zero_bubble", "Zero-bubble pipeline schedules against 1F1B (`benchmarks/pipeline.py`)",
                    body)
 
 

@@ -131,3 +131,20 @@ def test_describe_tables_show_the_schedule():
                    f"bubble fraction {(P - 1) / (M + P - 1):.4f}", "Pipeline stages", "peak in flight",
                    f"{P} slots reserved", "FLOPs per device per step (pipelined)"):
         assert needle in proc.stdout, needle
+
+
+def test_describe_counts_what_zb_h1_keeps_from_b_to_w(devices):
+    # One layer per stage, m = p microbatches of one 32-token row, no remat: B hands W the per-matmul output
+    # cotangents (about a third of a microbatch-chunk's stash, tests/test_split_backward.py), in slots of their own
+    # next to the stash's.
+    cfg = load_config(None, ["model.preset=tiny", f"model.num_layers={P}", f"mesh.pipeline={P}", f"mesh.fsdp={FSDP}",
+                             "mesh.tensor=1", "mesh.data=1", "train.global_batch_size=8", "train.seq_len=32",
+                             f"parallel.pipeline_microbatches={P}", "parallel.remat=none",
+                             "parallel.pipeline_schedule=zb_h1", "run.simulate_devices=null"])
+    report = describe(cfg, devices=devices)
+    pipe = report.pipeline
+    assert pipe.schedule == "zb_h1" and pipe.saved_slots >= 1
+    assert 0.2 * pipe.stash_bytes_per_microbatch <= pipe.saved_bytes_per_microbatch \
+        <= 0.5 * pipe.stash_bytes_per_microbatch
+    assert pipe.stash_bytes_reserved + pipe.saved_bytes_reserved <= report.per_device["temp_bytes"]
+    assert report.to_json()["pipeline"]["saved_bytes_reserved"] == pipe.saved_slots * pipe.saved_bytes_per_microbatch

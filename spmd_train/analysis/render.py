@@ -240,7 +240,8 @@ def _bubble_formula(schedule: str) -> str:
 def _receive_buffers(pipe) -> str:
     """The receive slots in words: split-backward plans keep activations and cotangents in one buffer."""
     if pipe.schedule in ("zb_h1", "zb_v"):
-        return (f"{pipe.activation_slots} + 1 spare, shared by activations and cotangents; B also keeps what W needs "
-                f"in at most as many slots as the stash (B..W lies within F..W), not counted here")
+        return (f"{pipe.activation_slots} + 1 spare, shared by activations and cotangents; B keeps what W needs in "
+                f"{pipe.saved_slots} more slots of {human_bytes(pipe.saved_bytes_per_microbatch)}, "
+                f"{human_bytes(pipe.saved_bytes_reserved)} reserved")
     return (f"{pipe.activation_slots} + 1 spare for activations, {pipe.cotangent_slots} + 1 spare for "
             "cotangents")

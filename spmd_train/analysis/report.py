@@ -27,7 +27,7 @@ from spmd_train.models.flops import flops_per_token
 from spmd_train.parallel.schedules import simulate
 from spmd_train.sharding.arithmetic import rows_per_device, spec_axes, ways
 from spmd_train.train.engine import Engine
-from spmd_train.train.pipelined import stash_bytes_per_microbatch
+from spmd_train.train.pipelined import saved_bytes_per_microbatch, stash_bytes_per_microbatch
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,21 @@ class PipelineReport:
     compiled_flops_all_branches: float | None
     """The loop-aware matmul FLOP count of the compiled program, which counts both the forward and
     the backward branch of the per-tick `lax.switch` on every tick (an over-count; see notes)."""
+    saved_bytes_per_microbatch: int = 0
+    """Split-backward schedules (zb_h1, zb_v): bytes B hands to W for one (microbatch, chunk) on one device (the
+    per-matmul output cotangents W needs; an upper bound like the stash's); 0 for the fused schedules."""
+    saved_slots: int = 0
+    """Slots for those, reserved on every device (0 for the fused schedules)."""
 
     @property
     def stash_bytes_reserved(self) -> int:
         """stash_slots x stash_bytes_per_microbatch: the stash buffers' size on every device."""
         return self.stash_slots * self.stash_bytes_per_microbatch
+
+    @property
+    def saved_bytes_reserved(self) -> int:
+        """saved_slots x saved_bytes_per_microbatch: what B keeps for W, on every device."""
+        return self.saved_slots * self.saved_bytes_per_microbatch
 
     def to_json(self) -> dict[str, Any]:
         """The `pipeline` section of `StepReport.to_json()`."""
@@ -103,6 +113,9 @@ class PipelineReport:
             "stash_bytes_per_microbatch": self.stash_bytes_per_microbatch,
             "stash_slots": self.stash_slots,
             "stash_bytes_reserved": self.stash_bytes_reserved,
+            "saved_bytes_per_microbatch": self.saved_bytes_per_microbatch,
+            "saved_slots": self.saved_slots,
+            "saved_bytes_reserved": self.saved_bytes_reserved,
             "activation_slots": self.activation_slots,
             "cotangent_slots": self.cotangent_slots,
             "per_stage": [{"stage": s.stage, "busy_ticks": s.busy_ticks, "peak_in_flight": s.peak_in_flight,
@@ -326,6 +339,8 @@ def _pipeline_report(engine: Engine) -> PipelineReport:
     p, m, v = sched.stages, sched.microbatches, sched.virtual
     rows = rows_per_device(cfg, sizes)
     per_mb = stash_bytes_per_microbatch(cfg, engine.block_graphdef, engine.param_shapes["blocks"], plan, rows)
+    saved = (saved_bytes_per_microbatch(cfg, engine.block_graphdef, engine.param_shapes["blocks"], plan, rows)
+             if sched.split_backward else 0)
     return PipelineReport(
         schedule=sched.name, stages=p, microbatches=m, virtual_stages=v, microbatch_rows=rows // m,
         ticks=plan.num_ticks, bubble_fraction=stats.bubble_fraction,
@@ -335,7 +350,7 @@ def _pipeline_report(engine: Engine) -> PipelineReport:
         activation_slots=plan.act_slots, cotangent_slots=plan.ct_slots,
         per_stage=[PipelineStage(stage=s, busy_ticks=stats.busy_ticks[s], peak_in_flight=stats.peak_in_flight[s],
                                  stash_bytes=stats.peak_in_flight[s] * per_mb) for s in range(p)],
-        compiled_flops_all_branches=None,
+        compiled_flops_all_branches=None, saved_bytes_per_microbatch=saved, saved_slots=plan.saved_slots,
     )
 
 

@@ -30,6 +30,7 @@ from spmd_train.ops import cross_entropy
 from spmd_train.parallel.pipeline import run_pipeline, stash_layout
 from spmd_train.parallel.pipeline_plan import PipelinePlan, build_plan
 from spmd_train.parallel.schedules import build_schedule, resolved_microbatches
+from spmd_train.parallel.split_backward import split_vjp
 from spmd_train.sharding.arithmetic import rows_per_device
 from spmd_train.sharding.constrain import constrain
 from spmd_train.train.inputs import model_inputs
@@ -116,11 +117,25 @@ def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_
     Traced without a mesh on the device's own slice of the batch, so activations split over
     `tensor` count whole: exact without tensor parallelism, an upper bound with it.
     """
+    layout = stash_layout(_stage_fn(cfg, block_graphdef), *_chunk_inputs(cfg, block_shapes, plan, rows_per_device))
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stashed)
+
+
+def saved_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_shapes: Any, plan: PipelinePlan,
+                               rows_per_device: int) -> int:
+    """Bytes a split-backward schedule's B hands to its W for one (microbatch, chunk) on a device (upper bound, as
+    `stash_bytes_per_microbatch`): the values `split_backward.split_vjp` finds W reads."""
+    chunk, x, docs = _chunk_inputs(cfg, block_shapes, plan, rows_per_device)
+    return split_vjp(_stage_fn(cfg, block_graphdef), chunk, x, docs).saved_bytes
+
+
+def _chunk_inputs(cfg: Config, block_shapes: Any, plan: PipelinePlan, rows_per_device: int) -> tuple:
+    """Abstract (chunk parameters, microbatch activation, documents) of one stage chunk, traced without a mesh on
+    the device's own slice of the batch, so activations split over `tensor` count whole."""
     sched = plan.schedule
     per_chunk = cfg.model.num_layers // (sched.stages * sched.virtual)
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per_chunk, *a.shape[1:]), a.dtype), block_shapes)
     rows = rows_per_device // sched.microbatches
     x = jax.ShapeDtypeStruct((rows, cfg.train.seq_len, cfg.model.d_model), jnp.dtype(cfg.model.compute_dtype))
     docs = (jax.ShapeDtypeStruct((rows, cfg.train.seq_len), jnp.int32),) * 2 if cfg.data.masks_documents else ()
-    layout = stash_layout(_stage_fn(cfg, block_graphdef), chunk, x, docs)
-    return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stashed)
+    return chunk, x, docs

@@ -53,3 +53,11 @@ def test_the_128k_context_figure_in_docs_is_the_benchmark_sections():
     quoted = re.findall(r"peak memory per chip ([\d.]+ GiB)|([\d.]+ GiB) per v5p chip", doc)
     quoted = [a or b for a, b in quoted]
     assert len(quoted) == 2 and set(quoted) == {peak}, (quoted, peak)
+
+
+def test_the_zero_bubble_memory_ratios_in_docs_are_the_benchmark_sections():
+    rows = {(row[1], row[2]): row[8] for row in _rows(_section("pipeline_zero_bubble"))[1:]}
+    doc = (ROOT / "docs" / "pipeline.md").read_text()
+    quoted = re.search(r"`zb_h1`'s step needs ([\d.]+)x the memory of 1F1B's and `zb_v`'s ([\d.]+)x", doc, re.S)
+    assert quoted, "docs/pipeline.md no longer quotes the zero-bubble memory ratios"
+    assert (quoted.group(1), quoted.group(2)) == (rows["TPU v5e:2x4", "zb_h1"], rows["TPU v5e:2x4", "zb_v"])

@@ -239,7 +239,7 @@ def _bubble_formula(schedule: str) -> str:
 
 def _receive_buffers(pipe) -> str:
     """The receive slots in words: split-backward plans keep activations and cotangents in one buffer."""
-    if pipe.schedule in ("zb_h1", "zb_v"):
+    if pipe.saved_slots:  # split-backward plans only
         return (f"{pipe.activation_slots} + 1 spare, shared by activations and cotangents; B keeps what W needs in "
                 f"{pipe.saved_slots} more slots of {human_bytes(pipe.saved_bytes_per_microbatch)}, "
                 f"{human_bytes(pipe.saved_bytes_reserved)} reserved")

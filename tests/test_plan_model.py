@@ -276,7 +276,10 @@ def test_zero3_moves_three_parameter_volumes_and_zero1_too_by_hand():
 
 
 @pytest.mark.parametrize("overrides", [[], ["parallel.remat=full", "train.grad_accum=2"],
-                                       ["mesh.fsdp=1", "mesh.expert=8"]])
+                                       ["mesh.fsdp=1", "mesh.expert=8"],
+                                       # Pipelined: a device runs its stage's MoE layers, once per microbatch.
+                                       ["mesh.pipeline=2", "mesh.expert=2", "model.num_layers=8",
+                                        "parallel.pipeline_schedule=zb_h1"]])
 def test_expert_all_to_alls_equal_the_moe_report(devices, overrides):
     cfg, engine = _build(devices, "configs/moe.yaml", *overrides)
     shape, candidate, work = _planned(cfg, engine)

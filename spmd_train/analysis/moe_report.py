@@ -50,7 +50,9 @@ def moe_section(engine) -> dict[str, Any] | None:
     length_axes = [a for a in entry_axes(layout.activation_spec(P(None, "length")), 1) if mesh.shape[a] > 1]
     length_ways = math.prod(mesh.shape[a] for a in length_axes)
     groups = math.prod(mesh.shape[a] for a in batch_axes) * length_ways
-    rows = t.global_batch_size // (t.grad_accum * math.prod(mesh.shape[a] for a in batch_axes))
+    # A group is one microbatch's share: of gradient accumulation and, pipelined, of the pipeline's microbatches.
+    microbatches = t.grad_accum * (engine.plan.schedule.microbatches if engine.plan is not None else 1)
+    rows = t.global_batch_size // (microbatches * math.prod(mesh.shape[a] for a in batch_axes))
     tokens = rows * t.seq_len // length_ways
     moe, choice = m.moe, cfg.backends
     dropless = choice.moe == "dropless"
@@ -77,31 +79,34 @@ def moe_section(engine) -> dict[str, Any] | None:
         "expert_params": _expert_params(engine),
         "active_params": {"matmul": matmul_params(m), "per_moe_layer_mlp": active_moe_mlp_params(m),
                           "total": engine.num_params},
-        "all_to_all": _all_to_all(cfg, layers, ways, slots, tokens, dtype_bytes),
+        "all_to_all": _all_to_all(cfg, layers // mesh.shape["pipeline"], microbatches, ways, slots, tokens,
+                                  dtype_bytes),
     }
 
 
-def _all_to_all(cfg, layers: int, ways: int, slots: int | None, tokens: int, dtype_bytes: int) -> dict[str, Any]:
-    """Expected all-to-alls over `expert` per step: count and bytes each device sends."""
-    m, t, moe = cfg.model, cfg.train, cfg.model.moe
+def _all_to_all(cfg, layers: int, microbatches: int, ways: int, slots: int | None, tokens: int,
+                dtype_bytes: int) -> dict[str, Any]:
+    """Expected all-to-alls over `expert` per step: count and bytes each device sends (`layers`: the MoE layers one
+    device runs, all of them unless pipelined)."""
+    m, moe = cfg.model, cfg.model.moe
     if ways == 1:
         return {"count": 0, "bytes_per_device": 0.0, "exact": True,
                 "formula": "mesh.expert=1: every device holds every expert, no exchange"}
     per_layer = 4 if cfg.parallel.remat == "none" else 6
-    count = layers * t.grad_accum * per_layer
+    count = layers * microbatches * per_layer
     share = (ways - 1) / ways  # the part of each buffer that leaves the device
     if cfg.backends.moe == "dropless":
         # ragged_all_to_all moves what the routing decides; under balanced routing a share
         # (N-1)/N of the k x tokens assignments leaves the device each way.
         exchange = moe.experts_per_token * tokens * m.d_model * dtype_bytes * share
-        formula = (f"{layers} layers x {t.grad_accum} microbatches x {per_layer} ragged exchanges "
+        formula = (f"{layers} layers x {microbatches} microbatches x {per_layer} ragged exchanges "
                    f"x k={moe.experts_per_token} x {tokens} tokens x d_model={m.d_model} x {dtype_bytes} B "
                    f"x ({ways}-1)/{ways} "
                    "(balanced routing; the real figure depends on the routing)")
         return {"count": count, "per_layer_per_microbatch": per_layer, "bytes_per_exchange": exchange,
                 "bytes_per_device": count * exchange, "exact": False, "formula": formula}
     exchange = moe.num_experts * slots * m.d_model * dtype_bytes * share
-    formula = (f"{layers} layers x {t.grad_accum} microbatches x {per_layer} all-to-alls x E={moe.num_experts} "
+    formula = (f"{layers} layers x {microbatches} microbatches x {per_layer} all-to-alls x E={moe.num_experts} "
                f"x C={slots} x d_model={m.d_model} x {dtype_bytes} B x ({ways}-1)/{ways}")
     return {"count": count, "per_layer_per_microbatch": per_layer, "bytes_per_exchange": exchange,
             "bytes_per_device": count * exchange, "exact": True, "formula": formula}

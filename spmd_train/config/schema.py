@@ -175,6 +175,11 @@ class ModelConfig:
         return self.moe.every if self.moe is not None else 0
 
     @property
+    def stack_rows(self) -> int:
+        """Rows of the stacked layer parameters: one per layer, or per MoE group (every > 1 layers ending in MoE)."""
+        return self.num_layers // self.moe_every if self.moe_every > 1 else self.num_layers
+
+    @property
     def resolved_moe_d_ff(self) -> int:
         """Per-expert hidden width: `moe.d_ff` when set, else d_ff."""
         return self.moe.d_ff if self.moe is not None and self.moe.d_ff is not None else self.d_ff

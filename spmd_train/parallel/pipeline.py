@@ -14,6 +14,11 @@ the residuals of the microbatches the schedule keeps in flight: at most p - s un
 m under GPipe, whatever `parallel.remat` leaves in them. Idle ticks run no stage code at all
 (`lax.switch`), so a bubble can never put garbage into anything that reaches a gradient.
 
+A stage may also return a loss term of its own and statistics (`extras=True`: MoE layers' router
+losses and routing counts): the term joins its microbatch's loss, so each backward starts from the
+pair (d loss / d y, 1 / microbatches); the statistics, summed over microbatches per chunk, leave the
+pipeline as means beside the gradients.
+
 Split-backward schedules (zb_h1, zb_v) run their own tick loop, `pipeline_split.run_split_ticks`, inside the
 same shard_map: B and W ops, a saved slot per B..W pair, V-placed chunks.
 
@@ -34,16 +39,18 @@ from spmd_train.parallel.pipeline_split import head_on_last_chunk, run_split_tic
 
 AXIS = "pipeline"
 
-StageFn = Callable[..., jax.Array]
+StageFn = Callable[..., Any]
 """(one chunk's stacked layer parameters [layers_per_chunk, ...], x[, context]) -> y, same shape as x; `context`
-is the microbatch's slice of run_pipeline's `context`, when one is given (not differentiated)."""
+is the microbatch's slice of run_pipeline's `context`, when one is given (not differentiated). With
+`extras=True`: -> (y, loss term (a scalar added to that microbatch's loss), statistics (a pytree whose leaves
+have the chunk's layers on axis 0))."""
 HeadFn = Callable[[Any, jax.Array, Any], jax.Array]
 """(head parameters, last chunk's output, the microbatch's targets) -> scalar loss of that microbatch."""
 
 
 def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks: Any, head: Any, inputs: jax.Array,
-                 targets: Any, *, context: Any = None,
-                 mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, Any, Any, jax.Array]:
+                 targets: Any, *, context: Any = None, mesh: jax.sharding.Mesh | None = None,
+                 extras: bool = False) -> tuple[jax.Array, Any, Any, jax.Array] | tuple[jax.Array, Any, Any, jax.Array, Any]:
     """Loss and gradients of the mean over microbatches of head_fn(stages(inputs[i]), targets[i]).
 
     `blocks` has the layers stacked on axis 0 in storage order (split over `pipeline`: device d
@@ -51,7 +58,9 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     `inputs` is [microbatches, ...] (the embedded microbatches), `targets` has a leading
     microbatch axis, and so does `context` (e.g. each microbatch's document segments), which every
     stage passes to `stage_fn` with the microbatch it runs. Returns (loss, d loss / d blocks,
-    d loss / d head, d loss / d inputs).
+    d loss / d head, d loss / d inputs), and with `extras` the stages' statistics, each leaf the mean over
+    microbatches with the whole stack's units in storage order on axis 0 (the loss terms count in the gradients;
+    the returned loss is the heads' alone).
     `mesh` is the device mesh (default: the one set with `jax.set_mesh`); inside another
     shard_map the enclosing abstract mesh is used.
     """
@@ -61,10 +70,10 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         raise ValueError(f"inputs has {inputs.shape[0]} microbatches, the schedule {m}")
     rows = jnp.asarray(plan.rows)
     col = {name: i for i, name in enumerate(FIELDS)}  # split-backward plans: their own columns, pipeline_split
-    if context is None:
-        context, run_stage = (), lambda params, x, _: stage_fn(params, x)
-    else:
-        run_stage = stage_fn
+    run_stage = executor_stage(stage_fn, has_context=context is not None, extras=extras)
+    context = () if context is None else context
+    # The loss term's cotangent: it enters the mean over microbatches like each microbatch's loss.
+    term_ct = jnp.asarray(1 / m, jnp.float32)
 
     def local(blocks, head, inputs, targets, context):
         stage = jax.lax.axis_index(AXIS)
@@ -74,42 +83,44 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
         of_microbatch = lambda tree, mb: jax.tree.map(lambda a: a[mb], tree)
         vjp_layout = _VjpLayout.of(run_stage, chunk_params(0), x_like, of_microbatch(context, 0))
+        stats = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), vjp_layout.stats)
         if sched.split_backward:
-            grads, head_grads, loss, d_inputs = run_split_ticks(plan, run_stage, head_fn, chunks, head, inputs,
-                                                                targets, context, vjp_layout)
-            return _finish(grads, head_grads, loss, d_inputs)
+            grads, head_grads, loss, d_inputs, stats = run_split_ticks(plan, run_stage, head_fn, chunks, head, inputs,
+                                                                       targets, context, vjp_layout, stats)
+            return _finish(grads, head_grads, loss, d_inputs, stats, m)
 
         acts = jnp.zeros((plan.act_slots + 1, *x_like.shape), x_like.dtype)  # + 1: the spare slot
         cts = jnp.zeros((plan.ct_slots + 1, *x_like.shape), x_like.dtype)
         stash = [jnp.zeros((plan.stash_slots, *a.shape), a.dtype) for a in vjp_layout.stashed]
         grads = jax.tree.map(jnp.zeros_like, chunks)
         head_grads = jax.tree.map(jnp.zeros_like, head)
-        carry = (acts, cts, stash, grads, head_grads, jnp.zeros((), jnp.float32), jnp.zeros_like(inputs))
+        carry = (acts, cts, stash, grads, head_grads, jnp.zeros((), jnp.float32), jnp.zeros_like(inputs), stats)
 
         def forward(carry, row):
-            acts, cts, stash, grads, head_grads, loss, d_inputs = carry
+            acts, cts, stash, grads, head_grads, loss, d_inputs, stats = carry
             mb, k, slot = row[col["microbatch"]], row[col["chunk"]], row[col["stash"]]
             read = row[col["read"]]
             x = jnp.where(read < 0, inputs[mb], acts[read])
             params = chunk_params(k)
             ctx = of_microbatch(context, mb)
-            y, vjp = jax.vjp(lambda params, x: run_stage(params, x, ctx), params, x)
+            (y, _), vjp, stats_mb = jax.vjp(lambda params, x: run_stage(params, x, ctx), params, x, has_aux=True)
+            stats = jax.tree.map(lambda acc, s: acc.at[k].add(s), stats, stats_mb)
             stash = [buf.at[slot].set(r) for buf, r in zip(stash, vjp_layout.residuals(vjp, params), strict=True)]
             is_last = (stage == p - 1) & (k == v - 1)
             loss_mb, g_head, dy = head_on_last_chunk(head_fn, head, y, of_microbatch(targets, mb), m, is_last)
             cts = cts.at[row[col["write_ct"]]].set(dy.astype(cts.dtype))
             head_grads = jax.tree.map(jnp.add, head_grads, g_head)
-            return (acts, cts, stash, grads, head_grads, loss + loss_mb.astype(jnp.float32), d_inputs), y, x_like
+            return (acts, cts, stash, grads, head_grads, loss + loss_mb.astype(jnp.float32), d_inputs, stats), y, x_like
 
         def backward(carry, row):
-            acts, cts, stash, grads, head_grads, loss, d_inputs = carry
+            acts, cts, stash, grads, head_grads, loss, d_inputs, stats = carry
             mb, k, slot = row[col["microbatch"]], row[col["chunk"]], row[col["stash"]]
             vjp = vjp_layout.rebuild(chunk_params(k), [buf[slot] for buf in stash])
-            g_chunk, dx = vjp(cts[row[col["read"]]])
+            g_chunk, dx = vjp((cts[row[col["read"]]], term_ct))
             grads = jax.tree.map(lambda acc, g: acc.at[k].add(g.astype(acc.dtype)), grads, g_chunk)
             first = (stage == 0) & (k == 0)
             d_inputs = d_inputs.at[mb].set(jnp.where(first, dx, d_inputs[mb]))
-            return (acts, cts, stash, grads, head_grads, loss, d_inputs), x_like, dx
+            return (acts, cts, stash, grads, head_grads, loss, d_inputs, stats), x_like, dx
 
         def idle(carry, row):
             return carry, x_like, x_like
@@ -125,34 +136,50 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
             return (acts, cts, *rest), None
 
         carry, _ = jax.lax.scan(tick, carry, rows)
-        _, _, _, grads, head_grads, loss, d_inputs = carry
-        return _finish(grads, head_grads, loss, d_inputs)
+        _, _, _, grads, head_grads, loss, d_inputs, stats = carry
+        return _finish(grads, head_grads, loss, d_inputs, stats, m)
 
     block_spec = jax.tree.map(lambda _: P(AXIS), blocks)
     rest_spec = lambda tree: jax.tree.map(lambda _: P(), tree)
     abstract = jax.sharding.get_abstract_mesh()
     if not abstract.empty and (abstract.manual_axes or mesh is None):
         mesh = abstract
-    return jax.shard_map(
+    stats_like = _VjpLayout.stats_of(run_stage, blocks, inputs, context, p * v)
+    out = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(block_spec, rest_spec(head), P(), rest_spec(targets), rest_spec(context)),
-        out_specs=(P(), block_spec, rest_spec(head), P()),
+        out_specs=(P(), block_spec, rest_spec(head), P(), jax.tree.map(lambda _: P(AXIS), stats_like)),
         axis_names={AXIS},
         check_vma=False,
     )(blocks, head, inputs, targets, context)
+    return out if extras else out[:4]
 
 
-def _finish(grads: Any, head_grads: Any, loss: jax.Array, d_inputs: jax.Array) -> tuple:
-    """(loss, grads, head grads, d inputs) of the whole pipeline from one stage's accumulators."""
-    grads = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), grads)
+def executor_stage(stage_fn: StageFn, *, has_context: bool = True, extras: bool = False) -> Callable:
+    """stage_fn as the executor runs it: (params, x, context) -> ((y, loss term), statistics), for `jax.vjp` with
+    has_aux (a stage without extras has the loss term 0 and no statistics)."""
+
+    def run(params, x, context):
+        out = stage_fn(params, x, context) if has_context else stage_fn(params, x)
+        y, term, stats = out if extras else (out, jnp.zeros((), jnp.float32), {})
+        return (y, jnp.asarray(term, jnp.float32)), stats
+
+    return run
+
+
+def _finish(grads: Any, head_grads: Any, loss: jax.Array, d_inputs: jax.Array, stats: Any, microbatches: int) -> tuple:
+    """(loss, grads, head grads, d inputs, statistics) of the whole pipeline from one stage's accumulators."""
+    unstack = lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:])
+    grads = jax.tree.map(unstack, grads)
+    stats = jax.tree.map(lambda a: unstack(a) / microbatches, stats)
     # The loss and head gradients live on the stage of the last chunk, the input gradients on stage 0.
     # Summed in fp32: exact either way (one stage holds each value), and XLA:CPU cannot
     # compile a bf16 all-reduce inside a partly manual region.
     totals = jax.tree.map(lambda a: a.astype(jnp.float32), (loss, head_grads, d_inputs))
     loss, head_grads, d_inputs = jax.tree.map(lambda t, a: t.astype(a.dtype), jax.lax.psum(totals, AXIS),
                                               (loss, head_grads, d_inputs))
-    return loss, grads, head_grads, d_inputs
+    return loss, grads, head_grads, d_inputs, stats
 
 
 class _VjpLayout:
@@ -165,22 +192,30 @@ class _VjpLayout:
     VJP from (weights, stash) at backward time.
     """
 
-    def __init__(self, treedef, weight_index: list[int | None], stashed: list[jax.ShapeDtypeStruct]):
-        self.treedef, self.weight_index, self.stashed = treedef, weight_index, stashed
+    def __init__(self, treedef, weight_index: list[int | None], stashed: list[jax.ShapeDtypeStruct], stats: Any):
+        self.treedef, self.weight_index, self.stashed, self.stats = treedef, weight_index, stashed, stats
 
     @classmethod
-    def of(cls, stage_fn: StageFn, params: Any, x: jax.Array, context: Any = ()) -> _VjpLayout:
-        """From one abstract trace of stage_fn(params, x, context)."""
+    def of(cls, stage_fn: Callable, params: Any, x: jax.Array, context: Any = ()) -> _VjpLayout:
+        """From one abstract trace of stage_fn(params, x, context) -> (output, statistics)."""
         found = {}
 
         def trace(params, x, context):
-            _, vjp = jax.vjp(lambda params, x: stage_fn(params, x, context), params, x)
+            _, vjp, stats = jax.vjp(lambda params, x: stage_fn(params, x, context), params, x, has_aux=True)
             leaves, found["treedef"] = jax.tree.flatten(vjp)
             found["index"] = _weight_index(leaves, jax.tree.leaves(params))
-            return [leaf for leaf, w in zip(leaves, found["index"], strict=True) if w is None]
+            return [leaf for leaf, w in zip(leaves, found["index"], strict=True) if w is None], stats
 
-        stashed = jax.eval_shape(trace, params, x, context)
-        return cls(found["treedef"], found["index"], stashed)
+        stashed, stats = jax.eval_shape(trace, params, x, context)
+        return cls(found["treedef"], found["index"], stashed, stats)
+
+    @staticmethod
+    def stats_of(stage_fn: Callable, blocks: Any, inputs: jax.Array, context: Any, chunks: int) -> Any:
+        """The shapes of a whole stack's statistics: one chunk's, with `chunks` times its units on axis 0."""
+        chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // chunks, *a.shape[1:]), a.dtype), blocks)
+        mb = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+        stats = jax.eval_shape(lambda c, x, ctx: stage_fn(c, x, ctx)[1], chunk, mb(inputs), mb(context))
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * chunks, *a.shape[1:]), a.dtype), stats)
 
     def residuals(self, vjp, params: Any) -> list[jax.Array]:
         """The leaves of a VJP of the same stage function, on `params`, that must be stashed."""
@@ -196,10 +231,10 @@ class _VjpLayout:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def stash_layout(stage_fn: StageFn, params: Any, x: Any, context: Any = ()) -> _VjpLayout:
+def stash_layout(stage_fn: StageFn, params: Any, x: Any, context: Any = (), *, extras: bool = False) -> _VjpLayout:
     """How a stage's VJP, stage_fn(params, x, context), splits into weights and stashed residuals (`.stashed`:
-    their shapes), abstractly."""
-    return _VjpLayout.of(stage_fn, params, x, context)
+    their shapes), abstractly (`extras` as in `run_pipeline`)."""
+    return _VjpLayout.of(executor_stage(stage_fn, extras=extras), params, x, context)
 
 
 def _weight_index(leaves: list, weights: list) -> list[int | None]:

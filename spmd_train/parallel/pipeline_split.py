@@ -44,8 +44,11 @@ def head_on_last_chunk(head_fn: Callable, head: Any, y: jax.Array, target: Any, 
 
 
 def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, chunks: Any, head: Any,
-                    inputs: jax.Array, targets: Any, context: Any, vjp_layout: Any) -> tuple[Any, Any, Any, Any]:
-    """One stage's (grads [v, ...], head grads, loss, d inputs) from running the plan's F, B and W ops."""
+                    inputs: jax.Array, targets: Any, context: Any, vjp_layout: Any,
+                    stats: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """One stage's (grads [v, ...], head grads, loss, d inputs, statistics summed per chunk) from running the plan's
+    F, B and W ops; `run_stage` as the fused executor runs it: (params, x, context) -> ((y, loss term), statistics),
+    `stats` the zero statistics accumulators."""
     p, m, last = plan.schedule.stages, plan.schedule.microbatches, plan.schedule.stages * plan.schedule.virtual - 1
     col = {name: i for i, name in enumerate(plan.fields)}
     stage = jax.lax.axis_index(AXIS)
@@ -53,49 +56,51 @@ def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, 
     of_microbatch = lambda tree, mb: jax.tree.map(lambda a: a[mb], tree)
     x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
     # Traced once, abstractly, on what the forward runs: B and W are slices of that one fused backward.
-    split = split_vjp(run_stage, chunk_params(0), x_like, of_microbatch(context, 0))
+    split = split_vjp(run_stage, chunk_params(0), x_like, of_microbatch(context, 0), has_aux=True)
+    term_ct = jnp.asarray(1 / m, jnp.float32)  # the stage's loss term enters the mean over microbatches
 
     bufs = jnp.zeros((plan.act_slots + 1, *x_like.shape), x_like.dtype)  # + 1: the spare slot
     stash = [jnp.zeros((plan.stash_slots, *a.shape), a.dtype) for a in vjp_layout.stashed]
     saved = [jnp.zeros((plan.saved_slots, *a.shape), a.dtype) for a in split.saved]
     grads = jax.tree.map(jnp.zeros_like, chunks)
     head_grads = jax.tree.map(jnp.zeros_like, head)
-    carry = (bufs, stash, saved, grads, head_grads, jnp.zeros((), jnp.float32), jnp.zeros_like(inputs))
+    carry = (bufs, stash, saved, grads, head_grads, jnp.zeros((), jnp.float32), jnp.zeros_like(inputs), stats)
 
     def rebuilt_vjp(stash, row):
         k, slot = row[col["chunk"]], row[col["stash"]]
         return vjp_layout.rebuild(chunk_params(k), [buf[slot] for buf in stash])
 
     def forward(carry, row):
-        bufs, stash, saved, grads, head_grads, loss, d_inputs = carry
+        bufs, stash, saved, grads, head_grads, loss, d_inputs, stats = carry
         mb, k, read = row[col["microbatch"]], row[col["chunk"]], row[col["read"]]
         x = jnp.where(read < 0, inputs[mb], bufs[read])
         params, ctx = chunk_params(k), of_microbatch(context, mb)
-        y, vjp = jax.vjp(lambda params, x: run_stage(params, x, ctx), params, x)
+        (y, _), vjp, stats_mb = jax.vjp(lambda params, x: run_stage(params, x, ctx), params, x, has_aux=True)
+        stats = jax.tree.map(lambda acc, s: acc.at[k].add(s), stats, stats_mb)
         slot = row[col["stash"]]
         stash = [buf.at[slot].set(r) for buf, r in zip(stash, vjp_layout.residuals(vjp, params), strict=True)]
         is_last = row[col["model_chunk"]] == last
         loss_mb, g_head, dy = head_on_last_chunk(head_fn, head, y, of_microbatch(targets, mb), m, is_last)
         head_grads = jax.tree.map(jnp.add, head_grads, g_head)
         out = jnp.where(is_last, dy.astype(y.dtype), y)  # the last chunk's output is its own B's cotangent
-        return (bufs, stash, saved, grads, head_grads, loss + loss_mb, d_inputs), out
+        return (bufs, stash, saved, grads, head_grads, loss + loss_mb, d_inputs, stats), out
 
     def input_grad(carry, row):
-        bufs, stash, saved, grads, head_grads, loss, d_inputs = carry
+        bufs, stash, saved, grads, head_grads, loss, d_inputs, stats = carry
         mb = row[col["microbatch"]]
-        dx, values = split.input_grad(rebuilt_vjp(stash, row), bufs[row[col["read"]]])
+        dx, values = split.input_grad(rebuilt_vjp(stash, row), (bufs[row[col["read"]]], term_ct))
         slot = row[col["saved"]]
         saved = [buf.at[slot].set(v.astype(buf.dtype)) for buf, v in zip(saved, values, strict=True)]
         first = row[col["model_chunk"]] == 0
         d_inputs = d_inputs.at[mb].set(jnp.where(first, dx, d_inputs[mb]))
-        return (bufs, stash, saved, grads, head_grads, loss, d_inputs), dx.astype(x_like.dtype)
+        return (bufs, stash, saved, grads, head_grads, loss, d_inputs, stats), dx.astype(x_like.dtype)
 
     def weight_grad(carry, row):
-        bufs, stash, saved, grads, head_grads, loss, d_inputs = carry
+        bufs, stash, saved, grads, head_grads, loss, d_inputs, stats = carry
         k, slot = row[col["chunk"]], row[col["saved"]]
         g_chunk = split.weight_grad(rebuilt_vjp(stash, row), [buf[slot] for buf in saved])
         grads = jax.tree.map(lambda acc, g: acc.at[k].add(g.astype(acc.dtype)), grads, g_chunk)
-        return (bufs, stash, saved, grads, head_grads, loss, d_inputs), x_like
+        return (bufs, stash, saved, grads, head_grads, loss, d_inputs, stats), x_like
 
     def idle(carry, row):
         return carry, x_like
@@ -113,5 +118,5 @@ def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, 
         return (bufs, *rest), None
 
     carry, _ = jax.lax.scan(tick, carry, jnp.asarray(plan.rows))
-    _, _, _, grads, head_grads, loss, d_inputs = carry
-    return grads, head_grads, loss, d_inputs
+    _, _, _, grads, head_grads, loss, d_inputs, stats = carry
+    return grads, head_grads, loss, d_inputs, stats

@@ -435,10 +435,16 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
             f"(train.global_batch_size={t.global_batch_size} / train.grad_accum={t.grad_accum} / batch axes): "
             f"microbatches must be equal (valid: a divisor of {rows}: {divisors(rows)})"
         )
+    depth = m.num_layers // (p * v)
+    if m.moe_every > 1 and depth % m.moe_every:
+        # The stack's rows are whole MoE groups (every - 1 dense layers, then the MoE layer): a stage holds whole rows.
+        raise ConfigError(
+            f"model.moe.every={m.moe_every} does not divide the {depth} layer{'s' * (depth > 1)} each pipeline stage"
+            f"{' chunk' if v > 1 else ''} holds (model.num_layers={m.num_layers} / mesh.pipeline={p}"
+            f"{f' / parallel.virtual_stages={v}' if v > 1 else ''}): an MoE group of {m.moe_every} layers would be "
+            f"split across stages (valid model.moe.every: {divisors(depth)}, or a multiple of "
+            f"{p * v * m.moe_every} layers)")
     build_schedule(par.pipeline_schedule, p, micro, v)
-    if m.moe is not None:
-        raise ConfigError(f"model.moe (every={m.moe.every}) with mesh.pipeline={p}: MoE layers inside pipeline "
-                          "stages are not supported yet (valid: mesh.pipeline=1 for MoE models, or model.moe=null)")
 
 
 def resolved_microbatches(cfg: Config, stages: int, rows: int) -> int:

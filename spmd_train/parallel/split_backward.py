@@ -47,7 +47,7 @@ class SplitVjp:
     included), in that order; either the list or the VJP function itself may be passed.
     """
 
-    input_jaxpr: ClosedJaxpr  # (*residuals, dy) -> (dx, *saved)
+    input_jaxpr: ClosedJaxpr  # (*residuals, *dy leaves) -> (dx, *saved)
     weight_jaxpr: ClosedJaxpr  # (*residuals, *saved) -> leaves of the weight gradients
     residual_avals: tuple[jax.ShapeDtypeStruct, ...]
     is_weight: tuple[bool, ...]  # which residual leaves are the stage's weights themselves (not stashed)
@@ -55,9 +55,10 @@ class SplitVjp:
     params_treedef: Any
     fused: Callable[[Sequence[jax.Array], jax.Array], tuple[Any, jax.Array]]  # the unsplit VJP, for comparison
 
-    def input_grad(self, residuals: Any, dy: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-        """B: the gradient w.r.t. the stage input, and the values W will need."""
-        dx, *saved = jaxpr_as_fun(self.input_jaxpr)(*self._leaves(residuals), dy)
+    def input_grad(self, residuals: Any, dy: Any) -> tuple[jax.Array, list[jax.Array]]:
+        """B: the gradient w.r.t. the stage input, and the values W will need (`dy`: the output's cotangent, a pytree
+        when the stage's output is one)."""
+        dx, *saved = jaxpr_as_fun(self.input_jaxpr)(*self._leaves(residuals), *jax.tree.leaves(dy))
         return dx, saved
 
     def weight_grad(self, residuals: Any, saved: Sequence[jax.Array]) -> Any:
@@ -93,12 +94,13 @@ class SplitVjp:
         return leaves
 
 
-def split_vjp(stage_fn: Callable[..., jax.Array], params: Any, x: Any, context: Any = None, *,
-              recompute: bool = False) -> SplitVjp:
+def split_vjp(stage_fn: Callable[..., Any], params: Any, x: Any, context: Any = None, *,
+              recompute: bool = False, has_aux: bool = False) -> SplitVjp:
     """Split the VJP of stage_fn(params, x[, context]) w.r.t. (params, x) into B and W; traces abstractly.
 
     `params`, `x` and `context` may be arrays or `jax.ShapeDtypeStruct`s; `context` (e.g. document
-    segments) is not differentiated, and None means stage_fn takes two arguments.
+    segments) is not differentiated, and None means stage_fn takes two arguments. The output may be a
+    pytree (e.g. the activation and a loss term); has_aux: stage_fn returns (output, aux), as `jax.vjp`'s.
     recompute=False: W reuses every value B computed that it needs (B + W cost the fused backward).
     recompute=True: W recomputes the values that depend on the residuals alone (under remat=full,
     the layers' forward) and is handed only those that depend on dy; fewer saved bytes, more FLOPs.
@@ -107,7 +109,7 @@ def split_vjp(stage_fn: Callable[..., jax.Array], params: Any, x: Any, context: 
 
     def residuals(params, x, context):
         fn = (lambda p, x: stage_fn(p, x)) if context is None else (lambda p, x: stage_fn(p, x, context))
-        y, vjp = jax.vjp(fn, params, x)
+        y, vjp, *_ = jax.vjp(fn, params, x, has_aux=has_aux)
         leaves, found["treedef"] = jax.tree.flatten(vjp)
         weights = {id(w) for w in jax.tree.leaves(params)}  # forwarded weights appear as the very input arrays
         found["is_weight"] = tuple(id(leaf) in weights for leaf in leaves)
@@ -121,9 +123,9 @@ def split_vjp(stage_fn: Callable[..., jax.Array], params: Any, x: Any, context: 
 
     closed = jax.make_jaxpr(fused)(res_avals, y_aval)
     n_grads = len(closed.jaxpr.outvars) - 1
-    n_res = len(res_avals)
+    n_res, n_dy = len(res_avals), len(jax.tree.leaves(y_aval))
     # dy is B's alone: by the time W runs, the cotangent buffer it came in has been reused.
-    b_jaxpr, w_jaxpr, saved = _partition(closed.jaxpr, [False] * n_grads + [True], [True] * n_res + [False],
+    b_jaxpr, w_jaxpr, saved = _partition(closed.jaxpr, [False] * n_grads + [True], [True] * n_res + [False] * n_dy,
                                          recompute)
     params_treedef = jax.tree.structure(jax.eval_shape(lambda p: p, params))
     return SplitVjp(

@@ -122,7 +122,7 @@ class Engine:
         plan = order = None
         if mesh.shape["pipeline"] > 1:
             plan = pipeline_plan(cfg, dict(mesh.shape))
-            order = layer_order(cfg.model.num_layers, mesh.shape["pipeline"], cfg.parallel.virtual_stages,
+            order = layer_order(cfg.model.stack_rows, mesh.shape["pipeline"], cfg.parallel.virtual_stages,
                                 plan.schedule.placement)
             if (order == np.arange(order.size)).all():
                 order = None
@@ -221,7 +221,7 @@ class Engine:
 
     def reorder_layers(self, state: TrainState, saved: list[int] | None) -> TrainState:
         """A state restored from a run that stored its layer stack in order `saved`, in this run's order."""
-        n = self.cfg.model.num_layers
+        n = self.cfg.model.stack_rows
         saved_order = np.arange(n) if saved is None else np.asarray(saved)
         current = np.arange(n) if self.layer_order is None else self.layer_order
         if (saved_order == current).all():

@@ -12,6 +12,14 @@ With interleaved 1F1B device d holds chunks d, d+p, d+2p, ... (with zb_v chunks 
 parameters are stored as one stack split in contiguous blocks over `pipeline`; `layer_order` says
 which model layer each stored row is, and the engine stores parameters in that order (and records it).
 The loss lives on the stage of the last chunk: stage p-1, or stage 0 under zb_v.
+
+MoE layers run inside the stages (their expert dispatch nests its own shard_map in the pipeline's).
+A microbatch's objective is what the model's is with train.grad_accum microbatches: its cross-entropy
+plus the weighted router losses of its own tokens (each chunk adds its layers' share as the stage's loss
+term). That is exact, and it is the only exact choice: the whole batch's aux loss weighs each
+microbatch's router probabilities by routing fractions that depend on microbatches whose forward has
+not run when an earlier one's backward must (1F1B and every schedule after it). The router statistics
+are averaged over microbatches per layer, as gradient accumulation averages them.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from flax import nnx
 from spmd_train.config.schema import Config
 from spmd_train.models.transformer import RESIDUAL, apply_blocks
 from spmd_train.ops import cross_entropy
-from spmd_train.parallel.pipeline import run_pipeline, stash_layout
+from spmd_train.parallel.pipeline import executor_stage, run_pipeline, stash_layout
 from spmd_train.parallel.pipeline_plan import PipelinePlan, build_plan
 from spmd_train.parallel.schedules import build_schedule, resolved_microbatches
 from spmd_train.parallel.split_backward import split_vjp
@@ -44,7 +52,8 @@ def pipeline_plan(cfg: Config, sizes: dict[str, int]) -> PipelinePlan:
 
 
 def layer_order(num_layers: int, stages: int, virtual: int, placement: str = "loop") -> np.ndarray:
-    """Model layer index of each stored row of the layer stack (identity unless virtual > 1).
+    """Model layer index of each stored row of the layer stack (identity unless virtual > 1); `num_layers`: the
+    stack's rows (`ModelConfig.stack_rows`: MoE groups when model.moe.every > 1).
 
     Stored chunk j (rows j*n .. j*n+n-1, n = layers per chunk) sits on device d = j // virtual as
     its local chunk k = j % virtual, which runs as model chunk k * stages + d under the "loop"
@@ -61,8 +70,12 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
                             mesh, *, zigzag: int = 1) -> Any:
     """(params, batch) -> ({"loss": mean loss}, gradients), run by the pipeline schedule (`zigzag`: as in
     `model_inputs`)."""
-    m = plan.schedule.microbatches
+    sched = plan.schedule
+    m = sched.microbatches
     stage_fn = _stage_fn(cfg, block_graphdef)
+    moe = cfg.model.moe
+    # Statistics come back in storage order; metrics name MoE layers in model order.
+    model_order = np.argsort(layer_order(cfg.model.stack_rows, sched.stages, sched.virtual, sched.placement))
 
     def value_and_grad(params: Any, batch: Any):
         blocks = params["blocks"]
@@ -88,26 +101,45 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
 
         # Each microbatch's documents travel with it to every stage (replicated over `pipeline`, like the tokens).
         context = None if not docs else (split(docs["segments"]), split(docs["positions"]))
-        loss, block_grads, head_grads, d_x = run_pipeline(stage_fn, head_fn, plan, blocks, rest, x,
-                                                          (split(targets), None if weights is None else split(weights)),
-                                                          context=context, mesh=mesh)
+        loss, block_grads, head_grads, d_x, *stats = run_pipeline(
+            stage_fn, head_fn, plan, blocks, rest, x, (split(targets), None if weights is None else split(weights)),
+            context=context, mesh=mesh, extras=moe is not None)
         (embed_grads,) = embed_vjp(d_x)
         grads = jax.tree.map(lambda a, b: a + b, head_grads, embed_grads)
-        return {"loss": loss}, {**grads, "blocks": block_grads}
+        return {"loss": loss, **(_router_metrics(stats[0], model_order) if stats else {})}, {**grads, "blocks": block_grads}
 
     return value_and_grad
 
 
 def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef):
-    """One chunk of stacked layers as a pure function (chunk params, x, documents) -> x.
+    """One chunk of stacked layers as a pure function (chunk params, x, documents) -> x, or with MoE layers
+    -> (x, the chunk's share of the weighted router losses, per-layer router statistics) (`run_pipeline`'s extras).
 
     documents: () or the microbatch's (segments, positions)."""
+    model, moe = cfg.model, cfg.model.moe
 
     def stage_fn(chunk, x, documents=()):
         docs = dict(zip(("segments", "positions"), documents, strict=False))
-        return apply_blocks(block_graphdef, chunk, x, cfg.model, cfg.parallel.remat, **docs)[0]  # no MoE stages
+        y, stats = apply_blocks(block_graphdef, chunk, x, model, cfg.parallel.remat, **docs)
+        if moe is None:
+            return y
+        # The objective takes the mean of each router loss over all MoE layers: this chunk's layers' sum / their count.
+        layers = model.num_layers // model.moe_every
+        term = (moe.router_aux_weight * jnp.sum(stats["aux_loss"]) + moe.router_z_weight * jnp.sum(stats["z_loss"]))
+        load = stats["expert_load"]
+        per_layer = {"aux_loss": stats["aux_loss"], "z_loss": stats["z_loss"],
+                     "dropped_fraction": stats["dropped_fraction"],
+                     "expert_load": jnp.max(load, -1) / jnp.mean(load, -1)}
+        return y, term / layers, per_layer
 
     return stage_fn
+
+
+def _router_metrics(stats: dict[str, jax.Array], model_order: np.ndarray) -> dict[str, jax.Array]:
+    """The step's router metrics, as `Engine.objective` names them, from per-layer means over microbatches."""
+    metrics = {key: jnp.mean(stats[key]) for key in ("aux_loss", "z_loss", "dropped_fraction")}
+    load = stats["expert_load"][model_order]
+    return metrics | {f"expert_load.{i}": load[i] for i in range(load.shape[0])}
 
 
 def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_shapes: Any, plan: PipelinePlan,
@@ -117,7 +149,8 @@ def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_
     Traced without a mesh on the device's own slice of the batch, so activations split over
     `tensor` count whole: exact without tensor parallelism, an upper bound with it.
     """
-    layout = stash_layout(_stage_fn(cfg, block_graphdef), *_chunk_inputs(cfg, block_shapes, plan, rows_per_device))
+    layout = stash_layout(_stage_fn(cfg, block_graphdef), *_chunk_inputs(cfg, block_shapes, plan, rows_per_device),
+                          extras=cfg.model.moe is not None)
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stashed)
 
 
@@ -126,14 +159,15 @@ def saved_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_
     """Bytes a split-backward schedule's B hands to its W for one (microbatch, chunk) on a device (upper bound, as
     `stash_bytes_per_microbatch`): the values `split_backward.split_vjp` finds W reads."""
     chunk, x, docs = _chunk_inputs(cfg, block_shapes, plan, rows_per_device)
-    return split_vjp(_stage_fn(cfg, block_graphdef), chunk, x, docs).saved_bytes
+    stage = executor_stage(_stage_fn(cfg, block_graphdef), extras=cfg.model.moe is not None)
+    return split_vjp(stage, chunk, x, docs, has_aux=True).saved_bytes
 
 
 def _chunk_inputs(cfg: Config, block_shapes: Any, plan: PipelinePlan, rows_per_device: int) -> tuple:
     """Abstract (chunk parameters, microbatch activation, documents) of one stage chunk, traced without a mesh on
     the device's own slice of the batch, so activations split over `tensor` count whole."""
     sched = plan.schedule
-    per_chunk = cfg.model.num_layers // (sched.stages * sched.virtual)
+    per_chunk = cfg.model.stack_rows // (sched.stages * sched.virtual)
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per_chunk, *a.shape[1:]), a.dtype), block_shapes)
     rows = rows_per_device // sched.microbatches
     x = jax.ShapeDtypeStruct((rows, cfg.train.seq_len, cfg.model.d_model), jnp.dtype(cfg.model.compute_dtype))

@@ -184,9 +184,12 @@ def expert_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     n = c.expert
     if n == 1 or m.moe_layers == 0:
         return []
-    tokens = rows_per_device(c, w) * w.seq_len / c.sequence  # moe_report's group: a device's share of a step
+    rows = rows_per_device(c, w)
+    micro = microbatches(c, rows)
+    tokens = rows / micro * w.seq_len / c.sequence  # moe_report's group: a device's share of one microbatch
     per_layer = 4 if c.remat == "none" else 6
-    count = m.moe_layers * c.grad_accum * per_layer
+    # Pipelined, a device runs its stage's share of the MoE layers, once per pipeline microbatch.
+    count = m.moe_layers / c.pipeline * c.grad_accum * micro * per_layer
     if w.moe_impl == "dropless":
         exchange = m.experts_per_token * tokens * m.d_model * m.compute_bytes * _fraction(n)
     else:

@@ -5,7 +5,7 @@ and each expert's d_ff; the batch axes and grad_accum divide the global batch; s
 under sequence parallelism, divides the length; ring needs 2 x sequence chunks, ulysses whole query
 heads per device, and cuDNN cannot merge context-parallel blocks), `check_moe` (expert divides the
 experts), `parallel.schedules.check_pipeline` (stages x virtual stages divide the layers, the
-microbatches divide a device's rows, no MoE inside stages) and `sharding.rules.Layout` (from ZeRO-1
+microbatches divide a device's rows, whole MoE groups per stage) and `sharding.rules.Layout` (from ZeRO-1
 on, the state's `embed` dimension, d_model, is split over fsdp x sequence). The search runs the real
 checks too on what it ranks first (`real_check`), and tests/test_plan_search.py holds the mirror to
 `Engine.build`. A rejection's `rule` is stable (model constants only) so rejections can be counted per
@@ -96,8 +96,6 @@ def mesh_reason(cfg: Config, shape: ModelShape, c: Candidate, target: Target) ->
             return _invalid(where, f"tensor does not divide {key}={value}", f"tensor={c.tensor}")
     if m.moe is not None and m.moe.num_experts % c.expert:
         return _invalid(where, f"expert does not divide num_experts={m.moe.num_experts}", f"expert={c.expert}")
-    if m.moe is not None and c.pipeline > 1:
-        return _invalid(where, "pipeline with MoE layers (not supported)", f"pipeline={c.pipeline}")
     if m.num_layers % c.pipeline:
         return _invalid(where, f"pipeline does not divide num_layers={m.num_layers}", f"pipeline={c.pipeline}")
     if t.global_batch_size % c.batch_ways:
@@ -135,6 +133,9 @@ def structure_reason(cfg: Config, shape: ModelShape, c: Candidate) -> Rejection 
         chunks = c.pipeline * c.virtual_stages
         if m.num_layers % chunks:
             return _invalid(where, f"pipeline x virtual does not divide num_layers={m.num_layers}",
+                            f"pipeline x virtual = {chunks}")
+        if m.moe_every > 1 and (m.num_layers // chunks) % m.moe_every:
+            return _invalid(where, f"a stage chunk's layers would split an MoE group of moe.every={m.moe_every}",
                             f"pipeline x virtual = {chunks}")
         rows = t.global_batch_size // c.batch_ways
         if rows % c.pipeline_microbatches:

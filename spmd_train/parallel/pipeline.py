@@ -50,7 +50,7 @@ HeadFn = Callable[[Any, jax.Array, Any], jax.Array]
 
 def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks: Any, head: Any, inputs: jax.Array,
                  targets: Any, *, context: Any = None, mesh: jax.sharding.Mesh | None = None,
-                 extras: bool = False) -> tuple[jax.Array, Any, Any, jax.Array] | tuple[jax.Array, Any, Any, jax.Array, Any]:
+                 extras: bool = False) -> tuple:
     """Loss and gradients of the mean over microbatches of head_fn(stages(inputs[i]), targets[i]).
 
     `blocks` has the layers stacked on axis 0 in storage order (split over `pipeline`: device d

@@ -106,7 +106,8 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
             context=context, mesh=mesh, extras=moe is not None)
         (embed_grads,) = embed_vjp(d_x)
         grads = jax.tree.map(lambda a, b: a + b, head_grads, embed_grads)
-        return {"loss": loss, **(_router_metrics(stats[0], model_order) if stats else {})}, {**grads, "blocks": block_grads}
+        metrics = {"loss": loss, **(_router_metrics(stats[0], model_order) if stats else {})}
+        return metrics, {**grads, "blocks": block_grads}
 
     return value_and_grad
 

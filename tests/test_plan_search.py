@@ -17,8 +17,9 @@ from spmd_train.analysis.plan.compiled import bytes_by_axes, rescore
 from spmd_train.analysis.plan.devices import parse_topology, slow_placements, target_for
 from spmd_train.analysis.plan.labels import Scope, config_for, label, overrides, parse_label
 from spmd_train.analysis.plan.memory import estimate_memory, korthikanti_layer_bytes, zero_paper_bytes
-from spmd_train.analysis.plan.rules import factorizations, real_check
+from spmd_train.analysis.plan.rules import factorizations, real_check, structure_reason
 from spmd_train.analysis.plan.search import DOMINATED, GPIPE, MICROBATCHES, PIPELINES, evaluate, search
+from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.timing import (
     LINK_EFFICIENCY,
     collective_seconds,
@@ -339,3 +340,18 @@ def test_the_fits_nowhere_message_names_how_many_devices_would_do():
     closest = result.closest()
     assert not result.ranked and closest.peak > hardware("h100").hbm_bytes
     assert math.ceil(closest.peak / hardware("h100").hbm_bytes) >= 2
+
+
+@pytest.mark.parametrize("pipeline,schedule,virtual", [(2, "1f1b", 1), (2, "interleaved_1f1b", 2), (4, "zb_h1", 1)])
+def test_moe_groups_split_across_stage_chunks_are_refused_like_the_checks(pipeline, schedule, virtual):
+    # configs/moe.yaml: 4 layers in MoE groups of 2; 2 stages hold a group each, 4 stage chunks would split them.
+    cfg = load_config("configs/moe.yaml", [])
+    c = Candidate(pipeline=pipeline, fsdp=8 // pipeline // 2, expert=2, pipeline_schedule=schedule,
+                  virtual_stages=virtual, pipeline_microbatches=pipeline)
+    found = structure_reason(cfg, ModelShape.from_config(cfg.model), c)
+    checked = real_check(config_for(cfg, c), c, "gpu")
+    if pipeline * virtual == 2:
+        assert found is None and checked is None
+    else:
+        assert found.rule == "a stage chunk's layers would split an MoE group of moe.every=2"
+        assert checked is not None and "model.moe.every=2 does not divide" in checked.detail

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from spmd_train import load_config
+from spmd_train.analysis.stage_costs import balanced_depths, stage_shares
 from tests.runs import ROOT
 
 BENCHMARKS = (ROOT / "docs" / "benchmarks.md").read_text()
@@ -61,3 +63,16 @@ def test_the_zero_bubble_memory_ratios_in_docs_are_the_benchmark_sections():
     quoted = re.search(r"`zb_h1`'s step needs ([\d.]+)x the memory of 1F1B's and `zb_v`'s ([\d.]+)x", doc, re.S)
     assert quoted, "docs/pipeline.md no longer quotes the zero-bubble memory ratios"
     assert (quoted.group(1), quoted.group(2)) == (rows["TPU v5e:2x4", "zb_h1"], rows["TPU v5e:2x4", "zb_v"])
+
+
+def test_the_stage_balance_table_in_docs_is_what_stage_costs_computes():
+    text = (ROOT / "docs" / "pipeline.md").read_text()
+    cells = r"^\| ([\w.-]+), (\d+) \| (\d+) \| ([\d, ]+) \| ([\d.]+) \| ([\d, ]+) \| ([\d.]+) \|$"
+    rows = re.findall(cells, text, re.M)
+    assert [r[0] for r in rows] == ["llama3-8b", "llama-1b", "gpt2-small"]
+    for preset, seq, stages, even, even_ratio, best, best_ratio in rows:
+        m, seq, p = load_config(None, [f"model.preset={preset}"]).model, int(seq), int(stages)
+        parse = lambda cell: [int(x) for x in cell.split(", ")]
+        assert parse(even) == [m.num_layers // p] * p and parse(best) == balanced_depths(m, seq, p)
+        for depths, ratio in ((parse(even), even_ratio), (parse(best), best_ratio)):
+            assert f"{max(stage_shares(m, seq, depths, p)) * p:.3f}" == ratio

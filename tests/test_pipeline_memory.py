@@ -20,6 +20,7 @@ import pytest
 
 from spmd_train import load_config
 from spmd_train.analysis import describe, tpu_topology_devices
+from spmd_train.analysis.stage_costs import balanced_depths, head_flops_per_token, layer_flops_per_token
 from spmd_train.analysis.topology import has_libtpu
 from tests.runs import cli
 
@@ -116,6 +117,16 @@ def test_describe_json_has_the_pipeline_section():
     assert d["flops"] == d["model_flops"]
     assert pipe["compiled_flops_all_branches"] > 1.5 * d["model_flops"]
     assert any("lax.switch" in note for note in report["notes"])
+    # Per stage: its layers' share of the model FLOPs, the LM head's on the last stage; the mean is the step's.
+    cfg = load_config(ROOT / DESCRIBE[1], list(DESCRIBE[2:]))
+    layer = layer_flops_per_token(cfg.model, cfg.train.seq_len)[0]
+    head = head_flops_per_token(cfg.model)
+    flops = [s["flops"] for s in stages]
+    assert sum(flops) / P == pytest.approx(d["model_flops"], rel=1e-12)
+    assert flops[:-1] == [flops[0]] * (P - 1)
+    assert flops[-1] / flops[0] == pytest.approx((2 * layer + head) / (2 * layer), rel=1e-12)
+    assert pipe["chunk_layers"] == [2] * P
+    assert pipe["balanced_layers"] == balanced_depths(cfg.model, cfg.train.seq_len, P)
 
 
 def test_describe_json_has_no_pipeline_section_without_a_pipeline():

@@ -163,19 +163,36 @@ def pipeline_renderables(pipe: Any) -> list[RenderableType]:
                f"{pipe.bubble_fraction:.4f} ({_bubble_formula(pipe.schedule)} = {pipe.bubble_fraction_formula:.4f})")
     table = Table(title="Pipeline stages (stash: VJP residuals kept from a forward to its backward)",
                   title_justify="left")
-    for col in ("stage", "busy ticks", "peak in flight (microbatch, chunk)", "stash at peak"):
+    for col in ("stage", "busy ticks", "model FLOPs / device", "peak in flight (microbatch, chunk)", "stash at peak"):
         table.add_column(col, justify="right")
     for s in pipe.per_stage:
-        table.add_row(str(s.stage), str(s.busy_ticks), str(s.peak_in_flight), human_bytes(s.stash_bytes))
-    table.add_row("every device", "", f"{pipe.stash_slots} slots reserved", human_bytes(pipe.stash_bytes_reserved),
+        table.add_row(str(s.stage), str(s.busy_ticks), f"{s.flops:.3e}", str(s.peak_in_flight),
+                      human_bytes(s.stash_bytes))
+    table.add_row("every device", "", "", f"{pipe.stash_slots} slots reserved", human_bytes(pipe.stash_bytes_reserved),
                   style="bold")
     out.append(table)
+    if pipe.chunk_layers:
+        out.append(_stage_balance(pipe))
     out.append(f"stash at peak = peak in flight x {human_bytes(pipe.stash_bytes_per_microbatch)} per (microbatch, "
                f"chunk); the compiled program is the same on every stage, so every device reserves the largest "
                f"stage's {pipe.stash_slots} slots (plus receive buffers of one microbatch activation each: "
                f"{_receive_buffers(pipe)})")
     return out
 
+
+
+def _stage_balance(pipe) -> str:
+    """How unequal the stages' FLOPs are (the last chunk's stage also runs the LM head); the split that evens them."""
+    flops = [s.flops for s in pipe.per_stage]
+    mean = sum(flops) / len(flops)
+    layers = ", ".join(map(str, pipe.chunk_layers))
+    where = "stage chunk" if pipe.virtual_stages > 1 else "stage"
+    line = (f"layers per {where}: {layers} (the last with the LM head); slowest stage {max(flops) / mean:.3f}x the "
+            "mean")
+    if tuple(pipe.balanced_layers) == tuple(pipe.chunk_layers):
+        return line + "; no split of whole layers is more even"
+    return (line + f"; the most even split, {', '.join(map(str, pipe.balanced_layers))} layers, would make it "
+            f"{max(pipe.balanced_flops) / mean:.3f}x (the executor runs equal stages)")
 
 
 def moe_renderables(moe: dict) -> list[RenderableType]:

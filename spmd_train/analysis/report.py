@@ -17,6 +17,7 @@ from spmd_train.analysis.context_report import compiled_over_sequence, context_s
 from spmd_train.analysis.hlo import matmul_flops
 from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.render import PIPELINE_FLOPS_NOTE, Rendered
+from spmd_train.analysis.stage_costs import balanced_depths, stage_shares
 from spmd_train.analysis.topology import tpu_topology_devices, without_persistent_cache
 from spmd_train.analysis.zero_floor import FloorTerm, floor_by_axes, zero_floor
 from spmd_train.config.schema import Config
@@ -53,6 +54,9 @@ class PipelineStage:
     """Most (microbatch, chunk) pairs whose forward has run and whose backward has not, at once."""
     stash_bytes: int
     """peak_in_flight x the stash of one (microbatch, chunk): the residuals this stage needs at most."""
+    flops: float = 0.0
+    """Model FLOPs this stage's devices each run per step: their layers' (`analysis.stage_costs`), the LM head on the
+    stage of the last chunk; the mean over stages is the step's model FLOPs per device."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,13 @@ class PipelineReport:
     per-matmul output cotangents W needs; an upper bound like the stash's); 0 for the fused schedules."""
     saved_slots: int = 0
     """Slots for those, reserved on every device (0 for the fused schedules)."""
+    chunk_layers: tuple[int, ...] = ()
+    """Layers in each model chunk, in model order (equal: the executor's stages hold equal stacks)."""
+    balanced_layers: tuple[int, ...] = ()
+    """The contiguous split of the layers into chunks (whole MoE groups) whose costliest chunk, LM head included,
+    costs least (`analysis.stage_costs.balanced_depths`); equal to chunk_layers when no split is more even."""
+    balanced_flops: tuple[float, ...] = ()
+    """Per-stage FLOPs per device per step under balanced_layers."""
 
     @property
     def stash_bytes_reserved(self) -> int:
@@ -119,7 +130,10 @@ class PipelineReport:
             "activation_slots": self.activation_slots,
             "cotangent_slots": self.cotangent_slots,
             "per_stage": [{"stage": s.stage, "busy_ticks": s.busy_ticks, "peak_in_flight": s.peak_in_flight,
-                           "stash_bytes": s.stash_bytes} for s in self.per_stage],
+                           "stash_bytes": s.stash_bytes, "flops": s.flops} for s in self.per_stage],
+            "chunk_layers": list(self.chunk_layers),
+            "balanced_layers": list(self.balanced_layers),
+            "balanced_flops": list(self.balanced_flops),
             "compiled_flops_all_branches": self.compiled_flops_all_branches,
         }
 
@@ -341,6 +355,11 @@ def _pipeline_report(engine: Engine) -> PipelineReport:
     per_mb = stash_bytes_per_microbatch(cfg, engine.block_graphdef, engine.param_shapes["blocks"], plan, rows)
     saved = (saved_bytes_per_microbatch(cfg, engine.block_graphdef, engine.param_shapes["blocks"], plan, rows)
              if sched.split_backward else 0)
+    model, seq = cfg.model, cfg.train.seq_len
+    per_device = flops_per_token(model, seq) * cfg.train.global_batch_size * seq / engine.mesh.size
+    even = [model.num_layers // (p * v)] * (p * v)
+    balanced = balanced_depths(model, seq, p * v)
+    flops = lambda depths: [share * per_device * p for share in stage_shares(model, seq, depths, p, sched.placement)]
     return PipelineReport(
         schedule=sched.name, stages=p, microbatches=m, virtual_stages=v, microbatch_rows=rows // m,
         ticks=plan.num_ticks, bubble_fraction=stats.bubble_fraction,
@@ -349,8 +368,10 @@ def _pipeline_report(engine: Engine) -> PipelineReport:
         stash_bytes_per_microbatch=per_mb, stash_slots=plan.stash_slots,
         activation_slots=plan.act_slots, cotangent_slots=plan.ct_slots,
         per_stage=[PipelineStage(stage=s, busy_ticks=stats.busy_ticks[s], peak_in_flight=stats.peak_in_flight[s],
-                                 stash_bytes=stats.peak_in_flight[s] * per_mb) for s in range(p)],
+                                 stash_bytes=stats.peak_in_flight[s] * per_mb, flops=f)
+                   for s, f in zip(range(p), flops(even), strict=True)],
         compiled_flops_all_branches=None, saved_bytes_per_microbatch=saved, saved_slots=plan.saved_slots,
+        chunk_layers=tuple(even), balanced_layers=tuple(balanced), balanced_flops=tuple(flops(balanced)),
     )
 
 

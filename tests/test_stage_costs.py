@@ -1,0 +1,82 @@
+"""Pipeline stage costs: per-layer FLOPs that add up to the model's, and the most even split of the layers."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from spmd_train import load_config
+from spmd_train.analysis.stage_costs import (
+    balanced_depths,
+    chunk_flops_per_token,
+    device_of_chunk,
+    head_flops_per_token,
+    layer_flops_per_token,
+    stage_shares,
+)
+from spmd_train.models.flops import flops_per_token
+from spmd_train.train.pipelined import layer_order
+
+MODELS = {
+    "llama3-8b": (None, ["model.preset=llama3-8b"]),
+    "gpt2-small": (None, ["model.preset=gpt2-small"]),
+    "moe-every-2": ("configs/moe.yaml", ["model.num_layers=8"]),
+    "moe-every-1-shared": ("configs/moe.yaml", ["model.moe.every=1", "model.moe.num_shared_experts=1"]),
+}
+
+
+def _model(name):
+    config, overrides = MODELS[name]
+    return load_config(config, overrides).model
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_layers_and_head_add_up_to_the_models_flops(name):
+    m = _model(name)
+    for seq in (1, 2048):
+        assert layer_flops_per_token(m, seq).sum() + head_flops_per_token(m) == pytest.approx(
+            flops_per_token(m, seq), rel=1e-12)
+
+
+def _brute_force(m, seq, chunks):
+    """The least max chunk cost over every contiguous split into non-empty chunks of whole MoE groups."""
+    unit = max(m.moe_every, 1)
+    n = m.num_layers // unit
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), chunks - 1):
+        depths = [(b - a) * unit for a, b in itertools.pairwise((0, *cuts, n))]
+        best = min(best, max(chunk_flops_per_token(m, seq, depths)))
+    return best
+
+
+@pytest.mark.parametrize("name,chunks", [("gpt2-small", 4), ("gpt2-small", 3), ("moe-every-2", 2),
+                                         ("moe-every-2", 4), ("moe-every-1-shared", 2)])
+def test_the_balanced_split_is_the_least_slowest_chunk_of_any_split(name, chunks):
+    m = _model(name)
+    depths = balanced_depths(m, 1024, chunks)
+    assert len(depths) == chunks and sum(depths) == m.num_layers and min(depths) >= 1
+    assert all(d % max(m.moe_every, 1) == 0 for d in depths)  # whole MoE groups
+    assert max(chunk_flops_per_token(m, 1024, depths)) == pytest.approx(_brute_force(m, 1024, chunks), rel=1e-12)
+
+
+def test_the_head_moves_layers_off_the_last_stage_and_an_even_split_stays_when_nothing_beats_it():
+    llama = _model("llama3-8b")  # its 128k-vocabulary head costs about 2.3 layers at 2048 tokens
+    depths = balanced_depths(llama, 2048, 4)
+    assert depths[-1] < 8 and max(chunk_flops_per_token(llama, 2048, depths)) < max(
+        chunk_flops_per_token(llama, 2048, [8] * 4))
+    # Identical MoE groups without a head worth a group: only the even split has the least slowest chunk.
+    assert balanced_depths(_model("moe-every-2"), 64, 4) == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("placement,stages,virtual", [("loop", 4, 1), ("loop", 3, 2), ("v", 3, 2)])
+def test_chunks_land_on_the_stages_the_storage_order_puts_them(placement, stages, virtual):
+    m = _model("gpt2-small")  # 12 layers
+    per_chunk = m.num_layers // (stages * virtual)
+    order = layer_order(m.num_layers, stages, virtual, placement)
+    for stored_row, layer in enumerate(order):  # stored row r lives on device r // (rows per device)
+        assert device_of_chunk(layer // per_chunk, stages, placement) == stored_row // (per_chunk * virtual)
+    shares = stage_shares(m, 1024, [per_chunk] * (stages * virtual), stages, placement)
+    assert sum(shares) == pytest.approx(1.0, rel=1e-12)
+    head_stage = device_of_chunk(stages * virtual - 1, stages, placement)
+    assert shares[head_stage] == max(shares)

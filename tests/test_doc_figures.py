@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 
 from spmd_train import load_config
-from spmd_train.analysis.stage_costs import balanced_depths, stage_shares
+from spmd_train.analysis.stage_costs import stage_shares
+from spmd_train.models.flops import balanced_depths
 from tests.runs import ROOT
 
 BENCHMARKS = (ROOT / "docs" / "benchmarks.md").read_text()

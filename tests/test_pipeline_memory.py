@@ -20,8 +20,8 @@ import pytest
 
 from spmd_train import load_config
 from spmd_train.analysis import describe, tpu_topology_devices
-from spmd_train.analysis.stage_costs import balanced_depths, head_flops_per_token, layer_flops_per_token
 from spmd_train.analysis.topology import has_libtpu
+from spmd_train.models.flops import balanced_depths, head_flops_per_token, layer_flops_per_token
 from tests.runs import cli
 
 ROOT = Path(__file__).resolve().parents[1]

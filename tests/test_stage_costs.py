@@ -7,15 +7,14 @@ import itertools
 import pytest
 
 from spmd_train import load_config
-from spmd_train.analysis.stage_costs import (
+from spmd_train.analysis.stage_costs import device_of_chunk, stage_shares
+from spmd_train.models.flops import (
     balanced_depths,
     chunk_flops_per_token,
-    device_of_chunk,
+    flops_per_token,
     head_flops_per_token,
     layer_flops_per_token,
-    stage_shares,
 )
-from spmd_train.models.flops import flops_per_token
 from spmd_train.train.pipelined import layer_order
 
 MODELS = {

@@ -17,14 +17,14 @@ from spmd_train.analysis.context_report import compiled_over_sequence, context_s
 from spmd_train.analysis.hlo import matmul_flops
 from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.render import PIPELINE_FLOPS_NOTE, Rendered
-from spmd_train.analysis.stage_costs import balanced_depths, stage_shares
+from spmd_train.analysis.stage_costs import stage_shares
 from spmd_train.analysis.topology import tpu_topology_devices, without_persistent_cache
 from spmd_train.analysis.zero_floor import FloorTerm, floor_by_axes, zero_floor
 from spmd_train.config.schema import Config
 from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
-from spmd_train.models.flops import flops_per_token
+from spmd_train.models.flops import balanced_depths, flops_per_token
 from spmd_train.parallel.schedules import simulate
 from spmd_train.sharding.arithmetic import rows_per_device, spec_axes, ways
 from spmd_train.train.engine import Engine

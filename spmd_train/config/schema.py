@@ -269,6 +269,10 @@ class ParallelConfig:
     """Microbatches per pipeline flush; default 4 x mesh.pipeline (fewer if the batch does not divide)."""
     virtual_stages: PositiveInt = 1
     """Chunks of layers per device: >= 2 for interleaved_1f1b, exactly 2 for zb_v, 1 otherwise."""
+    pipeline_layers: tuple[int, ...] | Literal["balanced"] | None = None
+    """Layers in each pipeline stage chunk, in model order (mesh.pipeline x virtual_stages numbers summing to
+    model.num_layers, e.g. [3, 4, 4, 3]); "balanced": the split whose costliest chunk, LM head included, costs least;
+    null: equal stages (docs/pipeline.md, "Uneven stages")."""
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,18 @@ as before. Work the implementation adds on top is overhead, like remat, and not 
 empty capacity slots (backends.moe=capacity computes every slot, filled or not), dispatch and
 combine, and the all-to-alls. Dropped assignments are counted as if they ran (the model
 FLOPs are those of the routing the model asked for).
+
+Per layer (`layer_flops_per_token`), the same count splits by where a pipelined step runs it: each
+layer on the stage chunk that holds it, the LM head (6 x d_model x vocab per token) on the last chunk;
+the embedding's lookup counts nothing. `balanced_depths` is the contiguous split of the layers into
+chunks whose costliest chunk costs least.
 """
 
 from __future__ import annotations
+
+import itertools
+
+import numpy as np
 
 from spmd_train.config.schema import ModelConfig
 
@@ -56,3 +65,64 @@ def matmul_params(m: ModelConfig) -> int:
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) under the convention above."""
     return 6.0 * matmul_params(m) + 6.0 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
+
+
+# --- per layer, and split into pipeline chunks: where the pipelined step runs each part ----------------
+
+
+def layer_flops_per_token(m: ModelConfig, seq_len: int) -> np.ndarray:
+    """Training FLOPs per token of each model layer (forward + backward), in model order."""
+    hd = m.resolved_head_dim
+    attention = 6.0 * m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 6.0 * seq_len * m.num_heads * hd
+    dense, moe = 6.0 * 3 * m.d_model * m.d_ff, 6.0 * active_moe_mlp_params(m)
+    every = m.moe_every
+    return np.array([attention + (moe if every and (i + 1) % every == 0 else dense) for i in range(m.num_layers)])
+
+
+def head_flops_per_token(m: ModelConfig) -> float:
+    """Training FLOPs per token of the LM head (the final norm aside), tied or not."""
+    return 6.0 * m.d_model * m.vocab_size
+
+
+def chunk_flops_per_token(m: ModelConfig, seq_len: int, depths: list[int]) -> list[float]:
+    """FLOPs per token of each model chunk holding `depths[c]` consecutive layers; the last carries the head."""
+    if sum(depths) != m.num_layers:
+        raise ValueError(f"chunk depths {depths} do not sum to num_layers={m.num_layers}")
+    bounds = np.cumsum([0, *depths])
+    per_layer = layer_flops_per_token(m, seq_len)
+    costs = [float(per_layer[a:b].sum()) for a, b in itertools.pairwise(bounds)]
+    costs[-1] += head_flops_per_token(m)
+    return costs
+
+
+def balanced_depths(m: ModelConfig, seq_len: int, chunks: int) -> list[int]:
+    """The split of the layers into `chunks` contiguous non-empty chunks of whole MoE groups whose costliest chunk
+    (head included) costs least; the even split when no other is cheaper."""
+    unit = max(m.moe_every, 1)
+    n = m.num_layers // unit
+    if n < chunks:
+        raise ValueError(f"{n} layer groups cannot fill {chunks} chunks")
+    per_layer = layer_flops_per_token(m, seq_len)
+    prefix = np.concatenate([[0.0], np.cumsum(per_layer.reshape(n, unit).sum(1))])
+    head = head_flops_per_token(m)
+    # best[k][j]: the least max cost of splitting the first j units into k chunks; cut[k][j] the last cut.
+    best = np.full((chunks + 1, n + 1), np.inf)
+    cut = np.zeros((chunks + 1, n + 1), int)
+    best[0][0] = 0.0
+    for k in range(1, chunks + 1):
+        extra = head if k == chunks else 0.0
+        for j in range(k, n - (chunks - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i] + (extra if j == n else 0.0))
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    depths, j = [], n
+    for k in range(chunks, 0, -1):
+        depths.append(int(j - cut[k][j]) * unit)
+        j = int(cut[k][j])
+    depths.reverse()
+    if n % chunks == 0:
+        even = [m.num_layers // chunks] * chunks
+        if max(chunk_flops_per_token(m, seq_len, even)) <= best[chunks][n] * (1 + 1e-12):
+            return even
+    return depths

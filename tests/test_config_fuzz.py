@@ -44,6 +44,8 @@ class Key:
     optional: bool = False
     item: Key | None = None
     """The element of a tuple (list in YAML)."""
+    alternatives: tuple = ()
+    """The keys of a union's types (e.g. a list of ints or a literal word)."""
 
 
 def schema_keys(cls: type = Config, prefix: str = "") -> typing.Iterator[Key]:
@@ -58,8 +60,13 @@ def _keys(path: str, tp: Any, bounds: tuple = (), optional: bool = False) -> typ
         extra = tuple(m for info in args[1:] if isinstance(info, FieldInfo) for m in info.metadata)
         yield from _keys(path, args[0], bounds + extra, optional)
     elif origin in (Union, types.UnionType):
-        (inner,) = [a for a in args if a is not type(None)]
-        yield from _keys(path, inner, bounds, optional=True)
+        inner = [a for a in args if a is not type(None)]
+        nullable = optional or len(inner) < len(args)
+        if len(inner) == 1:
+            yield from _keys(path, inner[0], bounds, optional=nullable)
+        else:
+            yield Key(path, "union", alternatives=tuple(next(_keys(path, a, bounds)) for a in inner),
+                      optional=nullable)
     elif dataclasses.is_dataclass(tp):
         yield Key(path, "section", optional=optional)
         yield from schema_keys(tp, path + ".")
@@ -116,6 +123,8 @@ def valid(key: Key) -> st.SearchStrategy[Any]:
         return st.sampled_from(key.choices) | none
     if key.kind == "tuple":
         return st.lists(valid(key.item), max_size=3) | none
+    if key.kind == "union":
+        return st.one_of([valid(k) for k in key.alternatives]) | none
     if key.kind is bool:
         return st.booleans() | none
     lo, hi = _bound(key.bounds)

@@ -28,7 +28,7 @@ from spmd_train.models.flops import balanced_depths, flops_per_token
 from spmd_train.parallel.schedules import simulate
 from spmd_train.sharding.arithmetic import rows_per_device, spec_axes, ways
 from spmd_train.train.engine import Engine
-from spmd_train.train.pipelined import saved_bytes_per_microbatch, stash_bytes_per_microbatch
+from spmd_train.train.pipelined import chunk_depths, saved_bytes_per_microbatch, stash_bytes_per_microbatch
 
 
 @dataclass(frozen=True)
@@ -357,7 +357,7 @@ def _pipeline_report(engine: Engine) -> PipelineReport:
              if sched.split_backward else 0)
     model, seq = cfg.model, cfg.train.seq_len
     per_device = flops_per_token(model, seq) * cfg.train.global_batch_size * seq / engine.mesh.size
-    even = [model.num_layers // (p * v)] * (p * v)
+    current = [rows * max(model.moe_every, 1) for rows in chunk_depths(cfg, p)]
     balanced = balanced_depths(model, seq, p * v)
     flops = lambda depths: [share * per_device * p for share in stage_shares(model, seq, depths, p, sched.placement)]
     return PipelineReport(
@@ -369,9 +369,9 @@ def _pipeline_report(engine: Engine) -> PipelineReport:
         activation_slots=plan.act_slots, cotangent_slots=plan.ct_slots,
         per_stage=[PipelineStage(stage=s, busy_ticks=stats.busy_ticks[s], peak_in_flight=stats.peak_in_flight[s],
                                  stash_bytes=stats.peak_in_flight[s] * per_mb, flops=f)
-                   for s, f in zip(range(p), flops(even), strict=True)],
+                   for s, f in zip(range(p), flops(current), strict=True)],
         compiled_flops_all_branches=None, saved_bytes_per_microbatch=saved, saved_slots=plan.saved_slots,
-        chunk_layers=tuple(even), balanced_layers=tuple(balanced), balanced_flops=tuple(flops(balanced)),
+        chunk_layers=tuple(current), balanced_layers=tuple(balanced), balanced_flops=tuple(flops(balanced)),
     )
 
 

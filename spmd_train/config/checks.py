@@ -122,6 +122,10 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
     if sizes["pipeline"] > 1 and par.pipeline_schedule == "zb_v" and par.virtual_stages != 2:
         raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} is invalid with parallel.pipeline_schedule="
                           "zb_v, which runs exactly 2 chunks per stage in a V (valid: set parallel.virtual_stages=2)")
+    layers = par.pipeline_layers
+    if sizes["pipeline"] == 1 and layers not in (None, "balanced") and tuple(layers) != (cfg.model.num_layers,):
+        raise ConfigError(f"parallel.pipeline_layers=[{', '.join(map(str, layers))}] splits the layers into stages, "
+                          f"but mesh.pipeline=1 runs one stage (valid: null, or mesh.pipeline={len(layers)})")
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
     check_context(cfg, sizes)

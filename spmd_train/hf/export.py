@@ -61,7 +61,7 @@ def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mappin
     config = hf_config(model, base_config, dtype=dtype)
     plan = list(pieces(model))
     flat = traverse_util.flatten_dict(params, sep=".")
-    row = np.arange(model.num_layers) if engine.layer_order is None else np.argsort(engine.layer_order)
+    row = engine.stored_row_of_model  # the stored row of each model row (stack order and padding may differ)
     np_dtype = np.dtype(dtype)
     sizes = [math.prod(p.layout.hf_shape(tuple(flat[p.path].shape[len(p.index):]))) * np_dtype.itemsize for p in plan]
     groups = _pack(sizes, max_shard_bytes)

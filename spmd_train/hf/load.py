@@ -43,7 +43,7 @@ def load_hf_params(engine, directory: str | Path) -> Any:
     shapes = traverse_util.flatten_dict(engine.param_shapes, sep=".")
     shardings = traverse_util.flatten_dict(engine.state_shardings.params, sep=".")
     _check(plan, files, shapes, directory)
-    row = (np.arange(model.num_layers) if engine.layer_order is None else np.argsort(engine.layer_order))
+    row = engine.stored_row_of_model  # the stored row of each model row (stack order and padding may differ)
     params: dict[str, jax.Array] = {}
     for path, struct in shapes.items():
         params[path] = _zeros(struct.shape, struct.dtype, shardings[path])

@@ -219,13 +219,15 @@ class Transformer(nnx.Module):
 
 
 def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: ModelConfig,
-                 remat: str = "none", *, segments: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 remat: str = "none", *, segments: jax.Array | None = None, positions: jax.Array | None = None,
+                 rows: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Run layers whose parameters are stacked on a leading axis (any number of them) with `lax.scan`.
 
     The whole model calls this on all its layers; a pipeline stage on its own slice of them.
     Returns the output and the MoE statistics of every scanned step (empty without MoE).
     `segments` and `positions` are the documents' layout, as in `Transformer.forward`.
+    `rows` (a scalar, may be traced): only the first `rows` stacked rows are layers; the others are padding,
+    skipped (no compute, the input passes through, zero statistics and gradients).
     """
     if positions is not None:
         positions = constrain(positions, ("batch", "length"))
@@ -236,4 +238,15 @@ def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: 
     def layer(carry, layer_params):
         return nnx.merge(graphdef, layer_params)(carry, cos, sin, segments)
 
-    return jax.lax.scan(apply_remat(layer, remat), x, stacked)
+    if rows is None:
+        return jax.lax.scan(apply_remat(layer, remat), x, stacked)
+
+    def layer_or_padding(carry, xs):
+        layer_params, i = xs
+        run = lambda c: layer(c, layer_params)
+        stats = jax.eval_shape(run, carry)[1]
+        skip = lambda c: (c, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats))
+        return jax.lax.cond(i < rows, run, skip, carry)
+
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    return jax.lax.scan(apply_remat(layer_or_padding, remat), x, (stacked, jnp.arange(count)))

@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.parallel.pipeline_plan import FIELDS, PipelinePlan
@@ -50,7 +51,7 @@ HeadFn = Callable[[Any, jax.Array, Any], jax.Array]
 
 def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks: Any, head: Any, inputs: jax.Array,
                  targets: Any, *, context: Any = None, mesh: jax.sharding.Mesh | None = None,
-                 extras: bool = False) -> tuple:
+                 extras: bool = False, chunk_rows: Any = None) -> tuple:
     """Loss and gradients of the mean over microbatches of head_fn(stages(inputs[i]), targets[i]).
 
     `blocks` has the layers stacked on axis 0 in storage order (split over `pipeline`: device d
@@ -62,7 +63,8 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     microbatches with the whole stack's units in storage order on axis 0 (the loss terms count in the gradients;
     the returned loss is the heads' alone).
     `mesh` is the device mesh (default: the one set with `jax.set_mesh`); inside another
-    shard_map the enclosing abstract mesh is used.
+    shard_map the enclosing abstract mesh is used. `chunk_rows` [stages, virtual] (uneven stages): how many leading
+    rows of each stored chunk are layers, passed to stage_fn as `rows=` (the rest of the chunk is padding).
     """
     sched = plan.schedule
     p, v, m = sched.stages, sched.virtual, sched.microbatches
@@ -70,7 +72,10 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         raise ValueError(f"inputs has {inputs.shape[0]} microbatches, the schedule {m}")
     rows = jnp.asarray(plan.rows)
     col = {name: i for i, name in enumerate(FIELDS)}  # split-backward plans: their own columns, pipeline_split
-    run_stage = executor_stage(stage_fn, has_context=context is not None, extras=extras)
+    padded = chunk_rows is not None
+    if padded and sched.split_backward:
+        raise ValueError(f"uneven chunks (chunk_rows) need a fused schedule, not {sched.name}")
+    run_stage = executor_stage(stage_fn, has_context=context is not None, extras=extras, padded=padded)
     context = () if context is None else context
     # The loss term's cotangent: it enters the mean over microbatches like each microbatch's loss.
     term_ct = jnp.asarray(1 / m, jnp.float32)
@@ -82,7 +87,12 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         chunk_params = lambda k: jax.tree.map(lambda a: a[k], chunks)
         x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
         of_microbatch = lambda tree, mb: jax.tree.map(lambda a: a[mb], tree)
-        vjp_layout = _VjpLayout.of(run_stage, chunk_params(0), x_like, of_microbatch(context, 0))
+        # What a chunk's stage function gets beside (params, x): the microbatch's context, and with uneven stages
+        # the number of its stored rows that are layers.
+        table = jnp.asarray(chunk_rows if padded else np.zeros((p, v)), jnp.int32)
+        chunk_context = lambda mb, k: (table[stage, k], of_microbatch(context, mb)) if padded else of_microbatch(
+            context, mb)
+        vjp_layout = _VjpLayout.of(run_stage, chunk_params(0), x_like, chunk_context(0, 0))
         stats = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), vjp_layout.stats)
         if sched.split_backward:
             grads, head_grads, loss, d_inputs, stats = run_split_ticks(plan, run_stage, head_fn, chunks, head, inputs,
@@ -102,7 +112,7 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
             read = row[col["read"]]
             x = jnp.where(read < 0, inputs[mb], acts[read])
             params = chunk_params(k)
-            ctx = of_microbatch(context, mb)
+            ctx = chunk_context(mb, k)
             (y, _), vjp, stats_mb = jax.vjp(lambda params, x: run_stage(params, x, ctx), params, x, has_aux=True)
             stats = jax.tree.map(lambda acc, s: acc.at[k].add(s), stats, stats_mb)
             stash = [buf.at[slot].set(r) for buf, r in zip(stash, vjp_layout.residuals(vjp, params), strict=True)]
@@ -144,7 +154,7 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     abstract = jax.sharding.get_abstract_mesh()
     if not abstract.empty and (abstract.manual_axes or mesh is None):
         mesh = abstract
-    stats_like = _VjpLayout.stats_of(run_stage, blocks, inputs, context, p * v)
+    stats_like = _VjpLayout.stats_of(run_stage, blocks, inputs, context, p * v, padded)
     out = jax.shard_map(
         local,
         mesh=mesh,
@@ -156,12 +166,17 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     return out if extras else out[:4]
 
 
-def executor_stage(stage_fn: StageFn, *, has_context: bool = True, extras: bool = False) -> Callable:
+def executor_stage(stage_fn: StageFn, *, has_context: bool = True, extras: bool = False,
+                   padded: bool = False) -> Callable:
     """stage_fn as the executor runs it: (params, x, context) -> ((y, loss term), statistics), for `jax.vjp` with
     has_aux (a stage without extras has the loss term 0 and no statistics)."""
 
     def run(params, x, context):
-        out = stage_fn(params, x, context) if has_context else stage_fn(params, x)
+        kw = {}
+        if padded:  # context = (rows of the chunk that are layers, the microbatch's context)
+            rows, context = context
+            kw = {"rows": rows}
+        out = stage_fn(params, x, context, **kw) if has_context else stage_fn(params, x, **kw)
         y, term, stats = out if extras else (out, jnp.zeros((), jnp.float32), {})
         return (y, jnp.asarray(term, jnp.float32)), stats
 
@@ -210,11 +225,13 @@ class _VjpLayout:
         return cls(found["treedef"], found["index"], stashed, stats)
 
     @staticmethod
-    def stats_of(stage_fn: Callable, blocks: Any, inputs: jax.Array, context: Any, chunks: int) -> Any:
+    def stats_of(stage_fn: Callable, blocks: Any, inputs: jax.Array, context: Any, chunks: int,
+                 padded: bool = False) -> Any:
         """The shapes of a whole stack's statistics: one chunk's, with `chunks` times its units on axis 0."""
         chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // chunks, *a.shape[1:]), a.dtype), blocks)
         mb = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
-        stats = jax.eval_shape(lambda c, x, ctx: stage_fn(c, x, ctx)[1], chunk, mb(inputs), mb(context))
+        ctx = (jax.ShapeDtypeStruct((), jnp.int32), mb(context)) if padded else mb(context)
+        stats = jax.eval_shape(lambda c, x, ctx: stage_fn(c, x, ctx)[1], chunk, mb(inputs), ctx)
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * chunks, *a.shape[1:]), a.dtype), stats)
 
     def residuals(self, vjp, params: Any) -> list[jax.Array]:
@@ -231,10 +248,14 @@ class _VjpLayout:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def stash_layout(stage_fn: StageFn, params: Any, x: Any, context: Any = (), *, extras: bool = False) -> _VjpLayout:
+def stash_layout(stage_fn: StageFn, params: Any, x: Any, context: Any = (), *, extras: bool = False,
+                 padded: bool = False) -> _VjpLayout:
     """How a stage's VJP, stage_fn(params, x, context), splits into weights and stashed residuals (`.stashed`:
-    their shapes), abstractly (`extras` as in `run_pipeline`)."""
-    return _VjpLayout.of(executor_stage(stage_fn, extras=extras), params, x, context)
+    their shapes), abstractly (`extras` as in `run_pipeline`; padded: stage_fn takes `rows=`, and so does the
+    trace, with a traced count)."""
+    if padded:
+        context = (jax.ShapeDtypeStruct((), jnp.int32), context)
+    return _VjpLayout.of(executor_stage(stage_fn, extras=extras, padded=padded), params, x, context)
 
 
 def _weight_index(leaves: list, weights: list) -> list[int | None]:

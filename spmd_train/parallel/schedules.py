@@ -420,7 +420,9 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
                           f"{par.pipeline_schedule} (valid: 1; use interleaved_1f1b for virtual stages)")
     if par.pipeline_schedule == "interleaved_1f1b" and v < 2:
         raise ConfigError(f"parallel.virtual_stages={v} is invalid for interleaved_1f1b (valid: >= 2)")
-    if m.num_layers % (p * v):
+    if par.pipeline_layers is not None:
+        _check_pipeline_layers(cfg, p, v)
+    elif m.num_layers % (p * v):
         preset = "" if m.preset is None else f", not preset {m.preset!r} as is"
         raise ConfigError(
             f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} x parallel.virtual_stages={v} "
@@ -436,7 +438,7 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
             f"microbatches must be equal (valid: a divisor of {rows}: {divisors(rows)})"
         )
     depth = m.num_layers // (p * v)
-    if m.moe_every > 1 and depth % m.moe_every:
+    if par.pipeline_layers is None and m.moe_every > 1 and depth % m.moe_every:
         # The stack's rows are whole MoE groups (every - 1 dense layers, then the MoE layer): a stage holds whole rows.
         raise ConfigError(
             f"model.moe.every={m.moe_every} does not divide the {depth} layer{'s' * (depth > 1)} each pipeline stage"
@@ -445,6 +447,36 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
             f"split across stages (valid model.moe.every: {divisors(depth)}, or a multiple of "
             f"{p * v * m.moe_every} layers)")
     build_schedule(par.pipeline_schedule, p, micro, v)
+
+
+def _check_pipeline_layers(cfg: Config, p: int, v: int) -> None:
+    """parallel.pipeline_layers: p x v chunks of whole MoE groups, none empty, adding up to the model (whether the
+    schedule can run uneven chunks is `train.pipelined.chunk_depths`' to say, once "balanced" is resolved)."""
+    par, m = cfg.parallel, cfg.model
+    layers, chunks, unit = par.pipeline_layers, p * v, max(m.moe_every, 1)
+    where = f"mesh.pipeline={p}" + (f" x parallel.virtual_stages={v}" if v > 1 else "")
+    if layers == "balanced":
+        if m.num_layers // unit < chunks:
+            raise ConfigError(f"parallel.pipeline_layers=balanced cannot fill {chunks} stage chunks ({where}) with "
+                              f"model.num_layers={m.num_layers}" + (f" in groups of model.moe.every={unit}" if unit > 1
+                                                                    else "") + f" (valid: at most "
+                              f"{m.num_layers // unit} chunks)")
+    else:
+        shown = "[" + ", ".join(map(str, layers)) + "]"
+        if len(layers) != chunks:
+            raise ConfigError(f"parallel.pipeline_layers={shown} has {len(layers)} entries; {where} runs {chunks} "
+                              f"stage chunks (valid: {chunks} layer counts in model order, summing to "
+                              f"model.num_layers={m.num_layers}, or balanced, or null for equal stages)")
+        if min(layers) < 1:
+            raise ConfigError(f"parallel.pipeline_layers={shown} gives a stage chunk no layers (valid: every entry "
+                              f">= {unit}, summing to model.num_layers={m.num_layers})")
+        if sum(layers) != m.num_layers:
+            raise ConfigError(f"parallel.pipeline_layers={shown} sums to {sum(layers)}, not model.num_layers="
+                              f"{m.num_layers} (valid: {chunks} positive layer counts summing to {m.num_layers})")
+        if unit > 1 and any(n % unit for n in layers):
+            raise ConfigError(f"parallel.pipeline_layers={shown} splits an MoE group: every entry must be a multiple "
+                              f"of model.moe.every={unit} (the stack's rows are groups of {unit} layers ending in the "
+                              "MoE layer)")
 
 
 def resolved_microbatches(cfg: Config, stages: int, rows: int) -> int:

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from spmd_train.config.checks import check_layout
 from spmd_train.config.schema import Config
 from spmd_train.data.batch import Batch, as_batch
+from spmd_train.errors import ConfigError
 from spmd_train.mesh import build_mesh
 from spmd_train.models.transformer import Transformer
 from spmd_train.ops import cross_entropy
@@ -39,7 +40,7 @@ from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
 from spmd_train.train.inputs import model_inputs, with_loss_weights
 from spmd_train.train.optimizer import lr_schedule, make_optimizer, state_sharding
-from spmd_train.train.pipelined import layer_order, pipeline_plan, pipeline_value_and_grad
+from spmd_train.train.pipelined import chunk_depths, layer_order, pipeline_plan, pipeline_value_and_grad
 
 
 class TrainState(NamedTuple):
@@ -101,6 +102,16 @@ class Engine:
             )
         )
         shapes = nnx.to_pure_dict(abstract_state)
+        plan = order = None
+        if sizes["pipeline"] > 1:
+            plan = pipeline_plan(cfg, sizes)
+            order = layer_order(cfg.model.stack_rows, sizes["pipeline"], cfg.parallel.virtual_stages,
+                                plan.schedule.placement, chunk_depths(cfg, sizes["pipeline"]))
+            if order.size == cfg.model.stack_rows and (order == np.arange(order.size)).all():
+                order = None
+            elif order.size > cfg.model.stack_rows:  # uneven stages: every device stores its longest chunk's rows
+                shapes = {**shapes, "blocks": jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct((order.size, *a.shape[1:]), a.dtype), shapes["blocks"])}
         tx = make_optimizer(cfg.optim, cfg.train.steps, logical)
         param_sh = layout.param_shardings(logical, shapes)
         opt_shapes = jax.eval_shape(tx.init, shapes)
@@ -119,13 +130,6 @@ class Engine:
         need = (bytes_per_device(shapes, param_sh) + bytes_per_device(shapes, layout.grad_shardings(logical, shapes))
                 + bytes_per_device(opt_shapes, opt_sh))
         check_state_fits(need, mesh.devices.flat[0], describe_run(cfg, sizes), allocating=False)
-        plan = order = None
-        if mesh.shape["pipeline"] > 1:
-            plan = pipeline_plan(cfg, dict(mesh.shape))
-            order = layer_order(cfg.model.stack_rows, mesh.shape["pipeline"], cfg.parallel.virtual_stages,
-                                plan.schedule.placement)
-            if (order == np.arange(order.size)).all():
-                order = None
         return cls(cfg=cfg, mesh=mesh, layout=layout, backends=backends, graphdef=graphdef, logical=logical,
                    param_shapes=shapes, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                    state_shardings=state_sh, batch_sharding=layout.batch_sharding(), block_graphdef=block_graphdef,
@@ -160,7 +164,7 @@ class Engine:
             model = Transformer(model_cfg, rngs=nnx.Rngs(train_cfg.seed), backends=backends)
             params = nnx.to_pure_dict(nnx.state(model))
             if order is not None:
-                params = _take_layers(params, order)
+                params = _take_layers(params, order, model_cfg.stack_rows)
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), init_guard(train_cfg))
 
         return jax.jit(init, out_shardings=self.state_shardings)
@@ -205,18 +209,33 @@ class Engine:
 
     @property
     def num_params(self) -> int:
-        """Total parameter count."""
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.param_shapes))
+        """Total parameter count (of the model: an uneven pipeline's padding rows are not parameters)."""
+        rows, stored = self.cfg.model.stack_rows, self.stored_rows
+        return sum(math.prod(x.shape) // stored * rows if _in_stack(path) else math.prod(x.shape)
+                   for path, x in jax.tree_util.tree_flatten_with_path(self.param_shapes)[0])
+
+    @property
+    def stored_rows(self) -> int:
+        """Rows of the stored layer stack: the model's (`ModelConfig.stack_rows`), or more with uneven stages."""
+        return self.cfg.model.stack_rows if self.layer_order is None else int(self.layer_order.size)
+
+    @property
+    def stored_row_of_model(self) -> np.ndarray:
+        """For each row of the model's layer stack, the stored row that holds it."""
+        if self.layer_order is None:
+            return np.arange(self.cfg.model.stack_rows)
+        return _model_rows(self.layer_order, self.cfg.model.stack_rows)
 
     def model_params(self, params: Any) -> Any:
-        """Stored parameters with the layer stack in model order (they differ only under interleaved 1F1B)."""
+        """Stored parameters with the layer stack in model order, without padding rows (they differ under interleaved
+        and V schedules, and uneven stages)."""
         if self.layer_order is None:
             return params
-        return _take_layers(params, np.argsort(self.layer_order))
+        return _take_layers(params, self.stored_row_of_model, self.stored_rows)
 
     @property
     def stored_layer_order(self) -> list[int] | None:
-        """`layer_order` as a JSON-friendly list (None: model order), as checkpoints record it."""
+        """`layer_order` as a JSON-friendly list (None: model order; -1: a padding row), as checkpoints record it."""
         return None if self.layer_order is None else [int(i) for i in self.layer_order]
 
     def reorder_layers(self, state: TrainState, saved: list[int] | None) -> TrainState:
@@ -224,10 +243,17 @@ class Engine:
         n = self.cfg.model.stack_rows
         saved_order = np.arange(n) if saved is None else np.asarray(saved)
         current = np.arange(n) if self.layer_order is None else self.layer_order
+        if saved_order.size != current.size:
+            raise ConfigError(
+                f"the checkpoint stores its layer stack in {saved_order.size} rows and this run in {current.size} "
+                f"(uneven pipeline stages pad every stage to the longest): resume with the saving run's mesh.pipeline, "
+                f"parallel.virtual_stages and parallel.pipeline_layers (its config.yaml), or export it with "
+                "`spmd-train convert` and start from that")
         if (saved_order == current).all():
             return state
-        index = np.argsort(saved_order)[current]  # row q takes the saved row holding model layer current[q]
-        return jax.jit(lambda s: _take_layers(s, index), out_shardings=self.state_shardings)(state)
+        # Row q takes the saved row holding model row current[q]; a padding row takes a saved padding row (zeros).
+        source = np.where(current >= 0, _model_rows(saved_order, n)[np.maximum(current, 0)], -1)
+        return jax.jit(lambda s: _take_layers(s, source, current.size), out_shardings=self.state_shardings)(state)
 
     def loss(self, params: Any, batch: Batch | jax.Array) -> jax.Array:
         """Mean next-token cross-entropy of a `Batch` (or a bare [batch, seq_len + 1] token array), without the
@@ -311,18 +337,37 @@ class Engine:
         )
 
 
-def _take_layers(tree: Any, index: np.ndarray) -> Any:
-    """`tree` with every layer-stack array under a `blocks` key reordered to rows `index` (axis 0).
+def _take_layers(tree: Any, index: np.ndarray, rows: int) -> Any:
+    """`tree` with every layer-stack array under a `blocks` key (of `rows` rows) taken at rows `index` along axis 0;
+    index -1 gives a row of zeros (an uneven pipeline's padding).
 
     Works on parameters and on whole train states (optimizer moments mirror the parameters;
     scalars such as step counts are left alone).
     """
+    index = np.asarray(index)
+    pad = index < 0
 
     def take(path, leaf):
-        in_stack = any(getattr(k, "key", None) == "blocks" for k in path)
-        return leaf[index] if in_stack and leaf.ndim and leaf.shape[0] == len(index) else leaf
+        if not (_in_stack(path) and leaf.ndim and leaf.shape[0] == rows):
+            return leaf
+        taken = leaf[np.maximum(index, 0)]
+        if not pad.any():
+            return taken
+        return jnp.where(jnp.asarray(pad).reshape(-1, *(1,) * (leaf.ndim - 1)), jnp.zeros((), leaf.dtype), taken)
 
     return jax.tree_util.tree_map_with_path(take, tree)
+
+
+def _in_stack(path) -> bool:
+    return any(getattr(k, "key", None) == "blocks" for k in path)
+
+
+def _model_rows(order: np.ndarray, rows: int) -> np.ndarray:
+    """The inverse of a stored order: for each of the model's `rows` rows, the stored row holding it."""
+    inverse = np.empty(rows, int)
+    stored = np.nonzero(order >= 0)[0]
+    inverse[order[stored]] = stored
+    return inverse
 
 
 def _backends(cfg: Config, layout: Layout) -> Backends:

@@ -33,11 +33,13 @@ import numpy as np
 from flax import nnx
 
 from spmd_train.config.schema import Config
+from spmd_train.errors import ConfigError
+from spmd_train.models.flops import balanced_depths
 from spmd_train.models.transformer import RESIDUAL, apply_blocks
 from spmd_train.ops import cross_entropy
 from spmd_train.parallel.pipeline import executor_stage, run_pipeline, stash_layout
 from spmd_train.parallel.pipeline_plan import PipelinePlan, build_plan
-from spmd_train.parallel.schedules import build_schedule, resolved_microbatches
+from spmd_train.parallel.schedules import SPLIT_BACKWARD, build_schedule, resolved_microbatches
 from spmd_train.parallel.split_backward import split_vjp
 from spmd_train.sharding.arithmetic import rows_per_device
 from spmd_train.sharding.constrain import constrain
@@ -51,19 +53,58 @@ def pipeline_plan(cfg: Config, sizes: dict[str, int]) -> PipelinePlan:
     return build_plan(build_schedule(par.pipeline_schedule, p, microbatches, par.virtual_stages))
 
 
-def layer_order(num_layers: int, stages: int, virtual: int, placement: str = "loop") -> np.ndarray:
-    """Model layer index of each stored row of the layer stack (identity unless virtual > 1); `num_layers`: the
-    stack's rows (`ModelConfig.stack_rows`: MoE groups when model.moe.every > 1).
+def chunk_depths(cfg: Config, stages: int) -> list[int]:
+    """Rows of the layer stack (`ModelConfig.stack_rows`: layers, or MoE groups) in each model chunk, in model order:
+    parallel.pipeline_layers resolved (null: equal; "balanced": `models.flops.balanced_depths`)."""
+    par, m = cfg.parallel, cfg.model
+    chunks, unit = stages * par.virtual_stages, max(m.moe_every, 1)
+    if par.pipeline_layers is None:
+        return [m.stack_rows // chunks] * chunks
+    layers = (balanced_depths(m, cfg.train.seq_len, chunks) if par.pipeline_layers == "balanced"
+              else list(par.pipeline_layers))
+    if len(set(layers)) > 1 and par.pipeline_schedule in SPLIT_BACKWARD:
+        shown = ", ".join(map(str, layers))
+        raise ConfigError(
+            f"parallel.pipeline_layers={par.pipeline_layers if par.pipeline_layers == 'balanced' else f'[{shown}]'}"
+            f"{f' (here {shown})' if par.pipeline_layers == 'balanced' else ''} gives uneven stage chunks, which "
+            f"parallel.pipeline_schedule={par.pipeline_schedule} cannot run: a padded chunk's backward would not split "
+            "into B and W (valid: a fused schedule, gpipe, 1f1b or interleaved_1f1b, or parallel.pipeline_layers=null)")
+    return [n // unit for n in layers]
 
-    Stored chunk j (rows j*n .. j*n+n-1, n = layers per chunk) sits on device d = j // virtual as
-    its local chunk k = j % virtual, which runs as model chunk k * stages + d under the "loop"
-    placement (interleaved) and as d (k = 0) or 2 * stages - 1 - d (k = 1) under "v" (zb_v).
+
+def layer_order(num_layers: int, stages: int, virtual: int, placement: str = "loop",
+                depths: list[int] | None = None) -> np.ndarray:
+    """Model row of each stored row of the layer stack, -1 for padding (identity for equal chunks unless
+    virtual > 1); `num_layers`: the stack's rows (`ModelConfig.stack_rows`: MoE groups when model.moe.every > 1);
+    `depths`: rows per model chunk (default equal, `chunk_depths`).
+
+    Every device stores n = max(depths) rows per chunk: stored chunk j (rows j*n .. j*n+n-1) sits on device
+    d = j // virtual as its local chunk k = j % virtual, which runs as model chunk k * stages + d under the "loop"
+    placement (interleaved) and as d (k = 0) or 2 * stages - 1 - d (k = 1) under "v" (zb_v); its first
+    depths[model chunk] rows hold that chunk's layers, the rest are padding.
     """
-    per_chunk = num_layers // (stages * virtual)
-    chunk = np.arange(stages * virtual)
-    device, local = chunk // virtual, chunk % virtual
-    model_chunk = np.where(local == 0, device, 2 * stages - 1 - device) if placement == "v" else local * stages + device
-    return (model_chunk[:, None] * per_chunk + np.arange(per_chunk)[None, :]).reshape(-1)
+    chunks = stages * virtual
+    depths = [num_layers // chunks] * chunks if depths is None else list(depths)
+    per_chunk, starts = max(depths), np.cumsum([0, *depths])
+    order = np.full(chunks * per_chunk, -1)
+    for j in range(chunks):
+        device, local = j // virtual, j % virtual
+        if placement == "v":
+            model_chunk = device if local == 0 else 2 * stages - 1 - device
+        else:
+            model_chunk = local * stages + device
+        order[j * per_chunk:j * per_chunk + depths[model_chunk]] = starts[model_chunk] + np.arange(depths[model_chunk])
+    return order
+
+
+def chunk_rows_table(depths: list[int], stages: int, virtual: int, placement: str) -> np.ndarray:
+    """[stage, local chunk] -> rows of the model chunk it runs (the rest of its stored rows are padding)."""
+    table = np.zeros((stages, virtual), int)
+    for d in range(stages):
+        for k in range(virtual):
+            chunk = (d if k == 0 else 2 * stages - 1 - d) if placement == "v" else k * stages + d
+            table[d, k] = depths[chunk]
+    return table
 
 
 def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: PipelinePlan,
@@ -72,10 +113,14 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
     `model_inputs`)."""
     sched = plan.schedule
     m = sched.microbatches
-    stage_fn = _stage_fn(cfg, block_graphdef)
+    depths = chunk_depths(cfg, sched.stages)
+    uneven = len(set(depths)) > 1
+    stage_fn = _stage_fn(cfg, block_graphdef, padded=uneven)
     moe = cfg.model.moe
-    # Statistics come back in storage order; metrics name MoE layers in model order.
-    model_order = np.argsort(layer_order(cfg.model.stack_rows, sched.stages, sched.virtual, sched.placement))
+    # Statistics come back in storage order (padding included); metrics name MoE layers in model order.
+    order = layer_order(cfg.model.stack_rows, sched.stages, sched.virtual, sched.placement, depths)
+    model_order = np.argsort(np.where(order < 0, order.size, order))[:cfg.model.stack_rows]
+    rows_table = chunk_rows_table(depths, sched.stages, sched.virtual, sched.placement) if uneven else None
 
     def value_and_grad(params: Any, batch: Any):
         blocks = params["blocks"]
@@ -103,7 +148,7 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
         context = None if not docs else (split(docs["segments"]), split(docs["positions"]))
         loss, block_grads, head_grads, d_x, *stats = run_pipeline(
             stage_fn, head_fn, plan, blocks, rest, x, (split(targets), None if weights is None else split(weights)),
-            context=context, mesh=mesh, extras=moe is not None)
+            context=context, mesh=mesh, extras=moe is not None, chunk_rows=rows_table)
         (embed_grads,) = embed_vjp(d_x)
         grads = jax.tree.map(lambda a, b: a + b, head_grads, embed_grads)
         metrics = {"loss": loss, **(_router_metrics(stats[0], model_order) if stats else {})}
@@ -112,16 +157,18 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
     return value_and_grad
 
 
-def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef):
+def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
     """One chunk of stacked layers as a pure function (chunk params, x, documents) -> x, or with MoE layers
     -> (x, the chunk's share of the weighted router losses, per-layer router statistics) (`run_pipeline`'s extras).
 
-    documents: () or the microbatch's (segments, positions)."""
+    documents: () or the microbatch's (segments, positions). padded: uneven stages, the function takes `rows` (how
+    many leading rows of the chunk are layers; the rest are padding it skips)."""
     model, moe = cfg.model, cfg.model.moe
 
-    def stage_fn(chunk, x, documents=()):
+    def stage_fn(chunk, x, documents=(), rows=None):
         docs = dict(zip(("segments", "positions"), documents, strict=False))
-        y, stats = apply_blocks(block_graphdef, chunk, x, model, cfg.parallel.remat, **docs)
+        y, stats = apply_blocks(block_graphdef, chunk, x, model, cfg.parallel.remat, **docs,
+                                rows=rows if padded else None)
         if moe is None:
             return y
         # The objective takes the mean of each router loss over all MoE layers: this chunk's layers' sum / their count.
@@ -138,8 +185,9 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef):
 
 def _router_metrics(stats: dict[str, jax.Array], model_order: np.ndarray) -> dict[str, jax.Array]:
     """The step's router metrics, as `Engine.objective` names them, from per-layer means over microbatches."""
+    stats = {key: value[model_order] for key, value in stats.items()}  # model order, without padding rows
     metrics = {key: jnp.mean(stats[key]) for key in ("aux_loss", "z_loss", "dropped_fraction")}
-    load = stats["expert_load"][model_order]
+    load = stats["expert_load"]
     return metrics | {f"expert_load.{i}": load[i] for i in range(load.shape[0])}
 
 
@@ -150,8 +198,10 @@ def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_
     Traced without a mesh on the device's own slice of the batch, so activations split over
     `tensor` count whole: exact without tensor parallelism, an upper bound with it.
     """
-    layout = stash_layout(_stage_fn(cfg, block_graphdef), *_chunk_inputs(cfg, block_shapes, plan, rows_per_device),
-                          extras=cfg.model.moe is not None)
+    padded = len(set(chunk_depths(cfg, plan.schedule.stages))) > 1
+    layout = stash_layout(_stage_fn(cfg, block_graphdef, padded), *_chunk_inputs(cfg, block_shapes, plan,
+                                                                                  rows_per_device),
+                          extras=cfg.model.moe is not None, padded=padded)
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stashed)
 
 
@@ -168,7 +218,7 @@ def _chunk_inputs(cfg: Config, block_shapes: Any, plan: PipelinePlan, rows_per_d
     """Abstract (chunk parameters, microbatch activation, documents) of one stage chunk, traced without a mesh on
     the device's own slice of the batch, so activations split over `tensor` count whole."""
     sched = plan.schedule
-    per_chunk = cfg.model.stack_rows // (sched.stages * sched.virtual)
+    per_chunk = max(chunk_depths(cfg, sched.stages))  # stored rows per chunk: the residuals every device reserves
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per_chunk, *a.shape[1:]), a.dtype), block_shapes)
     rows = rows_per_device // sched.microbatches
     x = jax.ShapeDtypeStruct((rows, cfg.train.seq_len, cfg.model.d_model), jnp.dtype(cfg.model.compute_dtype))

@@ -21,7 +21,10 @@ from tests.test_moe_model import CONFIG, NO_DROPS, ONE_DEVICE, _compiled_collect
 BASE = [NO_DROPS, "model.num_layers=8", "train.seq_len=16", "train.global_batch_size=16"]
 MICROBATCHES = 4
 PIPELINED = ["mesh.pipeline=2", "mesh.expert=2", "mesh.fsdp=2", f"parallel.pipeline_microbatches={MICROBATCHES}"]
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2)]
+SCHEDULES = [("gpipe", 1, None), ("1f1b", 1, None), ("interleaved_1f1b", 2, None), ("zb_h1", 1, None),
+             ("zb_v", 2, None),
+             # Uneven stages: 1 MoE group on stage 0, 3 on stage 1 (tests/test_pipeline_uneven.py has the dense cases).
+             ("1f1b", 1, "[2,6]")]
 METRICS = ("loss", "grad_norm", "aux_loss", "z_loss", *(f"expert_load.{i}" for i in range(4)))
 
 
@@ -30,10 +33,12 @@ def accumulated(devices):
     return _train([*BASE, *ONE_DEVICE, f"train.grad_accum={MICROBATCHES}"], devices[:1], 3)
 
 
-@pytest.mark.parametrize("name,v", SCHEDULES)
-def test_pipeline_expert_fsdp_equals_one_device(devices, accumulated, name, v):
+@pytest.mark.parametrize("name,v,layers", SCHEDULES, ids=[f"{n}-{v}" + ("-uneven" if u else "")
+                                                           for n, v, u in SCHEDULES])
+def test_pipeline_expert_fsdp_equals_one_device(devices, accumulated, name, v, layers):
+    uneven = [] if layers is None else [f"parallel.pipeline_layers={layers}"]
     history, params, engine = _train([*BASE, *PIPELINED, f"parallel.pipeline_schedule={name}",
-                                      f"parallel.virtual_stages={v}"], devices, 3)
+                                      f"parallel.virtual_stages={v}", *uneven], devices, 3)
     ref_history, ref_params, _ = accumulated
     assert engine.plan is not None and engine.plan.schedule.microbatches == MICROBATCHES
     # The router losses enter the gradients (an objective without them moves the router elsewhere) and the

@@ -1,7 +1,8 @@
 """Uneven pipeline stages (parallel.pipeline_layers): one device's steps, padding that stays zero, resume, bad input.
 
 Every device of the SPMD program stores its longest chunk's rows; a shorter chunk's extra rows are padding that
-the stage scan skips (`apply_blocks(rows=...)`), so they get no gradient and stay zero.
+the stage scan skips (`apply_blocks(rows=...)`), so they get no gradient and stay zero. An MoE model with uneven
+stages is one of tests/test_pipeline_moe.py's cases.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from spmd_train.errors import ConfigError
 from spmd_train.models.flops import balanced_depths
 from spmd_train.train.pipelined import chunk_depths
 from tests.runs import TINY, cli, relative_error, run_steps
-from tests.test_moe_model import NO_DROPS, ONE_DEVICE, _train
 
 DEEP = ["model.num_layers=8"]
 
@@ -57,18 +57,6 @@ def test_uneven_stages_equal_one_device(reference, devices, case):
     batch = np.asarray(jax.random.randint(jax.random.key(1), (32, 17), 0, engine.cfg.model.vocab_size))
     assert float(engine.loss(state.params, batch)) == pytest.approx(
         float(ref_engine.loss(jax.tree.map(jax.numpy.asarray, ref_params), batch)), rel=1e-5)
-
-
-def test_uneven_moe_stages_equal_one_device_accumulating(devices):
-    # 8 layers in 4 MoE groups, 1 group on stage 0 and 3 on stage 1.
-    base = [NO_DROPS, "model.num_layers=8", "train.seq_len=16", "train.global_batch_size=16"]
-    history, params, engine = _train([*base, "mesh.pipeline=2", "mesh.expert=2", "mesh.fsdp=2",
-                                      "parallel.pipeline_microbatches=4", "parallel.pipeline_layers=[2,6]"],
-                                     devices, 3)
-    ref_history, ref_params, _ = _train([*base, *ONE_DEVICE, "train.grad_accum=4"], devices[:1], 3)
-    for key in ("loss", "grad_norm", "aux_loss", "z_loss", *(f"expert_load.{i}" for i in range(4))):
-        np.testing.assert_allclose([h[key] for h in history], [h[key] for h in ref_history], rtol=1e-5, err_msg=key)
-    assert relative_error(engine.model_params(params), ref_params) < 1e-5
 
 
 def test_balanced_resolves_to_the_split_whose_costliest_chunk_costs_least(devices):

@@ -192,7 +192,7 @@ def _stage_balance(pipe) -> str:
     if tuple(pipe.balanced_layers) == tuple(pipe.chunk_layers):
         return line + "; no split of whole layers is more even"
     return (line + f"; the most even split, {', '.join(map(str, pipe.balanced_layers))} layers, would make it "
-            f"{max(pipe.balanced_flops) / mean:.3f}x (the executor runs equal stages)")
+            f"{max(pipe.balanced_flops) / mean:.3f}x (parallel.pipeline_layers=balanced)")
 
 
 def moe_renderables(moe: dict) -> list[RenderableType]:

@@ -248,7 +248,7 @@ class Engine:
                 f"the checkpoint stores its layer stack in {saved_order.size} rows and this run in {current.size} "
                 f"(uneven pipeline stages pad every stage to the longest): resume with the saving run's mesh.pipeline, "
                 f"parallel.virtual_stages and parallel.pipeline_layers (its config.yaml), or export it with "
-                "`spmd-train convert` and start from that")
+                "`spmd-train convert to-hf` and start a run from that with checkpoint.load_from")
         if (saved_order == current).all():
             return state
         # Row q takes the saved row holding model row current[q]; a padding row takes a saved padding row (zeros).

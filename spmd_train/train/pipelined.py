@@ -109,8 +109,8 @@ def chunk_rows_table(depths: list[int], stages: int, virtual: int, placement: st
 
 def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: PipelinePlan,
                             mesh, *, zigzag: int = 1) -> Any:
-    """(params, batch) -> ({"loss": mean loss}, gradients), run by the pipeline schedule (`zigzag`: as in
-    `model_inputs`)."""
+    """(params, batch) -> (metrics, gradients), run by the pipeline schedule (`zigzag`: as in `model_inputs`);
+    metrics: the mean loss, and with MoE layers the router metrics `Engine.objective` reports."""
     sched = plan.schedule
     m = sched.microbatches
     depths = chunk_depths(cfg, sched.stages)

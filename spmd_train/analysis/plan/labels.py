@@ -147,7 +147,7 @@ def overrides(c: Candidate) -> list[str]:
             f"parallel.sequence_parallel={str(c.sequence_parallel).lower()}",
             f"parallel.context_parallel={c.context_parallel}", f"parallel.pipeline_schedule={c.pipeline_schedule}",
             f"parallel.pipeline_microbatches={micro}", f"parallel.virtual_stages={c.virtual_stages}",
-            f"train.grad_accum={c.grad_accum}"]
+            "parallel.pipeline_layers=null", f"train.grad_accum={c.grad_accum}"]
 
 
 def config_dict(cfg: Config, c: Candidate) -> dict[str, Any]:
@@ -160,7 +160,8 @@ def config_dict(cfg: Config, c: Candidate) -> dict[str, Any]:
     raw["mesh"]["dcn"] = dict(zip(MESH_AXES, c.dcn, strict=True))
     raw["parallel"].update(zero_stage=c.zero_stage, remat=c.remat, sequence_parallel=c.sequence_parallel,
                            context_parallel=c.context_parallel, pipeline_schedule=c.pipeline_schedule,
-                           pipeline_microbatches=c.pipeline_microbatches, virtual_stages=c.virtual_stages)
+                           pipeline_microbatches=c.pipeline_microbatches, virtual_stages=c.virtual_stages,
+                           pipeline_layers=None)  # the planner lays out equal stages
     raw["train"]["grad_accum"] = c.grad_accum
     return raw
 
@@ -173,7 +174,8 @@ def config_for(cfg: Config, c: Candidate) -> Config:
     parallel = dataclasses.replace(cfg.parallel, zero_stage=c.zero_stage, remat=c.remat,
                                    sequence_parallel=c.sequence_parallel, context_parallel=c.context_parallel,
                                    pipeline_schedule=c.pipeline_schedule,
-                                   pipeline_microbatches=c.pipeline_microbatches, virtual_stages=c.virtual_stages)
+                                   pipeline_microbatches=c.pipeline_microbatches, virtual_stages=c.virtual_stages,
+                                   pipeline_layers=None)  # the planner lays out equal stages
     out = dataclasses.replace(cfg, mesh=mesh, parallel=parallel,
                               train=dataclasses.replace(cfg.train, grad_accum=c.grad_accum))
     check_config(out)

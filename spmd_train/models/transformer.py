@@ -227,7 +227,8 @@ def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: 
     Returns the output and the MoE statistics of every scanned step (empty without MoE).
     `segments` and `positions` are the documents' layout, as in `Transformer.forward`.
     `rows` (a scalar, may be traced): only the first `rows` stacked rows are layers; the others are padding,
-    skipped (no compute, the input passes through, zero statistics and gradients).
+    skipped (no compute, the input passes through, zero statistics and gradients). Each row is then rematerialised
+    whatever `remat` says (see below).
     """
     if positions is not None:
         positions = constrain(positions, ("batch", "length"))
@@ -248,5 +249,9 @@ def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: 
         skip = lambda c: (c, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats))
         return jax.lax.cond(i < rows, run, skip, carry)
 
+    # A cond's residuals are its own outputs: the layer's weights would come back as copies, not as the scan's
+    # inputs, and be kept per microbatch in a pipeline's stash. Rematerialising each row instead keeps only the
+    # row's input and its weights (the scan's own inputs) and reruns the row's forward in the backward pass.
+    body = jax.checkpoint(layer_or_padding, policy=jax.checkpoint_policies.nothing_saveable)
     count = jax.tree.leaves(stacked)[0].shape[0]
-    return jax.lax.scan(apply_remat(layer_or_padding, remat), x, (stacked, jnp.arange(count)))
+    return jax.lax.scan(body, x, (stacked, jnp.arange(count)))

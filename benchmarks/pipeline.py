@@ -222,8 +222,9 @@ def main() -> None:
         "stash, which here, with 8 microbatches of one 32-token row, is small.\n\n"
         "Balanced stages (`parallel.pipeline_layers=balanced`, 3, 4, 4, 1 layers here): the LM head (a third of "
         "the model's FLOPs at 32 tokens) is on the last stage, so it gets one layer; every stage stores 4 rows "
-        "(padding rows are skipped, not computed). On 2 shared cores the total work, not the slowest stage, sets "
-        "the step time, so this row shows the cost of the padding machinery more than the gain.\n"
+        "(padding rows are skipped, not computed, and each row of an uneven stage is rematerialised: its forward "
+        "reruns in the backward). On 2 shared cores the total work, not the slowest stage, sets the step time, so "
+        "this row shows that extra work, not the balance.\n"
     )
     update_section("pipeline", "Pipeline schedules vs FSDP (`benchmarks/pipeline.py`)", body)
     if args.step_time_only:

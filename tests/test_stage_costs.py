@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from spmd_train import load_config
-from spmd_train.analysis.stage_costs import device_of_chunk, stage_shares
+from spmd_train.analysis.stage_costs import stage_shares
 from spmd_train.models.flops import (
     balanced_depths,
     chunk_flops_per_token,
@@ -15,6 +15,7 @@ from spmd_train.models.flops import (
     head_flops_per_token,
     layer_flops_per_token,
 )
+from spmd_train.parallel.schedules import stage_of
 from spmd_train.train.pipelined import layer_order
 
 MODELS = {
@@ -74,8 +75,8 @@ def test_chunks_land_on_the_stages_the_storage_order_puts_them(placement, stages
     per_chunk = m.num_layers // (stages * virtual)
     order = layer_order(m.num_layers, stages, virtual, placement)
     for stored_row, layer in enumerate(order):  # stored row r lives on device r // (rows per device)
-        assert device_of_chunk(layer // per_chunk, stages, placement) == stored_row // (per_chunk * virtual)
+        assert stage_of(layer // per_chunk, stages, placement) == stored_row // (per_chunk * virtual)
     shares = stage_shares(m, 1024, [per_chunk] * (stages * virtual), stages, placement)
     assert sum(shares) == pytest.approx(1.0, rel=1e-12)
-    head_stage = device_of_chunk(stages * virtual - 1, stages, placement)
+    head_stage = stage_of(stages * virtual - 1, stages, placement)
     assert shares[head_stage] == max(shares)

@@ -5,13 +5,7 @@ from __future__ import annotations
 
 from spmd_train.config.schema import ModelConfig
 from spmd_train.models.flops import chunk_flops_per_token
-
-
-def device_of_chunk(chunk: int, stages: int, placement: str = "loop") -> int:
-    """The pipeline stage (device) that runs model chunk `chunk`: round robin ("loop"), or the V of zb_v ("v")."""
-    if placement == "v":
-        return chunk if chunk < stages else 2 * stages - 1 - chunk
-    return chunk % stages
+from spmd_train.parallel.schedules import stage_of
 
 
 def stage_shares(m: ModelConfig, seq_len: int, depths: list[int], stages: int, placement: str = "loop") -> list[float]:
@@ -19,6 +13,6 @@ def stage_shares(m: ModelConfig, seq_len: int, depths: list[int], stages: int, p
     costs = chunk_flops_per_token(m, seq_len, depths)
     per_stage = [0.0] * stages
     for c, cost in enumerate(costs):
-        per_stage[device_of_chunk(c, stages, placement)] += cost
+        per_stage[stage_of(c, stages, placement)] += cost
     total = sum(per_stage)
     return [x / total for x in per_stage]

@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.parallel.pipeline_plan import FIELDS, PipelinePlan
@@ -89,9 +88,11 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         of_microbatch = lambda tree, mb: jax.tree.map(lambda a: a[mb], tree)
         # What a chunk's stage function gets beside (params, x): the microbatch's context, and with uneven stages
         # the number of its stored rows that are layers.
-        table = jnp.asarray(chunk_rows if padded else np.zeros((p, v)), jnp.int32)
-        chunk_context = lambda mb, k: (table[stage, k], of_microbatch(context, mb)) if padded else of_microbatch(
-            context, mb)
+        if padded:
+            table = jnp.asarray(chunk_rows, jnp.int32)
+            chunk_context = lambda mb, k: (table[stage, k], of_microbatch(context, mb))
+        else:
+            chunk_context = lambda mb, k: of_microbatch(context, mb)
         vjp_layout = _VjpLayout.of(run_stage, chunk_params(0), x_like, chunk_context(0, 0))
         stats = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), vjp_layout.stats)
         if sched.split_backward:
@@ -154,12 +155,11 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     abstract = jax.sharding.get_abstract_mesh()
     if not abstract.empty and (abstract.manual_axes or mesh is None):
         mesh = abstract
-    stats_like = _VjpLayout.stats_of(run_stage, blocks, inputs, context, p * v, padded)
     out = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(block_spec, rest_spec(head), P(), rest_spec(targets), rest_spec(context)),
-        out_specs=(P(), block_spec, rest_spec(head), P(), jax.tree.map(lambda _: P(AXIS), stats_like)),
+        out_specs=(P(), block_spec, rest_spec(head), P(), P(AXIS)),  # P(AXIS): a prefix for every statistic
         axis_names={AXIS},
         check_vma=False,
     )(blocks, head, inputs, targets, context)
@@ -223,16 +223,6 @@ class _VjpLayout:
 
         stashed, stats = jax.eval_shape(trace, params, x, context)
         return cls(found["treedef"], found["index"], stashed, stats)
-
-    @staticmethod
-    def stats_of(stage_fn: Callable, blocks: Any, inputs: jax.Array, context: Any, chunks: int,
-                 padded: bool = False) -> Any:
-        """The shapes of a whole stack's statistics: one chunk's, with `chunks` times its units on axis 0."""
-        chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // chunks, *a.shape[1:]), a.dtype), blocks)
-        mb = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
-        ctx = (jax.ShapeDtypeStruct((), jnp.int32), mb(context)) if padded else mb(context)
-        stats = jax.eval_shape(lambda c, x, ctx: stage_fn(c, x, ctx)[1], chunk, mb(inputs), ctx)
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * chunks, *a.shape[1:]), a.dtype), stats)
 
     def residuals(self, vjp, params: Any) -> list[jax.Array]:
         """The leaves of a VJP of the same stage function, on `params`, that must be stashed."""

@@ -40,7 +40,7 @@ from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
 from spmd_train.train.inputs import model_inputs, with_loss_weights
 from spmd_train.train.optimizer import lr_schedule, make_optimizer, state_sharding
-from spmd_train.train.pipelined import chunk_depths, layer_order, pipeline_plan, pipeline_value_and_grad
+from spmd_train.train.pipelined import chunk_depths, layer_order, model_rows, pipeline_plan, pipeline_value_and_grad
 
 
 class TrainState(NamedTuple):
@@ -224,7 +224,7 @@ class Engine:
         """For each row of the model's layer stack, the stored row that holds it."""
         if self.layer_order is None:
             return np.arange(self.cfg.model.stack_rows)
-        return _model_rows(self.layer_order, self.cfg.model.stack_rows)
+        return model_rows(self.layer_order, self.cfg.model.stack_rows)
 
     def model_params(self, params: Any) -> Any:
         """Stored parameters with the layer stack in model order, without padding rows (they differ under interleaved
@@ -252,7 +252,7 @@ class Engine:
         if (saved_order == current).all():
             return state
         # Row q takes the saved row holding model row current[q]; a padding row takes a saved padding row (zeros).
-        source = np.where(current >= 0, _model_rows(saved_order, n)[np.maximum(current, 0)], -1)
+        source = np.where(current >= 0, model_rows(saved_order, n)[np.maximum(current, 0)], -1)
         return jax.jit(lambda s: _take_layers(s, source, current.size), out_shardings=self.state_shardings)(state)
 
     def loss(self, params: Any, batch: Batch | jax.Array) -> jax.Array:
@@ -360,14 +360,6 @@ def _take_layers(tree: Any, index: np.ndarray, rows: int) -> Any:
 
 def _in_stack(path) -> bool:
     return any(getattr(k, "key", None) == "blocks" for k in path)
-
-
-def _model_rows(order: np.ndarray, rows: int) -> np.ndarray:
-    """The inverse of a stored order: for each of the model's `rows` rows, the stored row holding it."""
-    inverse = np.empty(rows, int)
-    stored = np.nonzero(order >= 0)[0]
-    inverse[order[stored]] = stored
-    return inverse
 
 
 def _backends(cfg: Config, layout: Layout) -> Backends:

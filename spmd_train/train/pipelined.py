@@ -88,23 +88,29 @@ def layer_order(num_layers: int, stages: int, virtual: int, placement: str = "lo
     per_chunk, starts = max(depths), np.cumsum([0, *depths])
     order = np.full(chunks * per_chunk, -1)
     for j in range(chunks):
-        device, local = j // virtual, j % virtual
-        if placement == "v":
-            model_chunk = device if local == 0 else 2 * stages - 1 - device
-        else:
-            model_chunk = local * stages + device
-        order[j * per_chunk:j * per_chunk + depths[model_chunk]] = starts[model_chunk] + np.arange(depths[model_chunk])
+        c = _model_chunk(j // virtual, j % virtual, stages, placement)
+        order[j * per_chunk:j * per_chunk + depths[c]] = starts[c] + np.arange(depths[c])
     return order
+
+
+def model_rows(order: np.ndarray, rows: int) -> np.ndarray:
+    """The inverse of a stored order (`layer_order`): for each of the model's `rows` rows, the stored row holding it."""
+    inverse = np.empty(rows, int)
+    stored = np.nonzero(order >= 0)[0]
+    inverse[order[stored]] = stored
+    return inverse
 
 
 def chunk_rows_table(depths: list[int], stages: int, virtual: int, placement: str) -> np.ndarray:
     """[stage, local chunk] -> rows of the model chunk it runs (the rest of its stored rows are padding)."""
-    table = np.zeros((stages, virtual), int)
-    for d in range(stages):
-        for k in range(virtual):
-            chunk = (d if k == 0 else 2 * stages - 1 - d) if placement == "v" else k * stages + d
-            table[d, k] = depths[chunk]
-    return table
+    return np.array([[depths[_model_chunk(d, k, stages, placement)] for k in range(virtual)] for d in range(stages)])
+
+
+def _model_chunk(device: int, local: int, stages: int, placement: str) -> int:
+    """The model chunk device `device` runs as its local chunk `local` (the inverse of `schedules.stage_of`)."""
+    if placement == "v":
+        return device if local == 0 else 2 * stages - 1 - device
+    return local * stages + device
 
 
 def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: PipelinePlan,
@@ -119,7 +125,7 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
     moe = cfg.model.moe
     # Statistics come back in storage order (padding included); metrics name MoE layers in model order.
     order = layer_order(cfg.model.stack_rows, sched.stages, sched.virtual, sched.placement, depths)
-    model_order = np.argsort(np.where(order < 0, order.size, order))[:cfg.model.stack_rows]
+    model_order = model_rows(order, cfg.model.stack_rows)
     rows_table = chunk_rows_table(depths, sched.stages, sched.virtual, sched.placement) if uneven else None
 
     def value_and_grad(params: Any, batch: Any):

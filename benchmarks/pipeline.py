@@ -15,9 +15,9 @@ devices, and llama-1b compiled for a TPU v5e:2x4 slice (needs the tpu-aot extra)
 
 A third compares the zero-bubble schedules (zb_h1, zb_v) with 1F1B at m = 4p: compiled memory per
 device (llama-1b on the TPU slice and the CPU devices) and the simulator's bubble in time units.
-`--zero-bubble-only` runs just that section, `--step-time-only` just the first. The step-time section also runs
-1F1B with `parallel.pipeline_layers=balanced` (gpt2-small at 32 tokens: 3, 4, 4, 1 layers; the LM head weighs on the
-last stage).
+`--zero-bubble-only` runs just that section, `--step-time-only` just the first. Stages are equal
+(`parallel.pipeline_layers=null`) except in one step-time row, 1F1B with the default `balanced` (gpt2-small at 32
+tokens: 3, 4, 4, 1 layers; the LM head weighs on the last stage).
 """
 
 from __future__ import annotations
@@ -53,14 +53,15 @@ def cases(layers: int) -> list[tuple[str, list[str]]]:
         p = 4 if layers % (4 * virtual) == 0 else 2
         found.append((f"{schedule}{f' v={virtual}' if virtual > 1 else ''}, pipeline {p} x fsdp {8 // p}",
                       [f"mesh.pipeline={p}", f"mesh.fsdp={8 // p}", f"parallel.pipeline_schedule={schedule}",
-                       f"parallel.virtual_stages={virtual}"]))
+                       f"parallel.virtual_stages={virtual}", "parallel.pipeline_layers=null"]))
     if layers % 4 == 0:  # uneven stages: the split whose costliest chunk (LM head included) costs least
         found.append(("1f1b, balanced stages, pipeline 4 x fsdp 2", ["mesh.pipeline=4", "mesh.fsdp=2",
                                                                      "parallel.pipeline_schedule=1f1b",
                                                                      "parallel.pipeline_layers=balanced"]))
     if layers % 8:  # interleaving fell back to pipeline 2: show 1F1B on that mesh too, for a like-for-like pair
         found.insert(3, ("1f1b, pipeline 2 x fsdp 4", ["mesh.pipeline=2", "mesh.fsdp=4",
-                                                     "parallel.pipeline_schedule=1f1b"]))
+                                                     "parallel.pipeline_schedule=1f1b",
+                                                     "parallel.pipeline_layers=null"]))
     return found
 
 
@@ -97,6 +98,7 @@ def measure(overrides: list[str], steps: int) -> dict:
 def memory_comparison(include_tpu: bool) -> tuple[str, str]:
     """GPipe vs 1F1B at m = 8p (pipeline 4 x fsdp 2): compiled temporaries and totals per device."""
     common = ["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1", "mesh.data=1", "parallel.pipeline_microbatches=32",
+              "parallel.pipeline_layers=null",
               "parallel.remat=none", "run.simulate_devices=null"]
     llama = ["model.preset=llama-1b", "train.global_batch_size=64", "train.seq_len=512"]
     rows = [("tiny, 8 layers, 64 x 128 tokens", "8 x CPU", None,
@@ -131,6 +133,7 @@ def memory_comparison(include_tpu: bool) -> tuple[str, str]:
 def zero_bubble_comparison(include_tpu: bool) -> tuple[str, str, dict[tuple[str, str], float]]:
     """1F1B, zb_h1 and zb_v at m = 4p on pipeline 4 x fsdp 2, no remat: compiled memory and simulated bubble."""
     common = ["mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1", "mesh.data=1", "parallel.pipeline_microbatches=16",
+              "parallel.pipeline_layers=null",
               "parallel.remat=none", "run.simulate_devices=null", "model.preset=llama-1b", "train.seq_len=512",
               "train.global_batch_size=32"]
     rows = [("llama-1b (fp32 compute), 32 x 512 tokens", "8 x CPU", None, ["model.compute_dtype=float32"])]
@@ -222,9 +225,9 @@ def main() -> None:
         "stash, which here, with 8 microbatches of one 32-token row, is small.\n\n"
         "Balanced stages (`parallel.pipeline_layers=balanced`, 3, 4, 4, 1 layers here): the LM head (a third of "
         "the model's FLOPs at 32 tokens) is on the last stage, so it gets one layer; every stage stores 4 rows "
-        "(padding rows are skipped, not computed, and each row of an uneven stage is rematerialised: its forward "
-        "reruns in the backward). On 2 shared cores the total work, not the slowest stage, sets the step time, so "
-        "this row shows that extra work, not the balance.\n"
+        "(padding rows are skipped: no FLOPs forward or backward, no recompute). The model's FLOPs are those of "
+        "the equal split, so on 2 shared cores, where the total work and not the slowest stage sets the step "
+        "time, this row shows the padding's overhead (the per-row `cond`), not the balance.\n"
     )
     update_section("pipeline", "Pipeline schedules vs FSDP (`benchmarks/pipeline.py`)", body)
     if args.step_time_only:

@@ -166,10 +166,13 @@ def test_v_storage_order_puts_both_legs_of_the_v_on_each_device():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["mesh.pipeline=4", "mesh.fsdp=2", "model.num_layers=6"],
+    (["mesh.pipeline=4", "mesh.fsdp=2", "model.num_layers=6", "parallel.pipeline_layers=null"],
      "model.num_layers=6 is not divisible by mesh.pipeline=4"),
-    (["mesh.pipeline=2", "mesh.fsdp=4", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2",
-      "model.num_layers=6"], "model.num_layers=6 is not divisible by mesh.pipeline=2 x parallel.virtual_stages=2"),
+    # "balanced" is equal chunks under a split-backward schedule.
+    (["mesh.pipeline=2", "mesh.fsdp=4", "parallel.pipeline_schedule=zb_v", "parallel.virtual_stages=2",
+      "model.num_layers=6", "parallel.pipeline_layers=balanced"],
+     "model.num_layers=6 is not divisible by mesh.pipeline=2 x parallel.virtual_stages=2 "
+     r"= 4: .*parallel.pipeline_schedule=zb_v runs equal stage chunks only"),
     (["mesh.pipeline=4", "mesh.fsdp=2", *DEEP, "parallel.pipeline_microbatches=2"], "parallel.pipeline_microbatches=2"),
     (["mesh.pipeline=4", "mesh.fsdp=2", *DEEP, "parallel.pipeline_schedule=interleaved_1f1b",
       "parallel.virtual_stages=2", "parallel.pipeline_microbatches=2"], "parallel.pipeline_microbatches=2"),

@@ -36,7 +36,8 @@ CPU = ["model.preset=tiny", "model.num_layers=8", f"mesh.pipeline={P}", f"mesh.f
 # embedding's gradients and logits), decides the comparison; GPipe's program does not fit v5e's
 # 16 GiB whole (XLA:TPU rematerialises to fit its temporaries), 1F1B's does.
 TPU = ["model.preset=llama-1b", f"mesh.pipeline={P}", f"mesh.fsdp={FSDP}", "mesh.tensor=1", "mesh.data=1",
-       "train.global_batch_size=64", "train.seq_len=512", f"parallel.pipeline_microbatches={M}", "parallel.remat=none"]
+       "train.global_batch_size=64", "train.seq_len=512", f"parallel.pipeline_microbatches={M}", "parallel.remat=none",
+       "parallel.pipeline_layers=null"]  # equal stages: the figures docs/benchmarks.md records
 
 
 def _memory(report) -> dict[str, int]:

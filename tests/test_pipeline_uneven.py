@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from spmd_train import Engine, load_config
+from spmd_train.analysis.report import rows_per_device
 from spmd_train.config.checks import check_layout
 from spmd_train.errors import ConfigError
 from spmd_train.models.flops import balanced_depths
-from spmd_train.train.pipelined import chunk_depths
+from spmd_train.train.pipelined import chunk_depths, stash_bytes_per_microbatch
 from tests.runs import TINY, cli, relative_error, run_steps
 
 DEEP = ["model.num_layers=8"]
@@ -60,10 +61,18 @@ def test_uneven_stages_equal_one_device(reference, devices, case):
 
 
 def test_balanced_resolves_to_the_split_whose_costliest_chunk_costs_least(devices):
-    cfg = load_config(None, [*TINY, "model.preset=gpt2-small", "mesh.pipeline=4", "mesh.fsdp=2",
-                             "parallel.pipeline_layers=balanced", "train.seq_len=2048"])
-    depths = chunk_depths(cfg, 4)
-    assert depths == balanced_depths(cfg.model, 2048, 4) == [3, 4, 4, 1]  # the LM head weighs on the last stage
+    gpt2 = [*TINY, "model.preset=gpt2-small", "mesh.pipeline=4", "mesh.fsdp=2", "train.seq_len=2048",
+            "parallel.pipeline_layers=balanced"]
+    depths = chunk_depths(load_config(None, gpt2), 4)
+    assert depths == balanced_depths(load_config(None, gpt2).model, 2048, 4) == [3, 4, 4, 1]  # the LM head's stage
+    assert chunk_depths(load_config(None, [*gpt2, "parallel.pipeline_layers=null"]), 4) == [3, 3, 3, 3]
+    assert load_config(None, gpt2[:-1]).parallel.pipeline_layers is None  # the default: equal stages
+    # zb_h1 splits every backward into B and W, which a padded chunk's cannot: balanced means equal there.
+    assert chunk_depths(load_config(None, [*gpt2, "parallel.pipeline_schedule=zb_h1"]), 4) == [3, 3, 3, 3]
+    # Layer counts the stages do not divide run, unevenly.
+    six = Engine.build(load_config(None, [*TINY, "model.num_layers=6", "mesh.pipeline=4", "mesh.fsdp=2",
+                                          "parallel.pipeline_layers=balanced"]), devices)
+    assert sorted(chunk_depths(six.cfg, 4)) == [1, 1, 2, 2] and (six.layer_order < 0).sum() == 2
 
 
 def test_a_checkpoint_reorders_between_splits_of_the_same_stored_rows_and_refuses_others(devices):
@@ -105,6 +114,25 @@ def test_pipeline_layers_without_a_pipeline_name_the_key():
     cfg = load_config(None, [*TINY, *DEEP, "parallel.pipeline_layers=[3,5]"])
     sizes = {"data": 1, "pipeline": 1, "fsdp": 8, "sequence": 1, "expert": 1, "tensor": 1}
     with pytest.raises(ConfigError, match=r"parallel.pipeline_layers=\[3, 5\] splits the layers into stages, but "
-                                          r"mesh.pipeline=1 runs one stage \(valid: null, or mesh.pipeline=2\)"):
+                                          r"mesh.pipeline=1 runs one stage \(valid: balanced or null, "
+                                          r"or mesh.pipeline=2\)"):
         check_layout(cfg, sizes, "cpu")
     check_layout(load_config(None, [*TINY, *DEEP, "parallel.pipeline_layers=[8]"]), sizes, "cpu")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_padded_stage_stashes_activations_like_its_longest_chunk_and_no_weights(devices, remat):
+    """Every device stores the longest chunk's 3 rows, so its stash is 3/2 of the equal split's 2 rows, and a row
+    of weights never joins it (a bare `cond` made them residual copies), under remat or none."""
+    def stash(layers):
+        engine = Engine.build(load_config(None, [*TINY, *DEEP, "mesh.pipeline=4", "mesh.fsdp=2",
+                                                 f"parallel.pipeline_layers={layers}", f"parallel.remat={remat}"]),
+                              devices)
+        per_row = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(engine.param_shapes["blocks"])) // 8
+        rows = rows_per_device(engine.cfg, dict(engine.mesh.shape))
+        return stash_bytes_per_microbatch(engine.cfg, engine.block_graphdef, engine.param_shapes["blocks"],
+                                          engine.plan, rows), per_row
+    (equal, row_weights), (uneven, _) = stash("[2,2,2,2]"), stash("[1,3,3,1]")
+    # Beyond the rows' activations, each padded row keeps its rotary tables (the cond's outputs): a few percent.
+    assert 1.5 * equal <= uneven <= 1.5 * equal * 1.1, (uneven, equal)
+    assert uneven - 1.5 * equal < row_weights / 8, (uneven, equal, row_weights)

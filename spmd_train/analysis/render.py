@@ -13,6 +13,7 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 
 from spmd_train.parallel import Backends
+from spmd_train.parallel.schedules import SPLIT_BACKWARD
 
 PIPELINE_FLOPS_NOTE = (
     "pipelined step: FLOPs per device are the model count (averaged over devices; the last stage also runs the "
@@ -192,7 +193,9 @@ def _stage_balance(pipe) -> str:
     if tuple(pipe.balanced_layers) == tuple(pipe.chunk_layers):
         return line + "; no split of whole layers is more even"
     return (line + f"; the most even split, {', '.join(map(str, pipe.balanced_layers))} layers, would make it "
-            f"{max(pipe.balanced_flops) / mean:.3f}x (parallel.pipeline_layers=balanced)")
+            f"{max(pipe.balanced_flops) / mean:.3f}x (parallel.pipeline_layers=balanced"
+            + (", under a fused schedule: zb_h1 and zb_v run equal chunks)" if pipe.schedule in SPLIT_BACKWARD
+               else ")"))
 
 
 def moe_renderables(moe: dict) -> list[RenderableType]:

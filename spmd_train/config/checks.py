@@ -125,7 +125,8 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
     layers = par.pipeline_layers
     if sizes["pipeline"] == 1 and layers not in (None, "balanced") and tuple(layers) != (cfg.model.num_layers,):
         raise ConfigError(f"parallel.pipeline_layers=[{', '.join(map(str, layers))}] splits the layers into stages, "
-                          f"but mesh.pipeline=1 runs one stage (valid: null, or mesh.pipeline={len(layers)})")
+                          "but mesh.pipeline=1 runs one stage "
+                          f"(valid: balanced or null, or mesh.pipeline={len(layers)})")
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
     check_context(cfg, sizes)

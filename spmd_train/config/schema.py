@@ -271,8 +271,9 @@ class ParallelConfig:
     """Chunks of layers per device: >= 2 for interleaved_1f1b, exactly 2 for zb_v, 1 otherwise."""
     pipeline_layers: tuple[int, ...] | Literal["balanced"] | None = None
     """Layers in each pipeline stage chunk, in model order (mesh.pipeline x virtual_stages numbers summing to
-    model.num_layers, e.g. [3, 4, 4, 3]); "balanced": the split whose costliest chunk, LM head included, costs least;
-    null: equal stages (docs/pipeline.md, "Uneven stages")."""
+    model.num_layers, e.g. [3, 4, 4, 3]); "balanced": the split whose costliest chunk, LM head included, costs least
+    (equal chunks under zb_h1 and zb_v, which cannot run uneven ones); null: equal stages (docs/pipeline.md,
+    "Uneven stages")."""
 
 
 @dataclass(frozen=True)

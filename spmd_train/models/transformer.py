@@ -16,6 +16,7 @@ from flax import nnx
 from spmd_train.config.schema import BackendsConfig, ModelConfig
 from spmd_train.models.layers import Pinned, dense, param, pin, weight
 from spmd_train.models.moe import MoE
+from spmd_train.models.padded_row import padded_row
 from spmd_train.models.remat import apply_remat
 from spmd_train.ops.rope import apply_rope, rope_tables
 from spmd_train.parallel import Backends, attention, resolve_backends
@@ -227,8 +228,7 @@ def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: 
     Returns the output and the MoE statistics of every scanned step (empty without MoE).
     `segments` and `positions` are the documents' layout, as in `Transformer.forward`.
     `rows` (a scalar, may be traced): only the first `rows` stacked rows are layers; the others are padding,
-    skipped (no compute, the input passes through, zero statistics and gradients). Each row is then rematerialised
-    whatever `remat` says (see below).
+    skipped (no compute, the input passes through, zero statistics and gradients; `models.padded_row`).
     """
     if positions is not None:
         positions = constrain(positions, ("batch", "length"))
@@ -242,16 +242,11 @@ def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: 
     if rows is None:
         return jax.lax.scan(apply_remat(layer, remat), x, stacked)
 
+    row = padded_row(apply_remat(layer, remat))
+
     def layer_or_padding(carry, xs):
         layer_params, i = xs
-        run = lambda c: layer(c, layer_params)
-        stats = jax.eval_shape(run, carry)[1]
-        skip = lambda c: (c, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats))
-        return jax.lax.cond(i < rows, run, skip, carry)
+        return row(carry, layer_params, i < rows)
 
-    # A cond's residuals are its own outputs: the layer's weights would come back as copies, not as the scan's
-    # inputs, and be kept per microbatch in a pipeline's stash. Rematerialising each row instead keeps only the
-    # row's input and its weights (the scan's own inputs) and reruns the row's forward in the backward pass.
-    body = jax.checkpoint(layer_or_padding, policy=jax.checkpoint_policies.nothing_saveable)
     count = jax.tree.leaves(stacked)[0].shape[0]
-    return jax.lax.scan(body, x, (stacked, jnp.arange(count)))
+    return jax.lax.scan(layer_or_padding, x, (stacked, jnp.arange(count)))

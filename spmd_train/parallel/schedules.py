@@ -420,7 +420,8 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
                           f"{par.pipeline_schedule} (valid: 1; use interleaved_1f1b for virtual stages)")
     if par.pipeline_schedule == "interleaved_1f1b" and v < 2:
         raise ConfigError(f"parallel.virtual_stages={v} is invalid for interleaved_1f1b (valid: >= 2)")
-    if par.pipeline_layers is not None:
+    equal = equal_stages(cfg)
+    if not equal:
         _check_pipeline_layers(cfg, p, v)
     elif m.num_layers % (p * v):
         preset = "" if m.preset is None else f", not preset {m.preset!r} as is"
@@ -428,7 +429,9 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
             f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} x parallel.virtual_stages={v} "
             f"= {p * v}: every stage{' chunk' if v > 1 else ''} gets the same number of layers "
             f"(valid: a model with a multiple of {p * v} layers{preset}, "
-            f"or mesh.pipeline x virtual_stages in {divisors(m.num_layers)})"
+            f"or mesh.pipeline x virtual_stages in {divisors(m.num_layers)}"
+            + (", or parallel.pipeline_layers=balanced or a list of layer counts)" if par.pipeline_layers is None
+               else f"; parallel.pipeline_schedule={par.pipeline_schedule} runs equal stage chunks only)")
         )
     micro = resolved_microbatches(cfg, p, rows)
     if micro < 1 or rows % micro:
@@ -438,7 +441,7 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
             f"microbatches must be equal (valid: a divisor of {rows}: {divisors(rows)})"
         )
     depth = m.num_layers // (p * v)
-    if par.pipeline_layers is None and m.moe_every > 1 and depth % m.moe_every:
+    if equal and m.moe_every > 1 and depth % m.moe_every:
         # The stack's rows are whole MoE groups (every - 1 dense layers, then the MoE layer): a stage holds whole rows.
         raise ConfigError(
             f"model.moe.every={m.moe_every} does not divide the {depth} layer{'s' * (depth > 1)} each pipeline stage"
@@ -447,6 +450,13 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
             f"split across stages (valid model.moe.every: {divisors(depth)}, or a multiple of "
             f"{p * v * m.moe_every} layers)")
     build_schedule(par.pipeline_schedule, p, micro, v)
+
+
+def equal_stages(cfg: Config) -> bool:
+    """Whether every stage chunk holds the same layers: parallel.pipeline_layers null, or "balanced" under a
+    split-backward schedule (B and W cannot split a padded chunk's backward, `train.pipelined.chunk_depths`)."""
+    layers = cfg.parallel.pipeline_layers
+    return layers is None or (layers == "balanced" and cfg.parallel.pipeline_schedule in SPLIT_BACKWARD)
 
 
 def _check_pipeline_layers(cfg: Config, p: int, v: int) -> None:

@@ -39,7 +39,7 @@ from spmd_train.models.transformer import RESIDUAL, apply_blocks
 from spmd_train.ops import cross_entropy
 from spmd_train.parallel.pipeline import executor_stage, run_pipeline, stash_layout
 from spmd_train.parallel.pipeline_plan import PipelinePlan, build_plan
-from spmd_train.parallel.schedules import SPLIT_BACKWARD, build_schedule, resolved_microbatches
+from spmd_train.parallel.schedules import SPLIT_BACKWARD, build_schedule, equal_stages, resolved_microbatches
 from spmd_train.parallel.split_backward import split_vjp
 from spmd_train.sharding.arithmetic import rows_per_device
 from spmd_train.sharding.constrain import constrain
@@ -55,20 +55,20 @@ def pipeline_plan(cfg: Config, sizes: dict[str, int]) -> PipelinePlan:
 
 def chunk_depths(cfg: Config, stages: int) -> list[int]:
     """Rows of the layer stack (`ModelConfig.stack_rows`: layers, or MoE groups) in each model chunk, in model order:
-    parallel.pipeline_layers resolved (null: equal; "balanced": `models.flops.balanced_depths`)."""
+    parallel.pipeline_layers resolved (null, or "balanced" under zb_h1/zb_v: equal; "balanced":
+    `models.flops.balanced_depths`)."""
     par, m = cfg.parallel, cfg.model
     chunks, unit = stages * par.virtual_stages, max(m.moe_every, 1)
-    if par.pipeline_layers is None:
+    if equal_stages(cfg):
         return [m.stack_rows // chunks] * chunks
     layers = (balanced_depths(m, cfg.train.seq_len, chunks) if par.pipeline_layers == "balanced"
               else list(par.pipeline_layers))
     if len(set(layers)) > 1 and par.pipeline_schedule in SPLIT_BACKWARD:
-        shown = ", ".join(map(str, layers))
         raise ConfigError(
-            f"parallel.pipeline_layers={par.pipeline_layers if par.pipeline_layers == 'balanced' else f'[{shown}]'}"
-            f"{f' (here {shown})' if par.pipeline_layers == 'balanced' else ''} gives uneven stage chunks, which "
+            f"parallel.pipeline_layers=[{', '.join(map(str, layers))}] gives uneven stage chunks, which "
             f"parallel.pipeline_schedule={par.pipeline_schedule} cannot run: a padded chunk's backward would not split "
-            "into B and W (valid: a fused schedule, gpipe, 1f1b or interleaved_1f1b, or parallel.pipeline_layers=null)")
+            "into B and W (valid: a fused schedule, gpipe, 1f1b or interleaved_1f1b, or parallel.pipeline_layers=null "
+            "or balanced for equal chunks)")
     return [n // unit for n in layers]
 
 

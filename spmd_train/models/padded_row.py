@@ -1,0 +1,68 @@
+"""A stacked layer row that may be padding: runs the layer when live, passes its input through when not.
+
+Uneven pipeline stages store every chunk at the deepest chunk's row count; a shorter chunk's extra rows are
+padding that must cost nothing. `lax.cond` skips them, but differentiating a cond directly makes the layer's
+weights residual *outputs* of the cond (the skipping branch fills them with zeros, so JAX cannot forward
+them), and a pipeline's stash would keep a copy of every row's weights per microbatch in flight. The custom
+VJP below saves what an unpadded layer's VJP saves: its activations through the cond, its weights as
+the row's own inputs, which the scan and the stash do not copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Layer = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def _zeros(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
+def padded_row(layer: Layer) -> Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, Any]]:
+    """row(x, params, live) = layer(x, params) when `live` (a traced bool), else (x, zero statistics).
+
+    A padding row has no compute forward or backward, zero parameter gradients and passes the cotangent of its
+    output to its input. `layer` returns (output, statistics) and may be rematerialised itself.
+    """
+    # The residual layout of the last trace: the VJP's pytree and, per leaf, which parameter leaf it is (or None).
+    layout: dict[str, Any] = {}
+
+    def run(x, params):
+        out, pullback = jax.vjp(layer, x, params)
+        leaves, layout["tree"] = jax.tree.flatten(pullback)
+        param_index = {id(p): k for k, p in enumerate(jax.tree.leaves(params))}
+        layout["source"] = [param_index.get(id(leaf)) for leaf in leaves]
+        return out, [leaf for leaf, k in zip(leaves, layout["source"], strict=True) if k is None]
+
+    def skip(x, params):
+        out, saved = jax.eval_shape(run, x, params)
+        return (x, _zeros(out[1])), _zeros(saved)
+
+    @jax.custom_vjp
+    def row(x, params, live):
+        stats = jax.eval_shape(layer, x, params)[1]
+        return jax.lax.cond(live, layer, lambda x, _: (x, _zeros(stats)), x, params)
+
+    def forward(x, params, live):
+        out, saved = jax.lax.cond(live, run, skip, x, params)
+        return out, (params, saved, live)
+
+    def backward(residuals, cotangent):
+        params, saved, live = residuals
+        param_leaves = jax.tree.leaves(params)
+
+        def pull(saved, cotangent):
+            rest = iter(saved)
+            leaves = [next(rest) if k is None else param_leaves[k] for k in layout["source"]]
+            return jax.tree.unflatten(layout["tree"], leaves)(cotangent)
+
+        d_x, d_params = jax.lax.cond(live, pull, lambda _, ct: (ct[0], _zeros(params)), saved, cotangent)
+        return d_x, d_params, None
+
+    row.defvjp(forward, backward)
+    return row

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from spmd_train import load_config
 from spmd_train.analysis import describe, tpu_topology_devices
-from spmd_train.analysis.topology import has_libtpu
+from spmd_train.analysis.topology import has_libtpu, without_persistent_cache
 from tests.runs import cli
 from tests.structure import mlp_forward_collectives
 
@@ -190,6 +191,33 @@ def test_a_step_too_big_for_the_chip_is_reported_not_raised():
     assert report.fits is False and report.hbm_bytes == 16 * 1024**3
     assert report.per_device["peak_bytes"] is None and "Ran out of memory" in report.notes[0]
     assert report.per_device["param_bytes"] == pytest.approx(report.param_count * 4 / 4, rel=0.01)
+
+
+def test_the_cache_stays_off_until_the_last_of_several_threads_compiling_for_a_slice_leaves():
+    # Two slices compiled side by side (tests/test_pipeline_memory.py does): the first thread out must not turn the
+    # cache back on under the second, and the second must not leave it off for good.
+    before = jax.config.jax_enable_compilation_cache
+    inside, first_out = threading.Barrier(2), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def first():
+        with without_persistent_cache():
+            inside.wait()
+        first_out.set()
+
+    def second():
+        with without_persistent_cache():
+            inside.wait()
+            first_out.wait()
+            seen["after the first left"] = jax.config.jax_enable_compilation_cache
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"after the first left": False}
+    assert jax.config.jax_enable_compilation_cache == before
 
 
 @needs_libtpu

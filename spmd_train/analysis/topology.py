@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -56,18 +58,30 @@ def tpu_topology_devices(name: str) -> list[jax.Device]:
         ) from None
 
 
+_CACHE_LOCK = threading.Lock()
+_CACHE_STATE: dict[str, Any] = {"holders": 0, "enabled": None}
+"""Threads inside `without_persistent_cache`, and the cache setting the first one found."""
+
+
 @contextmanager
 def without_persistent_cache() -> Iterator[None]:
     """Compile inside without JAX's persistent compilation cache, and leave it as it was."""
     # A compile-only TPU client writes cache entries it cannot read back: with JAX_COMPILATION_CACHE_DIR
     # set, every later compile of the same program warned "PjRtCompiler must be constructed with a Client
     # to call DeserializeLoadedExecutable" and compiled anyway. jax decides once per process whether the
-    # cache is used, so the decision is reset on the way in and out.
-    enabled = jax.config.jax_enable_compilation_cache
-    compilation_cache.reset_cache()
-    jax.config.update("jax_enable_compilation_cache", False)
+    # cache is used, so the decision is reset on the way in and out. Several threads may compile at once
+    # (the planner's compile stage): the first one in turns the cache off, the last one out restores it.
+    with _CACHE_LOCK:
+        if _CACHE_STATE["holders"] == 0:
+            _CACHE_STATE["enabled"] = jax.config.jax_enable_compilation_cache
+            compilation_cache.reset_cache()
+            jax.config.update("jax_enable_compilation_cache", False)
+        _CACHE_STATE["holders"] += 1
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()
+        with _CACHE_LOCK:
+            _CACHE_STATE["holders"] -= 1
+            if _CACHE_STATE["holders"] == 0:
+                jax.config.update("jax_enable_compilation_cache", _CACHE_STATE["enabled"])
+                compilation_cache.reset_cache()

@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from spmd_train.ops.vjp_residuals import rebuild_vjp, split_residuals
+
 Layer = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
 
@@ -29,15 +31,13 @@ def padded_row(layer: Layer) -> Callable[[jax.Array, Any, jax.Array], tuple[jax.
     A padding row has no compute forward or backward, zero parameter gradients and passes the cotangent of its
     output to its input. `layer` returns (output, statistics) and may be rematerialised itself.
     """
-    # The residual layout of the last trace: the VJP's pytree and, per leaf, which parameter leaf it is (or None).
+    # The residual layout of the last trace (`ops.vjp_residuals.split_residuals`): tree structure, weight index.
     layout: dict[str, Any] = {}
 
     def run(x, params):
         out, pullback = jax.vjp(layer, x, params)
-        leaves, layout["tree"] = jax.tree.flatten(pullback)
-        param_index = {id(p): k for k, p in enumerate(jax.tree.leaves(params))}
-        layout["source"] = [param_index.get(id(leaf)) for leaf in leaves]
-        return out, [leaf for leaf, k in zip(leaves, layout["source"], strict=True) if k is None]
+        layout["tree"], layout["index"], kept = split_residuals(pullback, params)
+        return out, kept
 
     def skip(x, params):
         out, saved = jax.eval_shape(run, x, params)
@@ -54,12 +54,9 @@ def padded_row(layer: Layer) -> Callable[[jax.Array, Any, jax.Array], tuple[jax.
 
     def backward(residuals, cotangent):
         params, saved, live = residuals
-        param_leaves = jax.tree.leaves(params)
 
         def pull(saved, cotangent):
-            rest = iter(saved)
-            leaves = [next(rest) if k is None else param_leaves[k] for k in layout["source"]]
-            return jax.tree.unflatten(layout["tree"], leaves)(cotangent)
+            return rebuild_vjp(layout["tree"], layout["index"], params, saved)(cotangent)
 
         d_x, d_params = jax.lax.cond(live, pull, lambda _, ct: (ct[0], _zeros(params)), saved, cotangent)
         return d_x, d_params, None

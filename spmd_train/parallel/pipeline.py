@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.ops.vjp_residuals import rebuild_vjp, split_residuals
 from spmd_train.parallel.pipeline_plan import FIELDS, PipelinePlan
 from spmd_train.parallel.pipeline_split import head_on_last_chunk, run_split_ticks
 
@@ -217,25 +218,22 @@ class _VjpLayout:
 
         def trace(params, x, context):
             _, vjp, stats = jax.vjp(lambda params, x: stage_fn(params, x, context), params, x, has_aux=True)
-            leaves, found["treedef"] = jax.tree.flatten(vjp)
-            found["index"] = _weight_index(leaves, jax.tree.leaves(params))
-            return [leaf for leaf, w in zip(leaves, found["index"], strict=True) if w is None], stats
+            found["treedef"], found["index"], stashed = split_residuals(vjp, params)
+            return stashed, stats
 
         stashed, stats = jax.eval_shape(trace, params, x, context)
         return cls(found["treedef"], found["index"], stashed, stats)
 
     def residuals(self, vjp, params: Any) -> list[jax.Array]:
         """The leaves of a VJP of the same stage function, on `params`, that must be stashed."""
-        leaves = jax.tree.leaves(vjp)
-        if _weight_index(leaves, jax.tree.leaves(params)) != self.weight_index:
+        _, index, stashed = split_residuals(vjp, params)
+        if index != self.weight_index:
             raise RuntimeError("the stage's VJP residuals changed structure between traces")
-        return [leaf for leaf, w in zip(leaves, self.weight_index, strict=True) if w is None]
+        return stashed
 
     def rebuild(self, params: Any, stashed: list[jax.Array]):
         """The VJP function from the stage's weights and one stash slot's residuals."""
-        weights, it = jax.tree.leaves(params), iter(stashed)
-        leaves = [next(it) if w is None else weights[w] for w in self.weight_index]
-        return jax.tree.unflatten(self.treedef, leaves)
+        return rebuild_vjp(self.treedef, self.weight_index, params, stashed)
 
 
 def stash_layout(stage_fn: StageFn, params: Any, x: Any, context: Any = (), *, extras: bool = False,
@@ -246,9 +244,3 @@ def stash_layout(stage_fn: StageFn, params: Any, x: Any, context: Any = (), *, e
     if padded:
         context = (jax.ShapeDtypeStruct((), jnp.int32), context)
     return _VjpLayout.of(executor_stage(stage_fn, extras=extras, padded=padded), params, x, context)
-
-
-def _weight_index(leaves: list, weights: list) -> list[int | None]:
-    """For each residual leaf, the index of the weight it *is* (identity), else None."""
-    ids = {id(w): i for i, w in enumerate(weights)}
-    return [ids.get(id(leaf)) for leaf in leaves]

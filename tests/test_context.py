@@ -97,6 +97,12 @@ LAYOUTS = {
                                                                   "mesh.sequence=2",
                                                                   "parallel.pipeline_schedule=1f1b",
                                                                   "parallel.pipeline_microbatches=4"]),
+    # A pipeline with ring attention is refused (test_ring_inside_a_pipeline_is_refused); without documents the
+    # stages get the tokens' true positions alone, keyed (the stage function once read them by position).
+    "ulysses_sequence2_pipeline2_fsdp2_1f1b": (False, ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.sequence=2",
+                                                      "parallel.context_parallel=ulysses",
+                                                      "parallel.pipeline_schedule=1f1b",
+                                                      "parallel.pipeline_microbatches=4"]),
 }
 
 
@@ -217,6 +223,9 @@ def test_ulysses_moves_qkv_in_one_all_to_all_and_the_output_in_another(devices):
                                                       r"allgather.*valid: backends\.attention=pallas, xla or auto"),
     (["mesh.sequence=4", "parallel.context_parallel=ring", "train.seq_len=12"],
      r"train\.seq_len=12 with parallel\.context_parallel=ring over mesh\.sequence=4.*valid: a multiple of 8"),
+    (["mesh.sequence=2", "mesh.pipeline=2", "parallel.context_parallel=ring", "parallel.pipeline_microbatches=2"],
+     r"parallel\.context_parallel=ring with mesh\.pipeline=2.*wrong values.*valid: parallel\.context_parallel="
+     r"allgather or ulysses with a pipeline, or mesh\.pipeline=1"),
     (["mesh.sequence=2", "mesh.rules.activations.length=[]"], r"mesh\.rules\.activations\.length=\[\] with "
                                                                r"mesh\.sequence=2.*valid: \[sequence\]"),
 ])

@@ -162,6 +162,12 @@ def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
         raise ConfigError(f"backends.attention=cudnn with parallel.context_parallel={how}: the blocks' results "
                           "are merged by log-sum-exp, which cuDNN through jax does not return (valid: "
                           "backends.attention=pallas, xla or auto, or parallel.context_parallel=ulysses)")
+    if how == "ring" and sizes["pipeline"] > 1:
+        raise ConfigError(f"parallel.context_parallel=ring with mesh.pipeline={sizes['pipeline']}: ring attention's "
+                          "permutes would run inside the pipeline's per-tick branch, which stages take differently "
+                          "at one tick, and the step computes wrong values (NaN on 8 CPU devices; found by the "
+                          "planner's check) (valid: parallel.context_parallel=allgather or ulysses with a pipeline, "
+                          "or mesh.pipeline=1 for ring)")
     if how == "ring" and cfg.train.seq_len % (2 * n):
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} with parallel.context_parallel=ring over "
                           f"mesh.sequence={n}: the zigzag layout gives each device 2 of {2 * n} equal chunks "

@@ -151,7 +151,8 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
             return cross_entropy(model(rest).head(y), target, weight)
 
         # Each microbatch's documents travel with it to every stage (replicated over `pipeline`, like the tokens).
-        context = None if not docs else (split(docs["segments"]), split(docs["positions"]))
+        # Keyed, not positional: ring attention without documents has the tokens' true positions alone.
+        context = {name: split(a) for name, a in docs.items()} or None
         loss, block_grads, head_grads, d_x, *stats = run_pipeline(
             stage_fn, head_fn, plan, blocks, rest, x, (split(targets), None if weights is None else split(weights)),
             context=context, mesh=mesh, extras=moe is not None, chunk_rows=rows_table)
@@ -167,12 +168,13 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
     """One chunk of stacked layers as a pure function (chunk params, x, documents) -> x, or with MoE layers
     -> (x, the chunk's share of the weighted router losses, per-layer router statistics) (`run_pipeline`'s extras).
 
-    documents: () or the microbatch's (segments, positions). padded: uneven stages, the function takes `rows` (how
+    documents: the microbatch's {"segments", "positions"} or {"positions"} (ring attention's zigzag order), or
+    none. padded: uneven stages, the function takes `rows` (how
     many leading rows of the chunk are layers; the rest are padding it skips)."""
     model, moe = cfg.model, cfg.model.moe
 
-    def stage_fn(chunk, x, documents=(), rows=None):
-        docs = dict(zip(("segments", "positions"), documents, strict=False))
+    def stage_fn(chunk, x, documents=None, rows=None):
+        docs = dict(documents or {})
         y, stats = apply_blocks(block_graphdef, chunk, x, model, cfg.parallel.remat, **docs,
                                 rows=rows if padded else None)
         if moe is None:
@@ -228,5 +230,6 @@ def _chunk_inputs(cfg: Config, block_shapes: Any, plan: PipelinePlan, rows_per_d
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per_chunk, *a.shape[1:]), a.dtype), block_shapes)
     rows = rows_per_device // sched.microbatches
     x = jax.ShapeDtypeStruct((rows, cfg.train.seq_len, cfg.model.d_model), jnp.dtype(cfg.model.compute_dtype))
-    docs = (jax.ShapeDtypeStruct((rows, cfg.train.seq_len), jnp.int32),) * 2 if cfg.data.masks_documents else ()
-    return chunk, x, docs
+    names = ("segments", "positions") if cfg.data.masks_documents else (
+        ("positions",) if cfg.mesh.sequence > 1 and cfg.parallel.context_parallel == "ring" else ())
+    return chunk, x, {n: jax.ShapeDtypeStruct((rows, cfg.train.seq_len), jnp.int32) for n in names}

@@ -119,6 +119,9 @@ def structure_reason(cfg: Config, shape: ModelShape, c: Candidate) -> Rejection 
         return _invalid(where, f"sequence x tensor does not divide seq_len={t.seq_len} (sequence parallelism)",
                         f"sequence x tensor = {c.sequence * c.tensor}")
     if c.sequence > 1:
+        if c.context_parallel == "ring" and c.pipeline > 1:
+            return _invalid(where, "ring attention inside a pipeline stage computes wrong values (config checks)",
+                            f"cp=ring, pipeline={c.pipeline}")
         if c.context_parallel == "ring" and t.seq_len % (2 * c.sequence):
             return _invalid(where, f"ring: 2 x sequence does not divide seq_len={t.seq_len}",
                             f"2 x sequence = {2 * c.sequence}")

@@ -29,6 +29,7 @@ from spmd_train.analysis.plan.timing import (
 from spmd_train.cli.main import main
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import KINDS, hardware
+from spmd_train.parallel.schedules import SCHEDULES, build_schedule, simulate
 from spmd_train.train.trainer import Trainer
 from tests.runs import cli
 
@@ -82,6 +83,17 @@ def test_megatrons_bubble_and_the_simulators_bubble_fraction(schedule, p, m, v):
     assert bubble == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
     assert bubble / (1 - bubble) == pytest.approx(megatron, rel=1e-12)
     assert megatron / (1 + megatron) == pytest.approx(bubble, rel=1e-12)
+
+
+def test_schedule_stats_are_what_the_simulator_measures():
+    # The planner counts ticks, bubble and stash on the tick table instead of simulating it: the same figures.
+    for name in SCHEDULES:
+        for p in (1, 2, 4, 8):
+            for m in (p, 2 * p, 3 * p, 8 * p):
+                for v in (2, 4) if name == "interleaved_1f1b" else (2,) if name == "zb_v" else (1,):
+                    stats = simulate(build_schedule(name, p, m, v))
+                    expected = stats.num_ticks, stats.bubble_fraction, max(stats.peak_in_flight)
+                    assert schedule_stats(name, p, m, v) == expected, (name, p, m, v)
 
 
 def test_ring_all_reduce_is_two_p_minus_one_alphas_and_two_p_minus_one_over_p_n_betas():

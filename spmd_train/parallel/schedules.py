@@ -259,9 +259,6 @@ def simulate(schedule: Schedule) -> ScheduleStats:
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"schedule {schedule.name!r}: {key}={value!r} is invalid (valid: an integer >= 1)")
     done: dict[Op, tuple[int, int]] = {}  # op -> (tick, stage)
-    releases = WEIGHT if schedule.split_backward else BACKWARD  # the op that frees the last of an activation
-    in_flight, whole, busy = [0] * p, [0] * p, [0] * p
-    peak, peak_whole = [0] * p, [0] * p
     transfers: list[Transfer] = []
     for tick, row in enumerate(schedule.ticks):
         if len(row) != p:
@@ -272,22 +269,38 @@ def simulate(schedule: Schedule) -> ScheduleStats:
                 continue
             op = _check_op(schedule, tick, stage, op, done)
             done[op] = (tick, stage)
-            busy[stage] += 1
-            in_flight[stage] += 1 if op.kind == FORWARD else -1 if op.kind == releases else 0
-            whole[stage] += 1 if op.kind == FORWARD else -1 if op.kind == BACKWARD else 0
             transfers.extend(_sends(schedule, op, tick))
-        peak = [max(a, b) for a, b in zip(peak, in_flight, strict=False)]  # counted at the end of each tick
-        peak_whole = [max(a, b) for a, b in zip(peak_whole, whole, strict=False)]
     _check_complete(schedule, done)
+    busy, peak, peak_whole = occupancy(schedule)
     slots = p * schedule.num_ticks
     makespan, work = _asynchronous(schedule)
     lockstep = sum(max((_cost(op, schedule.split_backward) for op in row if op is not None), default=0)
                    for row in schedule.ticks)
     return ScheduleStats(num_ticks=schedule.num_ticks, bubble_fraction=(slots - sum(busy)) / slots,
-                         peak_in_flight=tuple(peak), transfers=tuple(transfers), busy_ticks=tuple(busy),
-                         peak_whole_activations=tuple(peak_whole), makespan_units=makespan,
+                         peak_in_flight=peak, transfers=tuple(transfers), busy_ticks=busy,
+                         peak_whole_activations=peak_whole, makespan_units=makespan,
                          bubble_units=tuple(makespan - w for w in work), lockstep_units=lockstep,
                          lockstep_bubble_fraction=1 - sum(work) / (p * lockstep) if lockstep else 0.0)
+
+
+def occupancy(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per stage, of a valid tick table (`simulate` validates): (ticks busy, most stashes held at the end of a tick,
+    most whole activations held). A stash is freed by the op that reads the last of it (W when the backward is
+    split, else B); a whole activation by B. The planner reads this without `simulate`'s checks and transfers."""
+    p = schedule.stages
+    releases = WEIGHT if schedule.split_backward else BACKWARD
+    in_flight, whole, busy = [0] * p, [0] * p, [0] * p
+    peak, peak_whole = [0] * p, [0] * p
+    for row in schedule.ticks:
+        for stage, op in enumerate(row):
+            if op is None:
+                continue
+            busy[stage] += 1
+            in_flight[stage] += 1 if op.kind == FORWARD else -1 if op.kind == releases else 0
+            whole[stage] += 1 if op.kind == FORWARD else -1 if op.kind == BACKWARD else 0
+        peak = [max(a, b) for a, b in zip(peak, in_flight, strict=True)]  # counted at the end of each tick
+        peak_whole = [max(a, b) for a, b in zip(peak_whole, whole, strict=True)]
+    return tuple(busy), tuple(peak), tuple(peak_whole)
 
 
 def _check_complete(schedule: Schedule, done: dict[Op, tuple[int, int]]) -> None:

@@ -16,8 +16,8 @@ nothing. Other rule presets are outside this model (`Candidate.from_config` refu
 
 Also here, what follows from a candidate and a workload alone: rows per device, pipeline
 microbatches (`parallel.schedules.resolved_microbatches`), MoE capacity slots
-(`ops.routing.capacity`) and the schedule simulator's ticks, bubble and stash slots, cached
-per (schedule, stages, microbatches, virtual stages) since one simulation can take 0.1 s.
+(`ops.routing.capacity`) and a pipeline schedule's ticks, bubble and stash slots, counted on its tick
+table and cached per (schedule, stages, microbatches, virtual stages).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.rules import resolve_rules
 from spmd_train.config.schema import MESH_AXES, Config, RematPolicy
 from spmd_train.errors import ConfigError
-from spmd_train.parallel.schedules import SCHEDULES, build_schedule, simulate
+from spmd_train.parallel.schedules import SCHEDULES, build_schedule, occupancy
 
 ZERO_AXES = ("fsdp", "sequence")
 """The mesh axes the ZeRO stage shards over (`sharding.rules.ZERO_AXES`)."""
@@ -204,6 +204,14 @@ class GroupLayout:
 @functools.lru_cache(maxsize=1 << 14)
 def group_layout(axes: tuple[str, ...], sizes: tuple[int, ...], zero_stage: int) -> GroupLayout:
     """The layout of a parameter with these logical axes on a mesh of these sizes (`Layout.param_spec`)."""
+    sharded, whole, compute = _layouts(axes, sizes)
+    return GroupLayout(params=sharded if zero_stage >= 3 else whole, grads=sharded if zero_stage >= 2 else whole,
+                       optimizer=sharded if zero_stage >= 1 else whole, compute=compute)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _layouts(axes: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[Spec, Spec, frozenset[str]]:
+    """(stored with the ZeRO axes, stored without them, compute axes): what every ZeRO stage picks from."""
     shape = dict(zip(MESH_AXES, sizes, strict=True))
     table = dict(PARAM_RULES, layers=("pipeline",) if shape["pipeline"] > 1 else ())
 
@@ -211,11 +219,11 @@ def group_layout(axes: tuple[str, ...], sizes: tuple[int, ...], zero_stage: int)
         return tuple(tuple(a for a in table.get(n, ()) if shape[a] > 1 and (zero or a not in ZERO_AXES))
                      for n in axes)
 
-    stored = spec(zero_stage >= 3)
+    sharded = spec(True)
     compute = {a for n in axes if n not in STACKING_AXES for a in ACTIVATION_RULES.get(n, ()) if shape[a] > 1}
-    compute |= {a for n, dim in zip(axes, stored, strict=True) if n in STACKING_AXES for a in dim}
-    return GroupLayout(params=stored, grads=spec(zero_stage >= 2), optimizer=spec(zero_stage >= 1),
-                       compute=frozenset(compute))
+    # The stacking axes keep their stored split: `pipeline` is not a ZeRO axis, so it is the same in both specs.
+    compute |= {a for n, dim in zip(axes, sharded, strict=True) if n in STACKING_AXES for a in dim}
+    return sharded, spec(False), frozenset(compute)
 
 
 def live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:
@@ -254,6 +262,13 @@ def capacity_slots(m: ModelShape, w: Workload, group_tokens: float) -> float:
 
 @functools.lru_cache(maxsize=4096)
 def schedule_stats(name: str, stages: int, micro: int, virtual: int) -> tuple[int, float, int]:
-    """(ticks, bubble fraction, most (microbatch, chunk) stashes a stage holds) from the schedule simulator."""
-    stats = simulate(build_schedule(name, stages, micro, virtual))
-    return stats.num_ticks, stats.bubble_fraction, max(stats.peak_in_flight)
+    """(ticks, bubble fraction, most (microbatch, chunk) stashes a stage holds) of the schedule's tick table.
+
+    The figures `parallel.schedules.simulate` reports as num_ticks, bubble_fraction and max(peak_in_flight), from
+    the same `occupancy` count (tests/test_plan_search.py holds them equal), without simulate's validation and
+    transfer list: those took a fifth of the planner's time over the pipeline meshes of a 512-device slice.
+    """
+    schedule = build_schedule(name, stages, micro, virtual)
+    busy, peak, _ = occupancy(schedule)
+    slots = stages * schedule.num_ticks
+    return schedule.num_ticks, (slots - sum(busy)) / slots, max(peak)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from spmd_train.analysis.plan.candidate import (
     STACKING_AXES,
@@ -43,7 +44,6 @@ from spmd_train.analysis.plan.candidate import (
     capacity_slots,
     group_layout,
     microbatches,
-    rows_per_device,
     schedule_stats,
     spec_ways,
 )
@@ -217,8 +217,75 @@ def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context
 
 def estimate_memory(m: ModelShape, c: Candidate, w: Workload) -> MemoryEstimate:
     """Per-device memory of candidate `c` running workload `w` on model `m`."""
-    params, grads, opt = state_bytes(m, c, w)
-    rows = rows_per_device(c, w)
+    return _assemble(_state_part(m, c.sizes, c.zero_stage, w), _activation_part(m, c, w, c.grad_accum))
+
+
+class MemoryModel:
+    """`estimate_memory` for many candidates of one model and workload, each part computed once per the few fields
+    it reads: the search asks for a quarter of a million peaks, and the ZeRO stage, the context scheme and the
+    slow-link placement change no activation term (the last two no term at all)."""
+
+    def __init__(self, m: ModelShape, w: Workload):
+        self.m, self.w = m, w
+        self._states: dict[tuple, _StatePart] = {}
+        self._activations: dict[tuple, _ActivationPart] = {}
+
+    def peak(self, c: Candidate, grad_accum: int) -> float:
+        """`estimate_memory(m, c, w).peak` for `c` with `grad_accum` in place of its own, without building either."""
+        return _peak(self._state(c), self._activation(c, grad_accum))
+
+    def estimate(self, c: Candidate) -> MemoryEstimate:
+        """`estimate_memory(m, c, w)`, from the memoized parts."""
+        return _assemble(self._state(c), self._activation(c, c.grad_accum))
+
+    def _state(self, c: Candidate) -> _StatePart:
+        key = (c.sizes, c.zero_stage)
+        part = self._states.get(key)
+        if part is None:
+            part = self._states[key] = _state_part(self.m, c.sizes, c.zero_stage, self.w)
+        return part
+
+    def _activation(self, c: Candidate, grad_accum: int) -> _ActivationPart:
+        # Every field `_activation_part` reads: not the ZeRO stage, the context scheme or the slow-link factors.
+        key = (c.sizes, c.remat, c.sequence_parallel, c.pipeline_schedule, c.pipeline_microbatches, c.virtual_stages,
+               grad_accum)
+        part = self._activations.get(key)
+        if part is None:
+            part = self._activations[key] = _activation_part(self.m, c, self.w, grad_accum)
+        return part
+
+
+class _StatePart(NamedTuple):
+    """The terms the mesh and the ZeRO stage alone decide."""
+
+    params: float
+    grads: float
+    optimizer: float
+    head_weights: float
+    head_grads: float
+    layer_weights: float
+
+
+class _ActivationPart(NamedTuple):
+    """The terms the mesh, remat, sequence parallelism, the pipeline and the accumulation decide."""
+
+    accumulates: bool
+    """Whether a second gradient buffer (`MemoryEstimate.grad_accumulator`) is there."""
+    activations: float
+    pipeline_buffers: float
+    logits: float
+    recompute: float
+    moe_dispatch: float
+
+
+def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, w: Workload) -> _StatePart:
+    params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum)
+    head, lookup, layer_w = _gathered_weights(m, sizes, stage)
+    return _StatePart(params, grads, opt, head, head / m.compute_bytes * m.param_bytes + lookup, layer_w)
+
+
+def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) -> _ActivationPart:
+    rows = w.global_batch // (grad_accum * c.batch_ways)  # `rows_per_device` at this accumulation
     micro = microbatches(c, rows)
     tokens = rows / micro * w.seq_len / c.sequence  # one microbatch's tokens on a device
     slots = m.num_experts * capacity_slots(m, w, tokens) if m.moe_layers else 0.0
@@ -240,23 +307,35 @@ def estimate_memory(m: ModelShape, c: Candidate, w: Workload) -> MemoryEstimate:
         pipeline_buffers = (2 * micro + 2) * stream
     else:
         activations, pipeline_buffers = layers + per_stack, 0.0
-    accumulator = grads if c.grad_accum > 1 or c.pipeline > 1 else 0.0
     logits = tokens * m.vocab_size / c.tensor * 4
-    head, lookup, layer_w = _gathered_weights(m, c.sizes, c.zero_stage)
-    head_grads = head / m.compute_bytes * m.param_bytes + lookup
     recompute = 0.0
     if c.remat == "full":  # the largest layer's residuals, rebuilt for its backward
         recompute = layer_activation_bytes(m, "none", **kw)
         if m.moe_layers:
             recompute = max(recompute, layer_activation_bytes(m, "none", moe=True, slots=slots, **kw))
     dispatch = 2 * slots * m.d_model * m.compute_bytes if m.moe_layers and c.expert > 1 else 0.0
-    rest = (params + grads + opt + accumulator + activations + pipeline_buffers
-            + max(logits + head + head_grads, layer_w + recompute + dispatch))
-    return MemoryEstimate(params=params, grads=grads, optimizer=opt, grad_accumulator=accumulator,
-                          activations=activations, pipeline_buffers=pipeline_buffers, logits=logits,
-                          head_weights=head, head_grads=head_grads, layer_weights=layer_w, recompute=recompute,
-                          moe_dispatch=dispatch,
-                          workspace=WORKSPACE_FRACTION * rest)
+    return _ActivationPart(grad_accum > 1 or c.pipeline > 1, activations, pipeline_buffers, logits, recompute,
+                           dispatch)
+
+
+def _rest(s: _StatePart, a: _ActivationPart) -> float:
+    """Every term but the workspace, added in `MemoryEstimate.peak`'s order (so that a peak is the same float)."""
+    accumulator = s.grads if a.accumulates else 0.0
+    return (s.params + s.grads + s.optimizer + accumulator + a.activations + a.pipeline_buffers
+            + max(a.logits + s.head_weights + s.head_grads, s.layer_weights + a.recompute + a.moe_dispatch))
+
+
+def _peak(s: _StatePart, a: _ActivationPart) -> float:
+    rest = _rest(s, a)
+    return rest + WORKSPACE_FRACTION * rest
+
+
+def _assemble(s: _StatePart, a: _ActivationPart) -> MemoryEstimate:
+    return MemoryEstimate(params=s.params, grads=s.grads, optimizer=s.optimizer,
+                          grad_accumulator=s.grads if a.accumulates else 0.0, activations=a.activations,
+                          pipeline_buffers=a.pipeline_buffers, logits=a.logits, head_weights=s.head_weights,
+                          head_grads=s.head_grads, layer_weights=s.layer_weights, recompute=a.recompute,
+                          moe_dispatch=a.moe_dispatch, workspace=WORKSPACE_FRACTION * _rest(s, a))
 
 
 @functools.lru_cache(maxsize=1 << 14)

@@ -14,7 +14,8 @@ recorded once, at the scope it was decided (`labels.Scope`):
    grows from 2 on, so the smallest accumulation that fits is found by bisection, the smaller ones
    recorded as not fitting and the larger ones as dominated: they change no FLOPs and only add
    collective launches (ZeRO-3 gathers per microbatch), so the model never finds them faster
-   (tests/test_plan_search.py checks both claims on samples).
+   (tests/test_plan_search.py checks both claims on samples). The peaks come from parts memoized by the fields
+   each reads (`memory.MemoryModel`), and candidates that differ only in their context scheme share their fits.
 Ranking is branch and bound on two lower bounds of the step time: compute over the bubble alone, then
 the time on all-fast links; only candidates that can still reach the best `keep` get the next, dearer
 figure, and over several fast-link domains every slow-link placement is timed for them (the best
@@ -26,11 +27,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from spmd_train.analysis.plan.candidate import (
     CONTEXT_SCHEMES,
@@ -43,7 +46,7 @@ from spmd_train.analysis.plan.candidate import (
 from spmd_train.analysis.plan.comm import CommTerm, comm_terms
 from spmd_train.analysis.plan.devices import Target, slow_placements
 from spmd_train.analysis.plan.labels import Scope, canonical, config_for, label, scoped
-from spmd_train.analysis.plan.memory import MemoryEstimate, estimate_memory, state_bytes
+from spmd_train.analysis.plan.memory import MemoryEstimate, MemoryModel, estimate_memory, state_bytes
 from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.rules import (
     FIT,
@@ -98,7 +101,8 @@ class SearchResult:
     candidates: int
     """Every candidate accounted for: ranked, slower, and what each rejection stands for."""
     evaluations: int
-    """Memory estimates and step-time estimates the analytic stage computed."""
+    """Memory estimates and step-time estimates the analytic stage made (one that serves several candidates, which
+    differ only in fields it does not read, counts for each)."""
     seconds: float
 
     @property
@@ -141,9 +145,10 @@ def search(cfg: Config, target: Target, *, keep: int = KEEP) -> SearchResult:
     check_default_rules(cfg)
     check_attention(cfg, target.platform)
     shape, work = ModelShape.from_config(cfg.model), Workload.from_config(cfg, target.platform)
-    hbm = target.hardware.hbm_bytes
+    hbm, memory = target.hardware.hbm_bytes, MemoryModel(shape, work)
+    fits: dict[tuple, tuple[_Fit, ...]] = {}
     rejections: list[Rejection] = []
-    fitting: list[tuple[Candidate, MemoryEstimate]] = []
+    fitting: list[Candidate] = []
     meshes = evaluations = 0
     for sizes in factorizations(target.devices):
         meshes += 1
@@ -163,8 +168,8 @@ def search(cfg: Config, target: Target, *, keep: int = KEEP) -> SearchResult:
                 if reason is not None:
                     rejections.append(reason)
                     continue
-                evaluations += _fit_accumulation(shape, z, work, hbm, fitting, rejections)
-    ranked, slower, timed = _rank(shape, work, target, fitting, keep, rejections, cfg)
+                evaluations += _fit_accumulation(memory, z, work, hbm, fitting, rejections, fits)
+    ranked, slower, timed = _rank(shape, work, target, memory, fitting, keep, rejections, cfg)
     candidates = len(ranked) + slower + sum(r.count for r in rejections)
     return SearchResult(cfg=cfg, target=target, shape=shape, workload=work, ranked=tuple(ranked),
                         rejections=tuple(rejections), slower=slower, meshes=meshes, candidates=candidates,
@@ -178,8 +183,8 @@ def _structures(mesh: Candidate) -> Iterator[Candidate]:
     for sp in (False, True) if mesh.tensor > 1 else (False,):
         for cp in CONTEXT_SCHEMES if mesh.sequence > 1 else ("allgather",):
             for schedule, virtual, micro in pipelines:
-                yield dataclasses.replace(mesh, sequence_parallel=sp, context_parallel=cp, pipeline_schedule=schedule,
-                                          virtual_stages=virtual, pipeline_microbatches=micro)
+                yield _derive(mesh, sequence_parallel=sp, context_parallel=cp, pipeline_schedule=schedule,
+                              virtual_stages=virtual, pipeline_microbatches=micro)
 
 
 def _gpipe_reason(c: Candidate) -> Rejection | None:
@@ -198,74 +203,119 @@ def _state_reason(shape: ModelShape, c: Candidate, work: Workload, hbm: float) -
                      f"{hbm / GiB:.1f} GiB", "memory", peak=state)
 
 
-def _fit_accumulation(shape: ModelShape, z: Candidate, work: Workload, hbm: float,
-                      fitting: list[tuple[Candidate, MemoryEstimate]], rejections: list[Rejection]) -> int:
+def _fit_accumulation(memory: MemoryModel, z: Candidate, work: Workload, hbm: float, fitting: list[Candidate],
+                      rejections: list[Rejection], cache: dict[tuple, tuple[_Fit, ...]]) -> int:
     """Per remat policy, the smallest grad accumulation that fits; returns the memory estimates made."""
-    rows = work.global_batch // z.batch_ways
-    micro = z.pipeline_microbatches or 1
-    accums = tuple(g for g in range(1, rows + 1) if rows % g == 0 and (rows // g) % micro == 0)
-    made = 0
-    for remat in REMAT_POLICIES:
-        r = _derive(z, remat=remat)
-        memo: dict[int, tuple[Candidate, MemoryEstimate]] = {}
+    accums = _accumulations(work.global_batch // z.batch_ways, z.pipeline_microbatches or 1)
+    remats = [_derive(z, remat=remat) for remat in REMAT_POLICIES]
+    # Memory reads every field of `z` but the context scheme (`MemoryModel`): candidates that differ only in it
+    # share their fits.
+    key = (z.sizes, z.zero_stage, z.sequence_parallel, z.pipeline_schedule, z.pipeline_microbatches, z.virtual_stages)
+    fits = cache.get(key)
+    if fits is None:
+        fits = cache[key] = tuple(_fit(memory, r, accums, hbm) for r in remats)
+    for r, fit in zip(remats, fits, strict=True):
+        if fit.first > 0:
+            rejections.append(Rejection(r, Scope.REMAT, FIT, fit.too_big, "memory", accums=accums[:fit.first],
+                                        peak=fit.peak))
+        if fit.first < len(accums):
+            fitting.append(_derive(r, grad_accum=accums[fit.first]) if accums[fit.first] > 1 else r)
+            if fit.dominated is not None:
+                rejections.append(Rejection(r, Scope.REMAT, DOMINATED, fit.dominated, "dominated",
+                                            accums=accums[fit.first + 1:]))
+    return sum(fit.made for fit in fits)  # an estimate shared by several candidates counts for each
 
-        def peak(i: int, r=r, memo=memo) -> float:
-            if i not in memo:
-                c = _derive(r, grad_accum=accums[i]) if accums[i] > 1 else r
-                memo[i] = (c, estimate_memory(shape, c, work))
-            return memo[i][1].peak
 
-        last = len(accums) - 1
-        if peak(0) <= hbm:
-            first = 0
-        elif peak(last) > hbm:  # the most accumulation does not fit: none does
-            first = last + 1
-        else:  # from accumulation 2 on, the peak only falls (one more gradient buffer is there from 2 on)
-            low, high = 1, last
-            while low < high:
-                mid = (low + high) // 2
-                low, high = (low, mid) if peak(mid) <= hbm else (mid + 1, high)
-            first = low
-        made += len(memo)
-        if first > 0:
-            near = min((i for i in memo if i < first), key=lambda i: memo[i][1].peak)
-            rejections.append(Rejection(r, Scope.REMAT, FIT, f"does not fit: accum={_span(accums[:first])} need "
-                                        f"{memo[near][1].peak / GiB:.1f} GiB or more (accum={accums[near]}) > "
-                                        f"{hbm / GiB:.1f} GiB", "memory", accums=accums[:first],
-                                        peak=memo[near][1].peak))
-        if first <= last:
-            fitting.append(memo[first])
-            if first < last:
-                rejections.append(Rejection(r, Scope.REMAT, DOMINATED, f"dominated: accum={accums[first]} fits, "
-                                            "and a larger grad_accum is never faster", "dominated",
-                                            accums=accums[first + 1:]))
-    return made
+class _Fit(NamedTuple):
+    """Where one remat policy's accumulations start to fit: `first` indexes the smallest that fits (their number when
+    none does); `too_big` and `dominated` detail the rejections of those before and after it (None when there are
+    none), `peak` is the smallest peak estimated before it and `made` the memory estimates made."""
+
+    first: int
+    too_big: str | None
+    peak: float | None
+    dominated: str | None
+    made: int
+
+
+def _fit(memory: MemoryModel, r: Candidate, accums: tuple[int, ...], hbm: float) -> _Fit:
+    """`_Fit` of the remat-level candidate `r`, whose grad accumulation may be any of `accums`."""
+    peaks: dict[int, float] = {}  # accumulation index -> peak, in the order asked
+
+    def peak(i: int) -> float:
+        if i not in peaks:
+            peaks[i] = memory.peak(r, accums[i])
+        return peaks[i]
+
+    last = len(accums) - 1
+    first = _first_fit(peak, last, hbm)
+    too_big = near = dominated = None
+    if first > 0:
+        near = min((i for i in peaks if i < first), key=peaks.__getitem__)
+        too_big = (f"does not fit: accum={_span(accums[:first])} need {peaks[near] / GiB:.1f} GiB or more "
+                   f"(accum={accums[near]}) > {hbm / GiB:.1f} GiB")
+    if first < last:
+        dominated = f"dominated: accum={accums[first]} fits, and a larger grad_accum is never faster"
+    return _Fit(first, too_big, None if near is None else peaks[near], dominated, len(peaks))
+
+
+def _first_fit(peak: Callable[[int], float], last: int, hbm: float) -> int:
+    """The index of the smallest accumulation whose `peak` fits `hbm`, `last + 1` when none does."""
+    if peak(0) <= hbm:
+        return 0
+    if peak(last) > hbm:  # the most accumulation does not fit: none does
+        return last + 1
+    low, high = 1, last  # from accumulation 2 on, the peak only falls (one more gradient buffer is there from 2 on)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if peak(mid) <= hbm else (mid + 1, high)
+    return low
+
+
+@functools.lru_cache(maxsize=1024)
+def _accumulations(rows: int, micro: int) -> tuple[int, ...]:
+    """The grad accumulations that split `rows` rows per device into whole steps of `micro` pipeline microbatches."""
+    return tuple(g for g in range(1, rows + 1) if rows % g == 0 and (rows // g) % micro == 0)
 
 
 def _derive(c: Candidate, **fields) -> Candidate:
-    """`c` with other ZeRO, remat or accumulation settings, without `dataclasses.replace`'s validation.
+    """`c` with other structure, ZeRO, remat or accumulation settings, without `dataclasses.replace`'s validation.
 
-    The search makes about a quarter of a million of these, and replace's __init__ and checks took half of its
+    The search makes about half a million of these, and replace's __init__ and checks took half of its
     time; these fields are drawn from their valid values and leave the sizes (and the cached properties that
     follow from them) as they are.
     """
-    assert fields.keys() <= {"zero_stage", "remat", "grad_accum"}
+    assert fields.keys() <= _DERIVED
     new = object.__new__(Candidate)
     new.__dict__.update(c.__dict__)
     new.__dict__.update(fields)
     return new
 
 
+_DERIVED = frozenset({"sequence_parallel", "context_parallel", "pipeline_schedule", "virtual_stages",
+                      "pipeline_microbatches", "zero_stage", "remat", "grad_accum"})
+
+
 def _span(values: tuple[int, ...]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}..{values[-1]}"
 
 
-def _rank(shape: ModelShape, work: Workload, target: Target, fitting: list[tuple[Candidate, MemoryEstimate]],
+def _rank(shape: ModelShape, work: Workload, target: Target, memory: MemoryModel, fitting: list[Candidate],
           keep: int, rejections: list[Rejection], cfg: Config) -> tuple[list[Ranked], int, int]:
     """(ranked, slower, step times computed): exact estimates for the candidates that can reach the best `keep`."""
     hw = target.hardware
-    order = sorted(((_compute_bound(shape, c, work, hw), _order(c), c, mem) for c, mem in fitting),
-                   key=lambda t: t[:2])
+    bounds: dict[tuple, float] = {}
+
+    def bound_of(c: Candidate) -> float:
+        # Most fitting candidates share their bound with many others: the key is every field it reads (the device
+        # count is the target's). For an MoE model, the accumulation and the batch axes set the capacity slots.
+        key = (c.remat, c.sequence, c.context_parallel, c.grad_accum, c.batch_ways, c.pipeline, c.pipeline_schedule,
+               c.pipeline_microbatches, c.virtual_stages)
+        if key not in bounds:
+            bounds[key] = _compute_bound(shape, c, work, hw)
+        return bounds[key]
+
+    order = sorted(((bound_of(c), _order(c), c) for c in fitting), key=lambda t: t[:2])
     best: list[tuple[float, str]] = []
     ranked: dict[str, Ranked] = {}
     checked: dict[tuple[Candidate, int], Rejection | None] = {}  # the checks read no ZeRO, remat or placement
@@ -274,11 +324,11 @@ def _rank(shape: ModelShape, work: Workload, target: Target, fitting: list[tuple
     def beats(step: float) -> bool:
         return len(best) < keep or step <= best[keep - 1][0]
 
-    for i, (bound, _, c, mem) in enumerate(order):
+    for i, (bound, _, c) in enumerate(order):
         if not beats(bound):  # sorted by this bound: none of the rest can reach the best `keep`
             slower += len(order) - i
             break
-        terms = comm_terms(shape, c, work)
+        mem, terms = memory.estimate(c), comm_terms(shape, c, work)
         est = _estimate(shape, c, work, hw, mem, terms)
         timed += 1
         if not beats(est.timing.step):  # on all-fast links, so a lower bound over several domains

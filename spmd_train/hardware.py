@@ -115,6 +115,9 @@ class Hardware:
     achievable: float | None = None
     """Fraction of the dense peak matmuls sustain; None: the planner's assumed `ACHIEVABLE_FRACTION`, else the
     `bench-collectives` matmul probe's measurement (`analysis.plan.profile`)."""
+    simulated: bool = False
+    """XLA:CPU's simulated devices (`cpu`): they share the host's cores and memory, so an idle device's cores
+    serve the others (a pipeline bubble costs no time) and collectives run in line with compute (none overlap)."""
 
     @property
     def peak_flops(self) -> float:
@@ -217,6 +220,14 @@ _PLANNER: dict[str, Hardware] = {
         _dcn(100, devices_per_chip=2),  # [C-7x]: 100 Gb/s per chip
         devices_per_host=8, fast_domain=2 * 9216, torus=3, devices_per_chip=2),  # [M1]: 4 chips per VM; pod 9,216
 }
+
+_PLANNER["cpu"] = Hardware(
+    # Simulated CPU devices (`--xla_force_host_platform_device_count`), for checking the planner on this host. No
+    # figure here is nominal: compute, memory and links all come from a `bench-collectives` profile of the host
+    # (`analysis.plan.profile.simulated_hardware`), so the zeros make a plan without one refuse (`search`).
+    "cpu", DeviceSpec("CPU (simulated devices)", 0.0, 0.0), 0.0,
+    Link("host memory", 0.0, 0.0), Link("host memory", 0.0, 0.0),
+    devices_per_host=1 << 16, fast_domain=1 << 16, simulated=True)
 
 KINDS = tuple(_PLANNER)
 """Valid planner hardware names."""

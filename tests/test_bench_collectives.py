@@ -24,6 +24,7 @@ from spmd_train.analysis.plan.profile import (
     fit,
     fit_line,
     hops,
+    host_memory,
     load_profile,
     profile_hardware,
     traffic_factor,
@@ -124,9 +125,10 @@ def _reference(op: str, x: np.ndarray, a: int, n: int) -> np.ndarray:
     return np.moveaxis(np.asarray(out), 0, a)
 
 
-def test_the_matmul_probe_reports_flops_and_no_fraction_without_a_known_peak(devices):
-    probe = collective_bench.matmul_probe(devices[0], repeats=1, size=128)
-    assert probe.dtype == "float32" and probe.flops_per_second > 0
+def test_the_matmul_probe_runs_every_cpu_device_at_once_and_has_no_fraction_without_a_known_peak(devices):
+    # Simulated devices share the host's cores: the per-device figure a step sees is with all of them busy.
+    probe = collective_bench.matmul_probe(devices, repeats=1, size=128)
+    assert probe.dtype == "float32" and probe.flops_per_second > 0 and probe.devices == len(devices) == 8
     assert probe.peak is None and probe.fraction is None
 
 
@@ -163,6 +165,21 @@ def test_a_tiny_cli_run_writes_a_profile_that_round_trips_and_plan_refuses_it_fo
     err = capsys.readouterr().err
     assert code == 2
     assert "'cpu'" in err and "h100" in err and str(out) in err
+    assert profile.host_memory == host_memory() and profile.matmul.devices == 8
+
+    # The cpu kind plans these simulated devices from this profile alone: its figures are the measured ones.
+    cpu = ["plan", TINY, "--devices", "8", "--hardware", "cpu", "--compile", "0"]
+    assert main([*cpu, "--json", "--profile", str(out)]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["target"] == "8 simulated CPU devices sharing this host's cores and memory"
+    hw = profile_hardware(profile, hardware("cpu"), devices=8)
+    assert hw.peak_flops == profile.matmul.flops_per_second and hw.achievable == 1.0
+    assert hw.hbm_bytes == profile.host_memory / 8 and hw.fast == hw.slow and hw.fast.efficiency == 1.0
+    for args, says in ((cpu, "--hardware cpu has no nominal figures"),
+                       ([*cpu[:3], "4", *cpu[4:], "--profile", str(out)], "timed 8 simulated devices")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert says in err and "bench-collectives --simulate-devices" in err and "Traceback" not in err
 
 
 def test_a_profile_that_is_not_one_is_refused(tmp_path, capsys):
@@ -170,6 +187,20 @@ def test_a_profile_that_is_not_one_is_refused(tmp_path, capsys):
     bad.write_text(json.dumps({"format": "something else"}))
     assert main(["plan", TINY, "--devices", "8", "--hardware", "h100", "--compile", "0", "--profile", str(bad)]) == 2
     assert "not a hardware profile" in capsys.readouterr().err
+
+
+def test_simulated_devices_hide_no_communication_and_pay_no_bubble():
+    # XLA:CPU's devices share the host's cores: collectives run in line, and an idle stage's cores serve the others.
+    shape = ModelShape.from_config(load_config("configs/pipeline.yaml").model)
+    work = Workload(64, 256)
+    c = Candidate(pipeline=4, fsdp=2, zero_stage=3, pipeline_schedule="1f1b", pipeline_microbatches=8)
+    gpu = hardware("h100")
+    cpu = dataclasses.replace(gpu, kind="cpu", simulated=True)
+    real, simulated = (estimate(shape, c, hw, global_batch=64, seq_len=256, workload=work).timing for hw in (gpu, cpu))
+    assert real.bubble == simulated.bubble > 0 and real.compute == simulated.compute
+    assert simulated.exposed == simulated.communication > real.exposed  # ZeRO-3 gathers hide on the GPU only
+    assert simulated.step == pytest.approx(simulated.compute + simulated.communication, rel=1e-12)
+    assert real.step == pytest.approx(real.compute / (1 - real.bubble) + real.exposed, rel=1e-12)
 
 
 def _h100_profile(fits: list[Fit], fraction: float | None = None) -> Profile:

@@ -38,6 +38,11 @@ SKIPPED = {
 }
 COVERED = {
     "spmd-train convert to-hf runs/qwen3": ("tests/test_hf_interop.py", ['"convert", "to-hf"']),
+    # The pair of docs/plan.md: the plan reads the profile the line before writes (each command runs in a fresh dir).
+    "spmd-train bench-collectives --simulate-devices 8": ("tests/test_bench_collectives.py",
+                                                           ['"bench-collectives"', '"--simulate-devices", "8"']),
+    "spmd-train plan models/gpt2-small.yaml --devices 8 --hardware cpu --profile":
+        ("tests/test_bench_collectives.py", ['"--hardware", "cpu"', '"--profile"']),
     # command prefix -> (the test file that runs it through the API, the arguments that file must contain)
     "spmd-train describe configs/llama3-8b_v5p-512.yaml --topology v5p:8x8x8":
         ("tests/test_describe.py", ["llama3-8b_v5p-512", "v5p:8x8x8"]),

@@ -46,8 +46,8 @@ def _planned(cfg, engine):
 
 
 def test_every_planner_kind_has_the_mfu_tables_peak_and_links_in_the_right_order():
-    assert KINDS == ("a100", "h100", "h200", "b200", "gb200", "mi300x", "v4", "v5e", "v5p", "v6e", "tpu7x")
-    for kind in KINDS:
+    assert KINDS == ("a100", "h100", "h200", "b200", "gb200", "mi300x", "v4", "v5e", "v5p", "v6e", "tpu7x", "cpu")
+    for kind in KINDS[:-1]:
         hw = hardware(kind)
         assert hw.spec is not None and hw.peak_flops > 1e14 and hw.hbm_bytes > 1e10
         assert hw.fast.bandwidth > hw.slow.bandwidth and hw.fast.latency < hw.slow.latency
@@ -59,6 +59,10 @@ def test_every_planner_kind_has_the_mfu_tables_peak_and_links_in_the_right_order
     assert {k: hardware(k).torus for k in ("v4", "v5e", "v5p", "v6e", "tpu7x")} == {
         "v4": 3, "v5e": 2, "v5p": 3, "v6e": 2, "tpu7x": 3}
     assert hardware("gb200").fast_domain == 72 and hardware("h100").fast_domain == 8
+    # Simulated CPU devices: nothing nominal, every figure comes from a profile of the host (test_bench_collectives).
+    cpu = hardware("cpu")
+    assert cpu.simulated and cpu.peak_flops == cpu.hbm_bytes == cpu.fast.bandwidth == 0
+    assert not any(hardware(k).simulated for k in KINDS[:-1])
 
 
 @pytest.mark.parametrize("kind", ["h1000", "H100", "v5", ""])

@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from spmd_train.analysis.plan.profile import OPS, Matmul, Measurement, Profile, fit_all, save_profile
+from spmd_train.analysis.plan.profile import OPS, Matmul, Measurement, Profile, fit_all, host_memory, save_profile
 from spmd_train.config.schema import MESH_AXES
 from spmd_train.errors import ConfigError
 
@@ -160,13 +160,14 @@ def run_bench(args: argparse.Namespace) -> int:
             for size in kept:
                 t = time_collective(mesh, op, axis, size, args.repeats)
                 measurements.append(Measurement(op=t.op, axis=t.axis, group=t.group, bytes=t.bytes, seconds=t.seconds))
-    probe = matmul_probe(devices[0], repeats=args.repeats)
+    probe = matmul_probe(devices, repeats=args.repeats)
     profile = Profile(
         created=datetime.now(UTC).isoformat(timespec="seconds"), jax_version=jax.__version__,
         platform=devices[0].platform, device_kind=devices[0].device_kind, device_count=len(devices),
         mesh=tuple((a, mesh.shape[a]) for a in mesh.axis_names if a in axes), slow_axes=tuple(args.slow),
         repeats=args.repeats, measurements=tuple(measurements), fits=fit_all(measurements),
-        matmul=Matmul(probe.dtype, probe.size, probe.flops_per_second, probe.peak))
+        matmul=Matmul(probe.dtype, probe.size, probe.flops_per_second, probe.peak, probe.devices),
+        host_memory=host_memory() if devices[0].platform == "cpu" else None)
     if args.out:
         save_profile(profile, Path(args.out))
     if args.json:

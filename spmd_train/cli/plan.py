@@ -69,7 +69,8 @@ def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     target = target_for(args.devices, args.hardware, args.topology)
     if args.profile:
-        measured = profile_hardware(load_profile(args.profile), target.hardware, f"--profile {args.profile}")
+        measured = profile_hardware(load_profile(args.profile), target.hardware, f"--profile {args.profile}",
+                                    target.devices)
         target = dataclasses.replace(target, hardware=measured)
     asked = parse_label(args.explain) if args.explain else None
     result = search(cfg, target, keep=max(KEEP, args.top, args.compile))

@@ -63,6 +63,8 @@ class MatmulProbe:
     flops_per_second: float
     peak: float | None
     """The dense bf16 peak of `device_spec(device_kind)`; None where the table does not know the device (CPU)."""
+    devices: int = 1
+    """Devices that multiplied at once (`flops_per_second` is per device)."""
 
     @property
     def fraction(self) -> float | None:
@@ -133,16 +135,22 @@ def time_collective(mesh: Mesh, op: str, axis: str, nbytes: int, repeats: int) -
     return Timed(op=op, axis=axis, group=group, bytes=size, seconds=seconds, repeats=repeats)
 
 
-def matmul_probe(device: jax.Device, repeats: int = 5, size: int | None = None) -> MatmulProbe:
-    """Sustained FLOP/s of a square matmul on `device`: bf16 on accelerators, fp32 on CPU (XLA:CPU's fast path)."""
-    cpu = device.platform == "cpu"
+def matmul_probe(devices: list[jax.Device], repeats: int = 5, size: int | None = None) -> MatmulProbe:
+    """Sustained FLOP/s per device of a square matmul: bf16 on one accelerator; fp32 (XLA:CPU's fast path) on every
+    CPU device at once, each its own matmul, since simulated devices share the host's cores and a step runs them
+    all together (one alone would claim every core)."""
+    cpu = devices[0].platform == "cpu"
+    used = list(devices) if cpu else [devices[0]]
     size = size or (1024 if cpu else 8192)  # an H100 runs 8192^3 bf16 in ~1.5 ms: dispatch is noise
     dtype = jnp.float32 if cpu else jnp.bfloat16
+    mesh = Mesh(np.array(used), ("device",))
+    batched = NamedSharding(mesh, P("device"))
     key_a, key_b = jax.random.split(jax.random.key(0))
-    a = jax.device_put(jax.random.normal(key_a, (size, size), dtype), device)
-    b = jax.device_put(jax.random.normal(key_b, (size, size), dtype), device)
-    matmul = jax.jit(jnp.matmul)
+    a = jax.device_put(jax.random.normal(key_a, (len(used), size, size), dtype), batched)
+    b = jax.device_put(jax.random.normal(key_b, (len(used), size, size), dtype), batched)
+    matmul = jax.jit(jnp.matmul, out_shardings=batched)  # batch-sharded: each device multiplies its own pair
     seconds = median_seconds(lambda: matmul(a, b), repeats)
-    spec = device_spec(device.device_kind)
-    return MatmulProbe(device_kind=device.device_kind, dtype=jnp.dtype(dtype).name, size=size, seconds=seconds,
-                       flops_per_second=2 * size**3 / seconds, peak=spec.peak_bf16_flops if spec else None)
+    spec = device_spec(devices[0].device_kind)
+    return MatmulProbe(device_kind=devices[0].device_kind, dtype=jnp.dtype(dtype).name, size=size, seconds=seconds,
+                       flops_per_second=2 * size**3 / seconds, peak=spec.peak_bf16_flops if spec else None,
+                       devices=len(used))

@@ -41,8 +41,8 @@ class Target:
 
     @property
     def platform(self) -> str:
-        """"tpu" or "gpu": what the attention and MoE backends resolve for."""
-        return "tpu" if self.hardware.torus else "gpu"
+        """"tpu", "gpu" or "cpu" (simulated devices): what the attention and MoE backends resolve for."""
+        return "cpu" if self.hardware.simulated else "tpu" if self.hardware.torus else "gpu"
 
     @property
     def per_domain(self) -> int:
@@ -57,6 +57,8 @@ class Target:
     def describe(self) -> str:
         """One line: count, kind, and how the devices group (e.g. "256 x h100: 32 nodes of 8 ...")."""
         hw = self.hardware
+        if hw.simulated:
+            return f"{self.devices} simulated CPU devices sharing this host's cores and memory"
         unit = "slice" if hw.torus else ("rack" if hw.fast_domain > hw.devices_per_host else "node")
         where = self.topology or f"{self.devices} x {hw.kind}"
         if self.domains == 1:

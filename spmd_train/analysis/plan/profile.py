@@ -19,6 +19,7 @@ permute. busbw is what one device's link carries, so at large sizes it tends to 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -143,6 +144,9 @@ class Matmul:
     size: int
     flops_per_second: float
     peak: float | None
+    devices: int = 1
+    """Devices that ran it at once, each its own matmul (`flops_per_second` is per device): every simulated CPU
+    device, since they share the host's cores; one accelerator."""
 
     @property
     def fraction(self) -> float | None:
@@ -169,6 +173,8 @@ class Profile:
     measurements: tuple[Measurement, ...]
     fits: tuple[Fit, ...]
     matmul: Matmul | None = None
+    host_memory: int | None = None
+    """The host's physical memory in bytes, recorded on CPU, whose simulated devices share it."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (`from_json` reads it back)."""
@@ -188,7 +194,8 @@ class Profile:
                        slow_axes=tuple(data["slow_axes"]), repeats=int(data["repeats"]),
                        measurements=tuple(Measurement(**m) for m in data["measurements"]),
                        fits=tuple(Fit(**f) for f in data["fits"]),
-                       matmul=Matmul(**data["matmul"]) if data.get("matmul") else None)
+                       matmul=Matmul(**data["matmul"]) if data.get("matmul") else None,
+                       host_memory=data.get("host_memory"))
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"a hardware profile with a missing or malformed field ({err})") from None
 
@@ -211,14 +218,18 @@ def load_profile(path: str | Path) -> Profile:
                           "--out FILE`)") from None
 
 
-def profile_hardware(profile: Profile, hw: Hardware, source: str = "the profile") -> Hardware:
-    """`hw` with the links and achievable compute fraction `profile` measured in place of the table's figures.
+def profile_hardware(profile: Profile, hw: Hardware, source: str = "the profile",
+                     devices: int | None = None) -> Hardware:
+    """`hw` with the links and achievable compute fraction `profile` measured in place of the table's figures
+    (`simulated_hardware` for the `cpu` kind, planning `devices` of them).
 
     The fast link takes the median α and 1/β over the fits of axes not marked slow, the slow link those of the
     slow axes (left nominal where none was measured); a measured link's efficiency is 1 (the planner's
     `LINK_EFFICIENCY` discounts nominal figures only). The median over the five collectives: the planner gives
     each axis one link for every op. ConfigError where the profile was measured on another kind of device.
     """
+    if hw.simulated:
+        return simulated_hardware(profile, hw, profile.device_count if devices is None else devices, source)
     if device_spec(profile.device_kind) != hw.spec:
         raise ConfigError(
             f"{source} was measured on {profile.device_count} x {profile.device_kind!r} ({profile.platform}) "
@@ -239,3 +250,36 @@ def measured_link(nominal: Link, fits: list[Fit]) -> Link:
         return nominal
     bandwidth = statistics.median(1 / f.beta for f in usable)
     return Link(f"{nominal.name}, measured", bandwidth, statistics.median(f.alpha for f in usable), efficiency=1.0)
+
+
+def simulated_hardware(profile: Profile, hw: Hardware, devices: int, source: str = "the profile") -> Hardware:
+    """The `cpu` kind from a profile of this host's simulated devices: every figure measured, none nominal.
+
+    Compute: the probe's FLOP/s per device with all of them multiplying at once (they share the host's cores),
+    reached in full (achievable 1). Memory: the host's, split evenly. Links: the fits' median α and bandwidth, one
+    link (a copy through host memory). The devices share cores, so the figures hold for the count measured only.
+    ConfigError where the profile is not of CPU devices, of another count, or lacks the probe or a usable fit.
+    """
+    valid = (f"valid: a profile written by `spmd-train bench-collectives --simulate-devices {devices} --mesh ...` "
+             "on this host")
+    if profile.platform != "cpu":
+        raise ConfigError(f"{source} was measured on {profile.device_count} x {profile.device_kind!r} "
+                          f"({profile.platform}) devices, but --hardware cpu plans simulated CPU devices ({valid})")
+    if profile.device_count != devices:
+        raise ConfigError(f"{source} timed {profile.device_count} simulated devices sharing the host's cores, and "
+                          f"the plan is for {devices}: each device's share of compute and copies differs ({valid}, "
+                          f"or --devices {profile.device_count})")
+    if profile.matmul is None or profile.matmul.flops_per_second <= 0:
+        raise ConfigError(f"{source} has no matmul probe, the cpu kind's only compute figure ({valid})")
+    link = measured_link(hw.fast, list(profile.fits))
+    if link.bandwidth <= 0:
+        raise ConfigError(f"{source} has no collective fit with a measurable bandwidth ({valid}, over sizes "
+                          "large enough for the time to grow with them, e.g. --sizes 1KiB..64MiB)")
+    memory = profile.host_memory if profile.host_memory else host_memory()
+    spec = replace(hw.spec, peak_bf16_flops=profile.matmul.flops_per_second, hbm_bytes=memory / devices)
+    return replace(hw, spec=spec, fast=link, slow=link, achievable=1.0)
+
+
+def host_memory() -> int:
+    """This host's physical memory in bytes (POSIX sysconf)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -142,6 +142,10 @@ class SearchResult:
 def search(cfg: Config, target: Target, *, keep: int = KEEP) -> SearchResult:
     """Every candidate layout of `cfg` on `target`, rejected with one reason or ranked by estimated step time."""
     start = time.perf_counter()
+    if target.hardware.peak_flops <= 0:
+        raise ConfigError(f"--hardware {target.hardware.kind} has no nominal figures: its compute, memory and links "
+                          "are this host's, measured (valid: `spmd-train bench-collectives --simulate-devices N --mesh "
+                          "... --out FILE`, then plan with --profile FILE)")
     check_default_rules(cfg)
     check_attention(cfg, target.platform)
     shape, work = ModelShape.from_config(cfg.model), Workload.from_config(cfg, target.platform)
@@ -357,7 +361,7 @@ def _rank(shape: ModelShape, work: Workload, target: Target, memory: MemoryModel
 def _compute_bound(shape: ModelShape, c: Candidate, work: Workload, hw: Hardware) -> float:
     """Compute over the pipeline bubble: the step time without any communication (`timing.estimate_timing`)."""
     compute = device_flops(shape, c, work)[1] / (hw.peak_flops * achievable_fraction(hw))
-    if c.pipeline == 1:
+    if c.pipeline == 1 or hw.simulated:  # simulated devices' bubble costs no time (`timing`)
         return compute
     bubble = schedule_stats(c.pipeline_schedule, c.pipeline, c.pipeline_microbatches, c.virtual_stages)[1]
     return compute / (1 - bubble)

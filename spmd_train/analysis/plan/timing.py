@@ -23,6 +23,9 @@ pipeline bubble, and an overlap rule; then tokens/s, MFU and each axis's communi
   after the last microbatch's backward, and the update comes after it), tensor-parallel collectives (the next
   matmul waits for them), expert all-to-alls (dispatch waits), allgather/ulysses attention collectives and the
   pipeline's per-tick sends (each tick ends with them).
+- Simulated CPU devices (`Hardware.simulated`): they share the host's cores, so nothing overlaps (XLA:CPU runs
+  collectives in line with compute) and the bubble costs no time (an idle device's cores serve the others; the
+  fraction is still reported).
 """
 
 from __future__ import annotations
@@ -154,11 +157,11 @@ def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, term
         _, bubble, _ = schedule_stats(c.pipeline_schedule, c.pipeline, microbatches(c, rows_per_device(c, w)),
                                       c.virtual_stages)
     times = [collective_seconds(t, c, hw, efficiency) for t in terms]
-    hideable = sum(s for t, s in zip(terms, times, strict=True) if _overlaps(t, c))
+    hideable = 0.0 if hw.simulated else sum(s for t, s in zip(terms, times, strict=True) if _overlaps(t, c))
     hidden = min(hideable, compute)
     total = sum(times)
     exposed = total - hidden
-    step = compute / (1 - bubble) + exposed
+    step = (compute if hw.simulated else compute / (1 - bubble)) + exposed
     hidden_share = hidden / hideable if hideable else 0.0
     per_axes: dict[tuple[str, ...], list[float]] = {}
     for t, s in zip(terms, times, strict=True):

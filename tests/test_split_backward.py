@@ -39,10 +39,10 @@ def _transformer_chunk(remat="none", layers=4):
 
 
 def _documents():
-    """Row 0 packs two documents of 16 tokens, row 1 is one document."""
+    """Row 0 packs two documents of 16 tokens, row 1 is one document (keyed, as the pipeline hands them over)."""
     segments = jnp.repeat(jnp.array([[0, 1], [0, 0]], jnp.int32), 16, axis=1)
     positions = jnp.tile(jnp.concatenate([jnp.arange(16), jnp.arange(16, 32)]), (2, 1)).at[0, 16:].add(-16)
-    return segments, positions.astype(jnp.int32)
+    return {"segments": segments, "positions": positions.astype(jnp.int32)}
 
 
 def _check_exact(stage_fn, params, x, context=None, **kw):

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,12 +35,11 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from benchmarks.report import provenance, update_section  # noqa: E402
-from spmd_train import Engine, load_config  # noqa: E402
+from benchmarks.report import provenance, timed_steps, update_section  # noqa: E402
+from spmd_train import load_config  # noqa: E402
 from spmd_train.analysis import describe  # noqa: E402
 from spmd_train.analysis.render import human_bytes  # noqa: E402
 from spmd_train.analysis.topology import has_libtpu  # noqa: E402
-from spmd_train.data import make_source  # noqa: E402
 from spmd_train.parallel.schedules import build_schedule, simulate  # noqa: E402
 
 
@@ -67,29 +64,16 @@ def cases(layers: int) -> list[tuple[str, list[str]]]:
 
 def measure(overrides: list[str], steps: int) -> dict:
     """Compile once, read its memory, then time `steps` blocked steps after one warm-up step."""
-    cfg = load_config(ROOT / "models" / "gpt2-small.yaml", overrides)
-    engine = Engine.build(cfg)
-    state = engine.init_state()
-    tokens = make_source(cfg).batch(0, engine.batch_sharding)
-    start = time.perf_counter()
-    compiled = engine.train_step.lower(state, tokens).compile()
-    compile_s = time.perf_counter() - start
-    mem = compiled.memory_analysis()
-    times, losses = [], []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
-        state, metrics = compiled(state, tokens)
-        jax.block_until_ready(metrics)  # one step in flight at a time (XLA:CPU collectives, see DESIGN.md)
-        times.append(time.perf_counter() - start)
-        losses.append(float(metrics["loss"]))
-    plan = engine.plan
+    run = timed_steps(load_config(ROOT / "models" / "gpt2-small.yaml", overrides), steps)
+    mem = run.compiled.memory_analysis()
+    plan = run.engine.plan
     return {
-        "step_s": statistics.median(times[1:]),
-        "compile_s": compile_s,
+        "step_s": run.step_seconds,
+        "compile_s": run.compile_seconds,
         "temp": mem.temp_size_in_bytes,
         "total": (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                   - mem.alias_size_in_bytes),
-        "loss": losses[0],
+        "loss": run.losses[0],
         "microbatches": plan.schedule.microbatches if plan else None,
         "bubble": simulate(plan.schedule).bubble_fraction if plan else 0.0,
     }

@@ -105,24 +105,10 @@ def choose(result, top: int, drawn: int, seed: int) -> list[tuple[str, object]]:
 
 def measure(cfg, steps: int) -> tuple[float, float]:
     """(compile seconds, median step seconds over `steps` timed steps after one untimed) of `cfg`."""
-    import jax
+    from benchmarks.report import timed_steps
 
-    from spmd_train import Engine
-    from spmd_train.data import make_source
-
-    engine = Engine.build(cfg)
-    state = engine.init_state()
-    tokens = make_source(cfg).batch(0, engine.batch_sharding)
-    start = time.perf_counter()
-    compiled = engine.train_step.lower(state, tokens).compile()
-    compile_s = time.perf_counter() - start
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
-        state, metrics = compiled(state, tokens)
-        jax.block_until_ready(metrics)  # one step in flight at a time (XLA:CPU collectives, DESIGN.md)
-        times.append(time.perf_counter() - start)
-    return compile_s, statistics.median(times[1:])
+    run = timed_steps(cfg, steps)
+    return run.compile_seconds, run.step_seconds
 
 
 def workload(kind: str, devices: int) -> tuple[str, ...]:

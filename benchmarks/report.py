@@ -5,9 +5,12 @@ from __future__ import annotations
 import datetime
 import platform
 import re
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -42,6 +45,44 @@ def _cpu_count() -> int:
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+@dataclass(frozen=True)
+class TimedSteps:
+    """One config's train step, compiled once and run `steps + 1` times (the first a warm-up)."""
+
+    engine: Any
+    compiled: Any
+    compile_seconds: float
+    seconds: list[float]
+    """Each step's blocked wall time, the warm-up first."""
+    losses: list[float]
+
+    @property
+    def step_seconds(self) -> float:
+        """Median of the timed steps (the warm-up left out)."""
+        return statistics.median(self.seconds[1:])
+
+
+def timed_steps(cfg, steps: int) -> TimedSteps:
+    """Build `cfg`'s engine, compile its train step on batch 0, and run it `steps + 1` times, each blocked."""
+    from spmd_train import Engine
+    from spmd_train.data import make_source
+
+    engine = Engine.build(cfg)
+    state = engine.init_state()
+    tokens = make_source(cfg).batch(0, engine.batch_sharding)
+    start = time.perf_counter()
+    compiled = engine.train_step.lower(state, tokens).compile()
+    compile_s = time.perf_counter() - start
+    seconds, losses = [], []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        state, metrics = compiled(state, tokens)
+        jax.block_until_ready(metrics)  # one step in flight at a time (XLA:CPU collectives, see DESIGN.md)
+        seconds.append(time.perf_counter() - start)
+        losses.append(float(metrics["loss"]))
+    return TimedSteps(engine, compiled, compile_s, seconds, losses)
 
 
 def time_call(fn, *args, repeats: int = 10) -> float:

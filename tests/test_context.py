@@ -97,8 +97,8 @@ LAYOUTS = {
                                                                   "mesh.sequence=2",
                                                                   "parallel.pipeline_schedule=1f1b",
                                                                   "parallel.pipeline_microbatches=4"]),
-    # A pipeline with ring attention is refused (test_ring_inside_a_pipeline_is_refused); without documents the
-    # stages get the tokens' true positions alone, keyed (the stage function once read them by position).
+    # Ulysses' all-to-alls inside the pipeline's per-tick branch are right; ring's permutes there are not, and a
+    # pipeline with ring attention is refused (test_layouts_context_parallelism_cannot_run_are_refused).
     "ulysses_sequence2_pipeline2_fsdp2_1f1b": (False, ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.sequence=2",
                                                       "parallel.context_parallel=ulysses",
                                                       "parallel.pipeline_schedule=1f1b",

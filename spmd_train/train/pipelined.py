@@ -230,6 +230,5 @@ def _chunk_inputs(cfg: Config, block_shapes: Any, plan: PipelinePlan, rows_per_d
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per_chunk, *a.shape[1:]), a.dtype), block_shapes)
     rows = rows_per_device // sched.microbatches
     x = jax.ShapeDtypeStruct((rows, cfg.train.seq_len, cfg.model.d_model), jnp.dtype(cfg.model.compute_dtype))
-    names = ("segments", "positions") if cfg.data.masks_documents else (
-        ("positions",) if cfg.mesh.sequence > 1 and cfg.parallel.context_parallel == "ring" else ())
+    names = ("segments", "positions") if cfg.data.masks_documents else ()  # ring (positions alone) has no pipeline
     return chunk, x, {n: jax.ShapeDtypeStruct((rows, cfg.train.seq_len), jnp.int32) for n in names}

@@ -19,7 +19,7 @@ CPU_TINY_MEMORY = (
 CPU_TENSOR_BYTES = (
     "XLA:CPU re-reduces the forward's two tensor all-reduces (and one more token block) in each layer's backward "
     "(7 all-reduces of the [rows, seq, d] block per layer instead of Megatron's 4; seen in the HLO of configs/tiny), "
-    "while on TPU llama3-8b fsdp 64 x tensor 8 the model is +17%")
+    "while on TPU llama3-8b fsdp 64 x tensor 8 (full remat) the model is exact")
 PIPELINE = ("pipelined program: the fsdp collectives inside a stage are counted on every tick for each branch of the "
             "per-tick switch (PIPELINE_COLLECTIVES_NOTE), an upper bound, and the stash memory is sized for the stage "
             "that needs the most; only `pipeline` bytes compare")
@@ -42,14 +42,13 @@ KNOWN: dict[str, dict] = {
     "moe": {"memory": (-0.20, -0.14, CPU_TINY_MEMORY), ("expert",): (0.35, 0.45, MOE_AXES),
             ("fsdp",): (0.7, 0.9, MOE_AXES), ("fsdp", "expert"): (-1.0, -1.0, MOE_AXES)},
     "llama3-8b_v5p-512": {
-        ("fsdp",): (0.10, 0.18, "open: the model's ZeRO-3 gathers exceed libtpu's at 2 layers x 16 tokens (the "
-                                "LM head's gather is partly fused into the logits); not yet explained"),
-        ("tensor",): (0.12, 0.20, "open: libtpu moves 12 token blocks over tensor where the model counts 14"),
         ("fsdp", "tensor"): (-1.0, -1.0, "72 bytes (a scalar's reduction over both axes): nothing to estimate")},
     "llama3-8b_128k_v5p": {
         ("fsdp",): (-1.0, -1.0, "57 MB over fsdp alone next to 8.8 GB over fsdp x sequence: libtpu reduces some "
                                 "gradients in two steps; the pair's total is within bounds"),
-        ("fsdp", "sequence"): (-0.15, -0.10, "see fsdp: part of this traffic goes over fsdp alone")},
+        ("fsdp", "sequence"): (-0.27, -0.21, "libtpu all-reduces the two vocabulary tables' gradients over fsdp x "
+                                             "sequence (2 x 2 x 1.05 GB) where the model reduce-scatters them, as "
+                                             "it does the layers' (also see fsdp)")},
     "llama3-8b_128k_h100": {
         "memory": (-0.50, -0.40, "XLA:CPU compiles the 64-device program with its all-reduces in place of "
                                  "reduce-scatters (full fp32 gradient buffers) and XLA attention over 256 tokens"),

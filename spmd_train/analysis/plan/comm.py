@@ -9,14 +9,20 @@ over a group of N devices: all-gather and reduce-scatter S·(N-1)/N, all-reduce 
   (one for an untied table) and one gradient reduce-scatter, i.e. the ZeRO paper's 3Ψ(N-1)/N
   (Rajbhandari et al. 2020, §7.2.2); from ZeRO-2 the per-microbatch reduce-scatter; below it the
   gradient all-reduce 2Ψ(N-1)/N once per step over the replica axes, in the parameter dtype; at
-  ZeRO-1/2 the updated parameters gathered once per step (Ψ(N-1)/N).
+  ZeRO-1/2 the updated parameters gathered once per step (Ψ(N-1)/N). One departure from the floor: a weight
+  outside the layer stack (the LM head, a tied table, the final norm) is gathered once per microbatch, because its
+  forward and backward are adjacent and TPU's compiler keeps the gathered copy (libtpu, 2 layers on v5p:
+  gpt2-small's tied table and llama3-8b's LM head, fsdp 8 to 64: one gather each), while XLA:CPU gathers it again
+  for the backward, as the floor counts (`Workload.regathers_head`).
 - Tensor parallelism (`tensor_terms`, Korthikanti et al. 2022 §4.2.2; Shoeybi et al. 2019 §3): per
   layer and microbatch two all-reduces of the b·s·h activation forward and two backward (the
   transposes); under sequence parallelism each is a reduce-scatter + all-gather pair, the same
-  bytes: 4 all-reduce-equivalents, 4·2·b·s·h·c·(T-1)/T bytes. Full remat reruns the forward's
-  (6). An MoE layer's MLP reduces its slot buffer instead of the token block. The vocabulary-parallel
-  embedding and LM head add one each per microbatch (the lookup's partial sums, the head's input
-  gradient).
+  bytes: 4 all-reduce-equivalents, 4·2·b·s·h·c·(T-1)/T bytes. Full remat reruns the attention's
+  forward reduction only (5, not Megatron's 6: the recomputed MLP output feeds nothing the backward
+  reads and XLA drops it; seen in libtpu's HLO of llama3-8b fsdp 64 x tensor 8), and under sequence
+  parallelism the MLP input's all-gather too. An MoE layer's MLP reduces its slot buffer instead of
+  the token block. The vocabulary-parallel embedding and LM head add one each per microbatch (the
+  lookup's partial sums, the head's input gradient).
 - Pipeline (`pipeline_terms`): our executor (`parallel.pipeline`) sends one microbatch's residual
   stream forward and one cotangent backward every tick, bubble ticks included: 2·ticks
   collective-permutes of b·s·h·c (the useful part is Megatron's 2·b·s·h per microbatch per stage
@@ -70,17 +76,19 @@ def _fraction(n: int) -> float:
     return (n - 1) / n
 
 
-def zero_terms(m: ModelShape, c: Candidate) -> list[CommTerm]:
-    """Parameter traffic of data parallelism and ZeRO: `analysis.zero_floor`'s terms, parameter by parameter."""
+def zero_terms(m: ModelShape, c: Candidate, regathers_head: bool = False) -> list[CommTerm]:
+    """Parameter traffic of data parallelism and ZeRO: `analysis.zero_floor`'s terms, parameter by parameter, but for
+    the weights outside the layer stack, gathered once per microbatch unless `regathers_head` (the floor's count)."""
     out = []
-    for (op, axes, purpose), (per_micro, launches, once, once_launches) in _zero_terms(m, c.sizes, c.zero_stage):
+    for (op, axes, purpose), (per_micro, launches, once, once_launches) in _zero_terms(m, c.sizes, c.zero_stage,
+                                                                                         regathers_head):
         out.append(CommTerm(op, axes, per_micro * c.grad_accum + once, launches * c.grad_accum + once_launches,
                             purpose))
     return out
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int) -> tuple:
+def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, regathers_head: bool) -> tuple:
     """((op, axes, purpose), (bytes per microbatch, launches per microbatch, bytes per step, launches per step))."""
     shape, cb = dict(zip(MESH_AXES, sizes, strict=True)), m.compute_bytes
     batch = set(BATCH_AXES) | {"sequence"}  # the batch and length rules' axes
@@ -100,7 +108,8 @@ def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int) -> tuple:
         layers = _stacked(g)
         gathered = live(stored - compute, shape)
         if gathered:
-            gathers = 1 if g.path == LOOKUP_ONLY and g.lookup_only else 2
+            stacked = g.path.startswith("blocks.")
+            gathers = 1 if (g.path == LOOKUP_ONLY and g.lookup_only) or not (stacked or regathers_head) else 2
             add("all-gather", gathered, "weights", gathers * slice_bytes * _fraction(ways(gathered, shape)),
                 gathers * layers)
         reduced = batch - compute
@@ -137,22 +146,33 @@ def tensor_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     rows = rows_per_device(c, w)
     tokens = rows * w.seq_len / c.sequence  # per accumulation step, all pipeline microbatches together
     block = tokens * m.d_model * m.compute_bytes
-    per_layer = 6 if c.remat == "full" else 4
     micro = microbatches(c, rows)
     here = 1 / c.pipeline  # a stage runs its own layers only
-    reduces = (m.num_layers - m.moe_layers) * here * per_layer * block
-    if m.moe_layers:  # attention reduces the token block, the MLP its slot buffer (and the shared experts' block)
+    # Per layer and microbatch, reductions of each sublayer's output: forward and backward, and under full remat
+    # the attention's again (the MLP's recomputed output feeds nothing the backward reads, so XLA drops it).
+    # Under SP the recompute also gathers the MLP's input: one more all-gather than reduce-scatters.
+    full = c.remat == "full"
+    attn, mlp_reduces, mlp_gathers = (3 if full else 2), 2, (3 if full else 2)
+    dense = m.num_layers - m.moe_layers
+    mlp_block = block
+    if m.moe_layers:  # an MoE layer's MLP reduces its slot buffer (and the shared experts' block)
         slots = m.num_experts * capacity_slots(m, w, tokens / micro) * micro
-        mlp = slots * m.d_model * m.compute_bytes + (block if m.num_shared_experts else 0.0)
-        reduces += m.moe_layers * here * per_layer / 2 * (block + mlp)
-    reduces += 2 * block  # vocabulary-parallel embedding (forward) and LM head (input gradient)
-    count = round((m.num_layers * here * per_layer + 2) * micro)
-    nbytes = 2 * reduces * _fraction(t) * c.grad_accum
+        mlp_block = slots * m.d_model * m.compute_bytes + (block if m.num_shared_experts else 0.0)
+    attn_bytes = m.num_layers * here * attn * block
+    edge = 2 * block  # vocabulary-parallel embedding (forward) and LM head (input gradient)
+    reduced = attn_bytes + here * (dense * block + m.moe_layers * mlp_block) * mlp_reduces + edge
+    gathered = attn_bytes + here * (dense * block + m.moe_layers * mlp_block) * mlp_gathers + edge
+    launches = m.num_layers * here * attn + 2
+
+    def per_step(total: float, mlp: int) -> tuple[float, int]:
+        return total * _fraction(t) * c.grad_accum, round((launches + m.num_layers * here * mlp) * micro) * c.grad_accum
+
     if c.sequence_parallel:
-        half = nbytes / 2
-        return [CommTerm("all-gather", ("tensor",), half, count * c.grad_accum, "tensor"),
-                CommTerm("reduce-scatter", ("tensor",), half, count * c.grad_accum, "tensor")]
-    return [CommTerm("all-reduce", ("tensor",), nbytes, count * c.grad_accum, "tensor")]
+        (rs, rs_n), (ag, ag_n) = per_step(reduced, mlp_reduces), per_step(gathered, mlp_gathers)
+        return [CommTerm("all-gather", ("tensor",), ag, ag_n, "tensor"),
+                CommTerm("reduce-scatter", ("tensor",), rs, rs_n, "tensor")]
+    nbytes, count = per_step(2 * reduced, mlp_reduces)
+    return [CommTerm("all-reduce", ("tensor",), nbytes, count, "tensor")]
 
 
 def pipeline_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
@@ -245,5 +265,5 @@ def context_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
 
 def comm_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     """Every collective a step of candidate `c` runs, per device: ZeRO, tensor, pipeline, expert and context."""
-    return [*zero_terms(m, c), *tensor_terms(m, c, w), *pipeline_terms(m, c, w), *expert_terms(m, c, w),
-            *context_terms(m, c, w)]
+    return [*zero_terms(m, c, w.regathers_head), *tensor_terms(m, c, w), *pipeline_terms(m, c, w),
+            *expert_terms(m, c, w), *context_terms(m, c, w)]

@@ -246,8 +246,14 @@ Open misses (this run; tests/test_plan_accuracy.py pins the golden cases' docume
   the lookup were missing from the head phase (`MemoryEstimate.head_grads`): llama3-8b fsdp 64 x tensor 8 at 16
   tokens (golden) -67.5% -> +3.8%, 128k ring golden -66.9% -> +5.6%; but at 1,024 tokens (this table) the
   compiler frees them earlier: -37% without the term, +59% with it. Not yet modelled: when XLA schedules them.
+- model fixes (this stop): at ZeRO-3 the weights outside the layer stack are gathered once per microbatch on TPU
+  (libtpu keeps the head's forward copy for its backward; XLA:CPU gathers it again), and full remat reduces
+  the attention's output again but not the MLP's (5 token-block reductions a layer, not 6; libtpu's HLO):
+  llama3-8b fsdp 64 x tensor 8 fsdp +14.2% -> -1%, tensor +16.7% -> 0.0%.
 - CPU tensor bytes -35..-38% (-67% gpt2-small): XLA:CPU re-reduces the forward's tensor all-reduces in each layer's
-  backward (7 [rows, seq, d] all-reduces a layer in the HLO of configs/tiny, Megatron counts 4); on TPU +17%.
+  backward (7 [rows, seq, d] all-reduces a layer in the HLO of configs/tiny, Megatron counts 4); on TPU exact.
+- llama3-8b fsdp 8 x sequence 8: libtpu all-reduces the two vocabulary tables' gradients over fsdp x sequence
+  where the model (and the layers' gradients) reduce-scatter.
 - CPU memory of the 1-10 MiB tiny programs -13..-25%: fp32 temporaries beyond the 5% workspace allowance.
 - context parallel on CPU: one memory estimate for all three schemes, compiled 13-91 MiB; XLA:CPU splits
   reduce-scatters over fsdp x sequence into all-reduces over each axis. Expert bytes +40..+94%: the compiler

@@ -2,9 +2,11 @@
 its pruning claims, its determinism, and the command (compile stage, --explain, --write-config, bad input)."""
 
 import dataclasses
+import itertools
 import json
 import math
 import random
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,14 +19,26 @@ from spmd_train.analysis.plan.compiled import bytes_by_axes, rescore
 from spmd_train.analysis.plan.devices import parse_topology, slow_placements, target_for
 from spmd_train.analysis.plan.labels import Scope, config_for, label, overrides, parse_label
 from spmd_train.analysis.plan.memory import estimate_memory, korthikanti_layer_bytes, zero_paper_bytes
+from spmd_train.analysis.plan.report import why_lost
 from spmd_train.analysis.plan.rules import factorizations, real_check, structure_reason
-from spmd_train.analysis.plan.search import DOMINATED, GPIPE, MICROBATCHES, PIPELINES, evaluate, search
+from spmd_train.analysis.plan.search import (
+    DOMINATED,
+    GPIPE,
+    MICROBATCHES,
+    PIPELINES,
+    Ranked,
+    evaluate,
+    search,
+    tie_order,
+)
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.timing import (
     LINK_EFFICIENCY,
+    Timing,
     collective_seconds,
     estimate_timing,
     ring_allreduce_seconds,
+    ties,
 )
 from spmd_train.cli.main import main
 from spmd_train.errors import ConfigError
@@ -228,8 +242,9 @@ def test_ranking_is_deterministic_and_labels_read_back(odd):
     assert [(r.label, r.estimate.timing.step) for r in again.ranked] == [
         (r.label, r.estimate.timing.step) for r in result.ranked]
     assert again.counts() == result.counts() and again.candidates == result.candidates
-    steps = [r.estimate.timing.step for r in result.ranked]
-    assert steps == sorted(steps)
+    timings = [r.estimate.timing for r in result.ranked]  # fastest first, layouts that tie by communication
+    assert all(a.step <= b.step or (ties(a, b) and a.communication <= b.communication)
+               for a, b in itertools.pairwise(timings))
     for r in result.ranked[:20]:
         assert parse_label(r.label) == r.estimate.candidate
     c = Candidate(data=4, pipeline=2, fsdp=32, tensor=8, zero_stage=1, remat="full", sequence_parallel=True,
@@ -367,3 +382,23 @@ def test_moe_groups_split_across_stage_chunks_are_refused_like_the_checks(pipeli
     else:
         assert found.rule == "a stage chunk's layers would split an MoE group of moe.every=2"
         assert checked is not None and "model.moe.every=2 does not divide" in checked.detail
+
+
+_TIMING = Timing(model_flops=1.0, device_flops=1.0, compute=1.531, bubble=0.0, communication=0.0, exposed=0.0,
+                 step=1.531, tokens_per_second=1.0, mfu=0.6, axes=())
+
+
+def test_layouts_that_tie_rank_by_less_communication_and_say_so():
+    # The 512-chip v5p question ties fsdp=512 with five fsdp x sequence ring layouts (1.531 s, every collective
+    # hidden); the one that moves least comes first, then labels; a layout 0.05% slower stays after them all.
+    def ranked(name: str, step: float, communication: float) -> Ranked:
+        timing = dataclasses.replace(_TIMING, step=step, communication=communication)
+        return Ranked(name, types.SimpleNamespace(timing=timing))
+
+    rows = [ranked("b", 1.531, 0.73), ranked("c", 1.531 * (1 + 5e-5), 0.70), ranked("a", 1.531, 0.73),
+            ranked("d", 1.532, 0.48)]
+    assert [r.label for r in tie_order(rows)] == ["c", "a", "b", "d"]
+    first, second = tie_order(rows)[:2]
+    text = why_lost(first.estimate.timing, second.estimate.timing, second.label, 512)
+    assert "ties with the winner" in text and "communicates less (700.00 ms against 730.00 ms" in text, text
+    assert "labels order them" in why_lost(second.estimate.timing, rows[0].estimate.timing, "b", 512)

@@ -15,7 +15,7 @@ from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.rules import Rejection, factorizations, mesh_reason, structure_reason
 from spmd_train.analysis.plan.search import MICROBATCHES, PIPELINES, Ranked, SearchResult
 from spmd_train.analysis.plan.shape import ModelShape
-from spmd_train.analysis.plan.timing import Timing
+from spmd_train.analysis.plan.timing import Timing, ties
 from spmd_train.config.schema import MESH_AXES, Config
 from spmd_train.errors import ConfigError
 
@@ -44,19 +44,19 @@ def time_parts(t: Timing, devices: int) -> dict[str, float]:
     return parts
 
 
-TIE = 1e-4
-"""Step times within this fraction of each other tie (differences below it are float noise and latencies)."""
-
-
-def ties(a: Timing, b: Timing) -> bool:
-    """Whether two step times tie (`TIE`)."""
-    return abs(a.step - b.step) <= TIE * min(a.step, b.step)
+def tie_reason(winner: Timing, runner: Timing) -> str:
+    """Why the first of two tied layouts comes first (`search.tie_order`)."""
+    if winner.communication < runner.communication:
+        return (f"the winner ranks first because it communicates less ({seconds(winner.communication)} against "
+                f"{seconds(runner.communication)} a step, hidden or not): more slack if the overlap falls short")
+    return "labels order them"
 
 
 def why_lost(winner: Timing, runner: Timing, runner_label: str, devices: int) -> str:
     """One sentence: how much slower the runner-up is, and the part of the time most of the gap is in."""
     if ties(winner, runner):
-        return f"the runner-up, {runner_label}, ties with the winner ({seconds(winner.step)} a step); labels order them"
+        return (f"the runner-up, {runner_label}, ties with the winner ({seconds(winner.step)} a step); "
+                f"{tie_reason(winner, runner)}")
     mine, theirs = time_parts(winner, devices), time_parts(runner, devices)
     gaps = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in {*mine, *theirs}}
     part = max(sorted(gaps), key=gaps.get)

@@ -60,7 +60,7 @@ from spmd_train.analysis.plan.rules import (
     zero_reason,
 )
 from spmd_train.analysis.plan.shape import ModelShape
-from spmd_train.analysis.plan.timing import achievable_fraction, device_flops, estimate_timing
+from spmd_train.analysis.plan.timing import achievable_fraction, device_flops, estimate_timing, ties
 from spmd_train.config.checks import check_attention
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
@@ -93,7 +93,7 @@ class SearchResult:
     shape: ModelShape
     workload: Workload
     ranked: tuple[Ranked, ...]
-    """Exact estimates, fastest first (ties broken by label); at least the best `keep` that fit."""
+    """Exact estimates, fastest first (ties by less communication, then label); at least the best `keep` that fit."""
     rejections: tuple[Rejection, ...]
     slower: int
     """Fitting candidates not ranked exactly: a lower bound of their step time is above the best `keep`'s."""
@@ -355,7 +355,21 @@ def _rank(shape: ModelShape, work: Workload, target: Target, memory: MemoryModel
                 continue
         ranked[name] = Ranked(name, est)
         bisect.insort(best, (est.timing.step, name))
-    return [ranked[name] for _, name in best], slower, timed
+    return tie_order([ranked[name] for _, name in best]), slower, timed
+
+
+def tie_order(ranked: list[Ranked]) -> list[Ranked]:
+    """`ranked` (fastest first) with each run of layouts that tie with its first (`timing.ties`) ordered by their
+    communication time, then label: when the step cannot tell them apart, the one that moves less has more slack."""
+    out: list[Ranked] = []
+    i = 0
+    while i < len(ranked):
+        j = i + 1
+        while j < len(ranked) and ties(ranked[i].estimate.timing, ranked[j].estimate.timing):
+            j += 1
+        out += sorted(ranked[i:j], key=lambda r: (r.estimate.timing.communication, r.label))
+        i = j
+    return out
 
 
 def _compute_bound(shape: ModelShape, c: Candidate, work: Workload, hw: Hardware) -> float:

@@ -90,6 +90,15 @@ class Timing:
     axes: tuple[AxisTime, ...]
 
 
+TIE = 1e-4
+"""Step times within this fraction of each other tie (differences below it are float noise and latencies)."""
+
+
+def ties(a: Timing, b: Timing) -> bool:
+    """Whether two step times tie (`TIE`)."""
+    return abs(a.step - b.step) <= TIE * min(a.step, b.step)
+
+
 def ring_allreduce_seconds(p: int, n: float, alpha: float, beta: float) -> float:
     """Ring all-reduce of n bytes over p devices: 2(p-1)·α + 2(p-1)/p·n·β (Patarasuk & Yuan 2009)."""
     return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta

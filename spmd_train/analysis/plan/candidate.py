@@ -152,9 +152,10 @@ class Workload:
     capacity_factor: float = 1.25
     documents: bool = False
     """Packed documents are masked (context parallelism then exchanges their ids)."""
-    regathers_head: bool = False
-    """ZeRO-3 gathers the weights outside the layer stack (LM head, tables) again for the backward, as XLA:CPU
-    compiles it; TPU's compiler keeps the forward's copy (`comm.zero_terms`)."""
+    xla_cpu: bool = False
+    """Compiled by XLA:CPU (simulated devices), which partitions parameter traffic as `analysis.zero_floor` counts
+    it; an accelerator's compiler keeps the LM head it gathered, re-splits lookup tables and reduces some gradients
+    otherwise (`comm.zero_terms`)."""
 
     def __post_init__(self):
         for key, value, valid in (("optimizer", self.optimizer, OPTIMIZERS), ("attention", self.attention,
@@ -165,13 +166,13 @@ class Workload:
     @classmethod
     def from_config(cls, cfg: Config, platform: str = "cpu") -> Workload:
         """The workload of `cfg` on `platform` (cpu, gpu, tpu): `attention=auto` is XLA on CPU, a kernel elsewhere;
-        XLA:CPU gathers the LM head again for its backward."""
+        XLA:CPU partitions the parameter traffic its own way (`xla_cpu`)."""
         impl = cfg.backends.attention
         attention = "xla" if impl == "xla" or (impl == "auto" and platform == "cpu") else "flash"
         return cls(global_batch=cfg.train.global_batch_size, seq_len=cfg.train.seq_len, optimizer=cfg.optim.name,
                    momentum=cfg.optim.name == "adafactor" and cfg.optim.b1 is not None, attention=attention,
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
-                   documents=cfg.data.masks_documents, regathers_head=platform == "cpu")
+                   documents=cfg.data.masks_documents, xla_cpu=platform == "cpu")
 
 
 # --- layout arithmetic ------------------------------------------------------------------------------------------

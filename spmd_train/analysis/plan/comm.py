@@ -9,11 +9,19 @@ over a group of N devices: all-gather and reduce-scatter S·(N-1)/N, all-reduce 
   (one for an untied table) and one gradient reduce-scatter, i.e. the ZeRO paper's 3Ψ(N-1)/N
   (Rajbhandari et al. 2020, §7.2.2); from ZeRO-2 the per-microbatch reduce-scatter; below it the
   gradient all-reduce 2Ψ(N-1)/N once per step over the replica axes, in the parameter dtype; at
-  ZeRO-1/2 the updated parameters gathered once per step (Ψ(N-1)/N). One departure from the floor: a weight
-  outside the layer stack (the LM head, a tied table, the final norm) is gathered once per microbatch, because its
-  forward and backward are adjacent and TPU's compiler keeps the gathered copy (libtpu, 2 layers on v5p:
-  gpt2-small's tied table and llama3-8b's LM head, fsdp 8 to 64: one gather each), while XLA:CPU gathers it again
-  for the backward, as the floor counts (`Workload.regathers_head`).
+  ZeRO-1/2 the updated parameters gathered once per step (Ψ(N-1)/N). That is how XLA:CPU partitions
+  it (`Workload.xla_cpu`). An accelerator's compiler departs from it in five ways, each seen in
+  libtpu's programs (2 layers on v5p:2x2x2 and 8x8x8; tests/test_plan_accuracy.py pins the figures):
+  a weight outside the layer stack (LM head, tied table, final norm) is gathered once per
+  microbatch, its forward and backward being adjacent; a lookup table split on its width over
+  `fsdp` is first re-split by rows (an all-to-all of the stored shard over `fsdp`: once in the
+  compute dtype when tied, twice in the parameter dtype when untied); when the batch is split over
+  two or more axes, the gradient of a weight outside the stack is all-reduced over its shard's
+  axes, whole, instead of reduce-scattered; an MoE model's non-expert gradients are reduce-scattered
+  over their shard's axes and `expert` together (`parallel.gradients` cannot reduce over `expert`
+  by hand, as it does `data`), then gathered over `expert` in the parameter dtype; and below ZeRO-2,
+  without accumulation, the replica all-reduce of a weight outside the stack runs in the compute
+  dtype.
 - Tensor parallelism (`tensor_terms`, Korthikanti et al. 2022 §4.2.2; Shoeybi et al. 2019 §3): per
   layer and microbatch two all-reduces of the b·s·h activation forward and two backward (the
   transposes); under sequence parallelism each is a reduce-scatter + all-gather pair, the same
@@ -68,30 +76,33 @@ class CommTerm:
     bytes: float
     count: int
     purpose: str
-    """weights (ZeRO-3 gathers), grad-scatter, grad-reduce, update-gather, tensor, pipeline, expert or context:
-    what the timing model's overlap rule looks at."""
+    """weights (ZeRO-3 gathers), table-reshard, grad-scatter, grad-gather, grad-reduce, update-gather, tensor,
+    pipeline, expert or context: what the timing model's overlap rule looks at."""
 
 
 def _fraction(n: int) -> float:
     return (n - 1) / n
 
 
-def zero_terms(m: ModelShape, c: Candidate, regathers_head: bool = False) -> list[CommTerm]:
-    """Parameter traffic of data parallelism and ZeRO: `analysis.zero_floor`'s terms, parameter by parameter, but for
-    the weights outside the layer stack, gathered once per microbatch unless `regathers_head` (the floor's count)."""
+def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False) -> list[CommTerm]:
+    """Parameter traffic of data parallelism and ZeRO, parameter by parameter: as an accelerator's compiler
+    partitions it, or with `xla_cpu` as XLA:CPU does, which is `analysis.zero_floor`'s count (module docstring)."""
     out = []
+    accumulates = c.grad_accum > 1 or c.pipeline > 1
     for (op, axes, purpose), (per_micro, launches, once, once_launches) in _zero_terms(m, c.sizes, c.zero_stage,
-                                                                                         regathers_head):
+                                                                                         xla_cpu, accumulates):
         out.append(CommTerm(op, axes, per_micro * c.grad_accum + once, launches * c.grad_accum + once_launches,
                             purpose))
     return out
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, regathers_head: bool) -> tuple:
+def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool, accumulates: bool) -> tuple:
     """((op, axes, purpose), (bytes per microbatch, launches per microbatch, bytes per step, launches per step))."""
     shape, cb = dict(zip(MESH_AXES, sizes, strict=True)), m.compute_bytes
     batch = set(BATCH_AXES) | {"sequence"}  # the batch and length rules' axes
+    # Replica axes the step cannot reduce by hand (`parallel.gradients`: `expert` splits an MoE model's experts).
+    automatic = {"expert"} if m.moe_layers else set()
     terms: dict = {}
 
     def add(op, axes, purpose, per_micro=0.0, launches=0, once=0.0, once_launches=0):
@@ -109,16 +120,34 @@ def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, regathers_hea
         gathered = live(stored - compute, shape)
         if gathered:
             stacked = g.path.startswith("blocks.")
-            gathers = 1 if (g.path == LOOKUP_ONLY and g.lookup_only) or not (stacked or regathers_head) else 2
+            gathers = 1 if (g.path == LOOKUP_ONLY and g.lookup_only) or not (stacked or xla_cpu) else 2
             add("all-gather", gathered, "weights", gathers * slice_bytes * _fraction(ways(gathered, shape)),
                 gathers * layers)
+        if g.path == LOOKUP_ONLY and "fsdp" in gathered and not compute & set(lay.params[0]) and not xla_cpu:
+            # The lookup's table, split on its width, is first re-split by rows over `fsdp` (an all-to-all of the
+            # stored shard): once in the compute dtype when tied, and back for the gradient when not.
+            n, nbytes = (1, cb) if not g.lookup_only else (2, m.param_bytes)
+            shard = g.numel / ways(stored, shape) * nbytes
+            add("all-to-all", ("fsdp",), "table-reshard", once=n * shard * _fraction(shape["fsdp"]), once_launches=n)
         reduced = batch - compute
         scattered = live(reduced & grads, shape)
-        if scattered:
-            add("reduce-scatter", scattered, "grad-scatter", slice_bytes * _fraction(ways(scattered, shape)), layers)
         replicas = live(reduced - grads, shape)
-        if replicas:
+        outside = not g.path.startswith("blocks.")
+        together = tuple(a for a in replicas if a in automatic) if scattered and not xla_cpu else ()
+        if together:  # reduced over the shard's axes and the automatic replicas at once, then gathered back
+            both = live({*scattered, *together}, shape)
+            add("reduce-scatter", both, "grad-scatter", slice_bytes * _fraction(ways(both, shape)), layers)
             shard = g.numel / ways(compute | grads, shape) * m.param_bytes
+            add("all-gather", together, "grad-gather", once=shard * _fraction(ways(together, shape)),
+                once_launches=1)
+            replicas = tuple(a for a in replicas if a not in together)
+        elif scattered and outside and len(live(reduced, shape)) > 1 and not xla_cpu:  # the whole gradient reduced
+            add("all-reduce", scattered, "grad-scatter", 2 * slice_bytes * _fraction(ways(scattered, shape)), layers)
+        elif scattered:
+            add("reduce-scatter", scattered, "grad-scatter", slice_bytes * _fraction(ways(scattered, shape)), layers)
+        if replicas:
+            dtype = m.compute_bytes if outside and not (accumulates or xla_cpu) else m.param_bytes
+            shard = g.numel / ways(compute | grads, shape) * dtype
             add("all-reduce", replicas, "grad-reduce", once=2 * shard * _fraction(ways(replicas, shape)),
                 once_launches=1)
         regathered = live(opt - stored, shape)
@@ -265,5 +294,5 @@ def context_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
 
 def comm_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     """Every collective a step of candidate `c` runs, per device: ZeRO, tensor, pipeline, expert and context."""
-    return [*zero_terms(m, c, w.regathers_head), *tensor_terms(m, c, w), *pipeline_terms(m, c, w),
+    return [*zero_terms(m, c, w.xla_cpu), *tensor_terms(m, c, w), *pipeline_terms(m, c, w),
             *expert_terms(m, c, w), *context_terms(m, c, w)]

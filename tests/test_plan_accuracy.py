@@ -33,7 +33,7 @@ KNOWN: dict[str, dict] = {
     "mesh_presets-fsdp": {"memory": (-0.22, -0.15, CPU_TINY_MEMORY)},
     "mesh_presets-fsdp_tp": {"memory": (-0.23, -0.15, CPU_TINY_MEMORY), ("tensor",): (-0.40, -0.35, CPU_TENSOR_BYTES)},
     "mesh_presets-hsdp": {"memory": (-0.20, -0.14, CPU_TINY_MEMORY)},
-    "mesh_presets-tp_sp": {"memory": (-0.27, -0.20, CPU_TINY_MEMORY), ("tensor",): (-0.38, -0.32, CPU_TENSOR_BYTES)},
+    "mesh_presets-tp_sp": {"memory": (-0.27, -0.20, CPU_TINY_MEMORY), ("tensor",): (-0.29, -0.23, CPU_TENSOR_BYTES)},
     "tiny": {"memory": (-0.23, -0.16, CPU_TINY_MEMORY), ("tensor",): (-0.40, -0.35, CPU_TENSOR_BYTES)},
     # The tiny Qwen3 of tests/hf_reference on fsdp 2 x tensor 4 (8 MiB compiled): the same two CPU effects as tiny;
     # its memory gap is larger than tiny's and not yet broken down.
@@ -110,9 +110,10 @@ LIBTPU = {
         {"fsdp": 2, "sequence": 4},
         {("all-reduce", ("fsdp", "sequence")): 919_410_702, ("reduce-scatter", ("fsdp", "sequence")): 212_860_928,
          ("all-gather", ("fsdp", "sequence")): 885_427_200, ("all-to-all", ("fsdp",)): 32_833_536}),
-    "ZeRO-1: the table's gradient all-reduced in the compute dtype": (
+    "ZeRO-1: the table's gradient all-reduced in the compute dtype; SP gathers a sublayer's input 3 times": (
         "mesh_presets", (*GPT2, "mesh.preset=tp_sp", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"),
-        {"fsdp": 4, "tensor": 2}, {("all-reduce", ("fsdp",)): 100_440_582}),
+        {"fsdp": 4, "tensor": 2}, {("all-reduce", ("fsdp",)): 100_440_582,
+                                   ("all-gather", ("tensor",)): 5_505_024, ("reduce-scatter", ("tensor",)): 3_932_160}),
 }
 
 
@@ -122,6 +123,7 @@ def test_parameter_traffic_is_what_libtpu_compiled(name):
     est = analytic(load_config(CONFIG_DIR / f"{config}.yaml", list(overrides)), mesh, "tpu")
     mine: dict = {}
     for t in est.comm:
-        if t.purpose not in ("tensor", "context", "expert"):
-            mine[t.op, t.axes] = mine.get((t.op, t.axes), 0.0) + t.bytes
-    assert mine == pytest.approx(compiled, rel=1e-3), name
+        mine[t.op, t.axes] = mine.get((t.op, t.axes), 0.0) + t.bytes
+    assert {key: mine.get(key, 0.0) for key in compiled} == pytest.approx(compiled, rel=1e-3), name
+    # ... and no parameter traffic the compiled program does not have.
+    assert {(t.op, t.axes) for t in est.comm if t.purpose not in ("tensor", "context", "expert")} <= set(compiled)

@@ -319,15 +319,17 @@ def test_tensor_and_pipeline_bytes_by_hand():
     work = Workload(global_batch=32, seq_len=64)
     # tensor 2 over 4 fsdp: 8 rows x 64 tokens a device; 4 all-reduce-equivalents of the [tokens, h] block per layer,
     # plus the vocabulary-parallel embedding and head; each moves 2 (T-1)/T of the block. Full remat reduces the
-    # attention's output again (5 a layer), and under SP gathers the MLP's input again too (6 gathers, 5 scatters).
+    # attention's output again (5 a layer); under SP each sublayer gathers its split input 3 times (6 a layer).
     block = 8 * 64 * 64 * 4
     for remat, per_layer in (("none", 4), ("full", 5)):
         (tp,) = [t for t in comm_terms(shape, Candidate(fsdp=4, tensor=2, remat=remat), work) if t.axes == ("tensor",)]
         assert (tp.op, tp.bytes, tp.count) == ("all-reduce", (8 * per_layer + 2) * block * 2 * 1 / 2, 8 * per_layer + 2)
-    sp = [t for t in comm_terms(shape, Candidate(fsdp=4, tensor=2, sequence_parallel=True, remat="full"), work)
-          if t.axes == ("tensor",)]
-    assert {t.op: (t.bytes, t.count) for t in sp} == {"all-gather": ((8 * 6 + 2) * block / 2, 8 * 6 + 2),
-                                                      "reduce-scatter": ((8 * 5 + 2) * block / 2, 8 * 5 + 2)}
+    for remat, scatters in (("none", 4), ("full", 5)):
+        sp = [t for t in comm_terms(shape, Candidate(fsdp=4, tensor=2, sequence_parallel=True, remat=remat), work)
+              if t.axes == ("tensor",)]
+        assert {t.op: (t.bytes, t.count) for t in sp} == {
+            "all-gather": ((8 * 6 + 2) * block / 2, 8 * 6 + 2),
+            "reduce-scatter": ((8 * scatters + 2) * block / 2, 8 * scatters + 2)}
     # pipeline 4 x fsdp 2, 1F1B with 16 microbatches of 1 row: 2 (m + p - 1) ticks, a send each way every tick.
     pipe = {t.op: t for t in comm_terms(shape, Candidate(pipeline=4, fsdp=2, pipeline_microbatches=16), work)
             if t.axes == ("pipeline",)}

@@ -27,8 +27,9 @@ over a group of N devices: all-gather and reduce-scatter S·(N-1)/N, all-reduce 
   transposes); under sequence parallelism each is a reduce-scatter + all-gather pair, the same
   bytes: 4 all-reduce-equivalents, 4·2·b·s·h·c·(T-1)/T bytes. Full remat reruns the attention's
   forward reduction only (5, not Megatron's 6: the recomputed MLP output feeds nothing the backward
-  reads and XLA drops it; seen in libtpu's HLO of llama3-8b fsdp 64 x tensor 8), and under sequence
-  parallelism the MLP input's all-gather too. An MoE layer's MLP reduces its slot buffer instead of
+  reads and XLA drops it; seen in libtpu's HLO of llama3-8b fsdp 64 x tensor 8). Under sequence
+  parallelism a sublayer gathers its split input a third time, for its weight gradients (or in the
+  recompute): 6 gathers and 4 (5) scatters a layer. An MoE layer's MLP reduces its slot buffer instead of
   the token block. The vocabulary-parallel embedding and LM head add one each per microbatch (the
   lookup's partial sums, the head's input gradient).
 - Pipeline (`pipeline_terms`): our executor (`parallel.pipeline`) sends one microbatch's residual
@@ -179,9 +180,11 @@ def tensor_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     here = 1 / c.pipeline  # a stage runs its own layers only
     # Per layer and microbatch, reductions of each sublayer's output: forward and backward, and under full remat
     # the attention's again (the MLP's recomputed output feeds nothing the backward reads, so XLA drops it).
-    # Under SP the recompute also gathers the MLP's input: one more all-gather than reduce-scatters.
+    # Under SP each sublayer gathers its input three times: forward, backward (the scatter's transpose), and
+    # again for its weight gradients, or in the recompute under full remat (Korthikanti et al. §4.2.2 keep the
+    # input split and gather it again).
     full = c.remat == "full"
-    attn, mlp_reduces, mlp_gathers = (3 if full else 2), 2, (3 if full else 2)
+    attn, mlp_reduces, gathers = (3 if full else 2), 2, 3
     dense = m.num_layers - m.moe_layers
     mlp_block = block
     if m.moe_layers:  # an MoE layer's MLP reduces its slot buffer (and the shared experts' block)
@@ -189,18 +192,18 @@ def tensor_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
         mlp_block = slots * m.d_model * m.compute_bytes + (block if m.num_shared_experts else 0.0)
     attn_bytes = m.num_layers * here * attn * block
     edge = 2 * block  # vocabulary-parallel embedding (forward) and LM head (input gradient)
-    reduced = attn_bytes + here * (dense * block + m.moe_layers * mlp_block) * mlp_reduces + edge
-    gathered = attn_bytes + here * (dense * block + m.moe_layers * mlp_block) * mlp_gathers + edge
-    launches = m.num_layers * here * attn + 2
+    mlp_blocks = here * (dense * block + m.moe_layers * mlp_block)
+    reduced = attn_bytes + mlp_blocks * mlp_reduces + edge
+    gathered = (m.num_layers * here * block + mlp_blocks) * gathers + edge
 
-    def per_step(total: float, mlp: int) -> tuple[float, int]:
-        return total * _fraction(t) * c.grad_accum, round((launches + m.num_layers * here * mlp) * micro) * c.grad_accum
+    def per_step(total: float, per_layer: int) -> tuple[float, int]:
+        return total * _fraction(t) * c.grad_accum, round((m.num_layers * here * per_layer + 2) * micro) * c.grad_accum
 
     if c.sequence_parallel:
-        (rs, rs_n), (ag, ag_n) = per_step(reduced, mlp_reduces), per_step(gathered, mlp_gathers)
+        (rs, rs_n), (ag, ag_n) = per_step(reduced, attn + mlp_reduces), per_step(gathered, 2 * gathers)
         return [CommTerm("all-gather", ("tensor",), ag, ag_n, "tensor"),
                 CommTerm("reduce-scatter", ("tensor",), rs, rs_n, "tensor")]
-    nbytes, count = per_step(2 * reduced, mlp_reduces)
+    nbytes, count = per_step(2 * reduced, attn + mlp_reduces)
     return [CommTerm("all-reduce", ("tensor",), nbytes, count, "tensor")]
 
 

@@ -14,14 +14,15 @@ over a group of N devices: all-gather and reduce-scatter S·(N-1)/N, all-reduce 
   libtpu's programs (2 layers on v5p:2x2x2 and 8x8x8; tests/test_plan_accuracy.py pins the figures):
   a weight outside the layer stack (LM head, tied table, final norm) is gathered once per
   microbatch, its forward and backward being adjacent; a lookup table split on its width over
-  `fsdp` is first re-split by rows (an all-to-all of the stored shard over `fsdp`: once in the
-  compute dtype when tied, twice in the parameter dtype when untied); when the batch is split over
-  two or more axes, the gradient of a weight outside the stack is all-reduced over its shard's
-  axes, whole, instead of reduce-scattered; an MoE model's non-expert gradients are reduce-scattered
-  over their shard's axes and `expert` together (`parallel.gradients` cannot reduce over `expert`
-  by hand, as it does `data`), then gathered over `expert` in the parameter dtype; and below ZeRO-2,
-  without accumulation, the replica all-reduce of a weight outside the stack runs in the compute
-  dtype.
+  `fsdp` is first re-split by rows where they divide evenly (an all-to-all of the stored shard over
+  `fsdp`: once in the compute dtype when tied, twice in the parameter dtype when untied); when the
+  batch is split over two or more axes, the gradient of a weight outside the stack is all-reduced
+  over its shard's axes, whole, instead of reduce-scattered; an MoE model's non-expert gradients
+  are reduce-scattered over their shard's axes and `expert` together (`parallel.gradients` cannot
+  reduce over `expert` by hand, as it does `data`), then gathered over `expert` in the parameter
+  dtype; and below ZeRO-2, without accumulation, the replica all-reduce of a weight outside the
+  stack runs in the compute dtype. Not modelled: at fsdp 512 (llama3-8b, remat none, 8192 tokens)
+  libtpu all-reduces nearly every gradient instead of reduce-scattering it (5.6 GB against 3.0).
 - Tensor parallelism (`tensor_terms`, Korthikanti et al. 2022 §4.2.2; Shoeybi et al. 2019 §3): per
   layer and microbatch two all-reduces of the b·s·h activation forward and two backward (the
   transposes); under sequence parallelism each is a reduce-scatter + all-gather pair, the same
@@ -118,22 +119,23 @@ def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool
         opt = {a for dim in lay.optimizer for a in dim}
         slice_bytes = g.numel / ways(compute, shape) * cb
         layers = _stacked(g)
+        outside = not g.path.startswith("blocks.")  # outside the layer stack: tables, the final norm
         gathered = live(stored - compute, shape)
         if gathered:
-            stacked = g.path.startswith("blocks.")
-            gathers = 1 if (g.path == LOOKUP_ONLY and g.lookup_only) or not (stacked or xla_cpu) else 2
+            gathers = 1 if (g.path == LOOKUP_ONLY and g.lookup_only) or (outside and not xla_cpu) else 2
             add("all-gather", gathered, "weights", gathers * slice_bytes * _fraction(ways(gathered, shape)),
                 gathers * layers)
-        if g.path == LOOKUP_ONLY and "fsdp" in gathered and not compute & set(lay.params[0]) and not xla_cpu:
+        rows = g.shape[0] % shape["fsdp"] == 0
+        if g.path == LOOKUP_ONLY and "fsdp" in gathered and rows and not compute & set(lay.params[0]) and not xla_cpu:
             # The lookup's table, split on its width, is first re-split by rows over `fsdp` (an all-to-all of the
-            # stored shard): once in the compute dtype when tied, and back for the gradient when not.
+            # stored shard) where its rows divide evenly (none at fsdp 512 for llama3-8b's 128,256): once in the
+            # compute dtype when tied, and back for the gradient when not.
             n, nbytes = (1, cb) if not g.lookup_only else (2, m.param_bytes)
             shard = g.numel / ways(stored, shape) * nbytes
             add("all-to-all", ("fsdp",), "table-reshard", once=n * shard * _fraction(shape["fsdp"]), once_launches=n)
         reduced = batch - compute
         scattered = live(reduced & grads, shape)
         replicas = live(reduced - grads, shape)
-        outside = not g.path.startswith("blocks.")
         together = tuple(a for a in replicas if a in automatic) if scattered and not xla_cpu else ()
         if together:  # reduced over the shard's axes and the automatic replicas at once, then gathered back
             both = live({*scattered, *together}, shape)

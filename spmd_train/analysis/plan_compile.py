@@ -24,7 +24,7 @@ from spmd_train.analysis.plan.compiled import Compiled, rescore
 from spmd_train.analysis.plan.labels import Scope, config_for
 from spmd_train.analysis.plan.model import estimate
 from spmd_train.analysis.plan.rules import REFUSED, Rejection
-from spmd_train.analysis.plan.search import Ranked, SearchResult
+from spmd_train.analysis.plan.search import Ranked, SearchResult, tie_order
 from spmd_train.analysis.render import PIPELINE_FLOPS_NOTE
 from spmd_train.analysis.report import describe
 from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
@@ -91,8 +91,9 @@ def compile_stage(result: SearchResult, k: int, devices: list[jax.Device] | None
             dropped.append(Rejection(c, Scope.FULL, COMPILED_FIT, f"does not fit when compiled: {peak} > "
                                      f"{result.target.hardware.hbm_bytes / 2**30:.1f} GiB", "memory", peak=found.peak))
     gone = {r.candidate for r in dropped}
-    first = sorted((r for r in result.ranked[:k] if r.label in compiled and compiled[r.label].fits),
-                   key=lambda r: (compiled[r.label].timing.step, r.label))
+    fitting = sorted((r for r in result.ranked[:k] if r.label in compiled and compiled[r.label].fits),
+                     key=lambda r: (compiled[r.label].timing.step, r.label))
+    first = tie_order(fitting, lambda r: compiled[r.label].timing)
     rest = [r for r in result.ranked if r.label not in compiled and r.estimate.candidate not in gone]
     return CompileStage(where, None, compiled, tuple(dropped), (*first, *rest), time.perf_counter() - start)
 

@@ -60,7 +60,7 @@ from spmd_train.analysis.plan.rules import (
     zero_reason,
 )
 from spmd_train.analysis.plan.shape import ModelShape
-from spmd_train.analysis.plan.timing import achievable_fraction, device_flops, estimate_timing, ties
+from spmd_train.analysis.plan.timing import Timing, achievable_fraction, device_flops, estimate_timing, ties
 from spmd_train.config.checks import check_attention
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
@@ -358,16 +358,17 @@ def _rank(shape: ModelShape, work: Workload, target: Target, memory: MemoryModel
     return tie_order([ranked[name] for _, name in best]), slower, timed
 
 
-def tie_order(ranked: list[Ranked]) -> list[Ranked]:
-    """`ranked` (fastest first) with each run of layouts that tie with its first (`timing.ties`) ordered by their
-    communication time, then label: when the step cannot tell them apart, the one that moves less has more slack."""
+def tie_order(ranked: list[Ranked], timing: Callable[[Ranked], Timing] = lambda r: r.estimate.timing
+              ) -> list[Ranked]:
+    """`ranked` (fastest first by `timing`) with each run of layouts that tie with its first (`timing.ties`) ordered
+    by communication time, then label: when the step cannot tell them apart, the one that moves less has more slack."""
     out: list[Ranked] = []
     i = 0
     while i < len(ranked):
         j = i + 1
-        while j < len(ranked) and ties(ranked[i].estimate.timing, ranked[j].estimate.timing):
+        while j < len(ranked) and ties(timing(ranked[i]), timing(ranked[j])):
             j += 1
-        out += sorted(ranked[i:j], key=lambda r: (r.estimate.timing.communication, r.label))
+        out += sorted(ranked[i:j], key=lambda r: (timing(r).communication, r.label))
         i = j
     return out
 

@@ -14,8 +14,8 @@ from spmd_train import load_config
 from tests.golden_layouts import CASES, CONFIG_DIR, load_golden
 
 CPU_TINY_MEMORY = (
-    "XLA:CPU on a 1-10 MiB program: its temp buffers hold fp32 copies and fusion outputs of every layer the model's "
-    "5% workspace allowance does not cover (the same layouts on TPU are within bounds)")
+    "XLA:CPU's heap for a 1-10 MiB program is about 1.2x what is live at once (its live-range analysis, "
+    "benchmarks/plan_accuracy.py's live column: the estimate is -8..+6% of that)")
 CPU_TENSOR_BYTES = (
     "XLA:CPU re-reduces the forward's two tensor all-reduces (and one more token block) in each layer's backward "
     "(7 all-reduces of the [rows, seq, d] block per layer instead of Megatron's 4; seen in the HLO of configs/tiny), "
@@ -25,6 +25,8 @@ PIPELINE = ("pipelined program: the fsdp collectives inside a stage are counted 
             "that needs the most; only `pipeline` bytes compare")
 MOE_AXES = ("the compiler reduces the expert gradients over fsdp x expert together (a reduce-scatter over both) "
             "where the model has a reduce-scatter over fsdp and an all-reduce over expert; the total compares")
+TPU_HEAP = ("libtpu's heap is {ratio} the program's live peak (XLA's live ranges: {live}, the estimate {err} of it): "
+            "the assigner's packing around the table-sized buffers, which the model does not predict")
 CPU_SPLIT = ("XLA:CPU splits the reduce-scatter over fsdp x sequence into all-reduces over each axis (10 GB over fsdp "
              "and sequence each where the model has none): only fsdp x sequence compares on CPU")
 
@@ -42,9 +44,11 @@ KNOWN: dict[str, dict] = {
     "moe": {"memory": (-0.20, -0.14, CPU_TINY_MEMORY), ("expert",): (0.35, 0.45, MOE_AXES),
             ("fsdp",): (0.7, 0.9, MOE_AXES), ("fsdp", "expert"): (-1.0, -1.0, MOE_AXES)},
     "llama3-8b_v5p-512": {
+        "memory": (-0.47, -0.40, TPU_HEAP.format(ratio="1.92x", live="288 MiB", err="+7.8%")),
         ("fsdp", "tensor"): (-1.0, -1.0, "72 bytes (a scalar's reduction over both axes): nothing to estimate")},
+    "llama3-8b_128k_v5p": {"memory": (-0.22, -0.16, TPU_HEAP.format(ratio="1.32x", live="3.22 GiB", err="+7.2%"))},
     "llama3-8b_128k_h100": {
-        "memory": (-0.50, -0.40, "XLA:CPU compiles the 64-device program with its all-reduces in place of "
+        "memory": (-0.62, -0.55, "XLA:CPU compiles the 64-device program with its all-reduces in place of "
                                  "reduce-scatters (full fp32 gradient buffers) and XLA attention over 256 tokens"),
         ("fsdp",): (-1.0, -1.0, CPU_SPLIT), ("sequence",): (-1.0, -0.99, CPU_SPLIT)},
 }
@@ -127,3 +131,48 @@ def test_parameter_traffic_is_what_libtpu_compiled(name):
     assert {key: mine.get(key, 0.0) for key in compiled} == pytest.approx(compiled, rel=1e-3), name
     # ... and no parameter traffic the compiled program does not have.
     assert {(t.op, t.axes) for t in est.comm if t.purpose not in ("tensor", "context", "expert")} <= set(compiled)
+
+
+L1B = ("model.preset=llama-1b", "model.num_layers=2", "train.global_batch_size=8")
+L8B = ("model.num_layers=2",)
+LIVE = {
+    # name: (config, overrides, mesh, live peak bytes, documented (low, high, reason) or None for within
+    # MEMORY_BOUND): the peak of XLA's live-range analysis of the step as libtpu 0.0.42.1 compiled it (jax 0.10.2;
+    # `python -m benchmarks.plan_accuracy`'s live column, "Stack trace breakdown for peak usage" in the
+    # `--xla_dump_to` files). What the memory model estimates: the compiled heap around it is larger by libtpu's
+    # packing (KNOWN's TPU_HEAP).
+    "gpt2-small fsdp 8 (its tied table gathered and relaid out)": (
+        "mesh_presets", GPT2, {"fsdp": 8}, 268_823_714, None),
+    "llama-1b fsdp 8, remat full": (
+        "mesh_presets", (*L1B, "train.seq_len=512", "parallel.remat=full"), {"fsdp": 8}, 1_823_545_872, None),
+    "llama3-8b fsdp 64 x tensor 8, 1,024 tokens (the lookup's gradient and its copy, the logits)": (
+        "llama3-8b_v5p-512", (*L8B, "train.global_batch_size=64", "train.seq_len=1024"), {"fsdp": 64, "tensor": 8},
+        342_206_664, None),
+    "llama3-8b fsdp 64 x tensor 8, 16 tokens (the golden)": (
+        "llama3-8b_v5p-512", (*L8B, "train.global_batch_size=64", "train.seq_len=16"), {"fsdp": 64, "tensor": 8},
+        301_608_448, None),
+    "llama3-8b fsdp 8 x sequence 8, ring (gradients all-reduced whole: three tables)": (
+        "llama3-8b_128k_v5p", (*L8B, "train.seq_len=4096"), {"fsdp": 8, "sequence": 8}, 3_458_117_864, None),
+    "mixtral-8x7b fsdp 2 x expert 4": (
+        "moe", ("model.preset=mixtral-8x7b", *L8B, "train.seq_len=256", "train.global_batch_size=8"),
+        {"fsdp": 2, "expert": 4}, 9_826_215_098, None),
+    "gpt2-small fsdp 4 x tensor 2, SP (ZeRO-1)": (
+        "mesh_presets", (*GPT2, "mesh.preset=tp_sp", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"),
+        {"fsdp": 4, "tensor": 2}, 438_586_256, None),
+    "llama-1b fsdp 2 x sequence 4, ulysses": (
+        "mesh_presets", (*L1B, "train.seq_len=2048", "mesh.fsdp=2", "mesh.sequence=4",
+                         "parallel.context_parallel=ulysses"), {"fsdp": 2, "sequence": 4}, 1_688_007_228,
+        (0.45, 0.57, "the live peak is the tables' gradients beside the state; the 585 MiB of activations the model "
+                     "keeps for Ulysses' 2 layers beside the loss are not live with it: not yet broken down")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIVE))
+def test_memory_estimate_is_what_libtpu_keeps_live(name):
+    config, overrides, mesh, live, known = LIVE[name]
+    err = error(analytic(load_config(CONFIG_DIR / f"{config}.yaml", list(overrides)), mesh, "tpu").memory.peak, live)
+    if known is None:
+        assert abs(err) <= MEMORY_BOUND, f"{name}: {err:+.1%}"
+    else:
+        low, high, reason = known
+        assert low <= err <= high, f"{name}: {err:+.1%} outside its documented [{low:+.0%}, {high:+.0%}] ({reason})"

@@ -130,7 +130,7 @@ def _breakdown(est, place, result: SearchResult) -> list[str]:
              f"MFU {t.mfu:.1%}", f"memory per device: {m.peak / GiB:.2f} GiB peak of "
              f"{result.target.hardware.hbm_bytes / GiB:.1f} GiB"]
     for f in ("params", "grads", "optimizer", "grad_accumulator", "activations", "pipeline_buffers", "logits",
-              "head_weights", "head_grads", "layer_weights", "recompute", "moe_dispatch", "workspace"):
+              "logit_grads", "head_weights", "head_grads", "layer_weights", "recompute", "moe_dispatch", "workspace"):
         lines.append(f"  {f:18s} {getattr(m, f) / GiB:10.3f} GiB")
     lines.append("collectives per step (bytes each device sends):")
     for term in est.comm:

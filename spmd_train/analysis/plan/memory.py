@@ -22,10 +22,18 @@ c = compute bytes; the term-by-term list is there). A flash kernel (Pallas, cuDN
 Full remat keeps each layer's input only (c·h per token and layer) and rebuilds one layer's
 residuals during that layer's backward.
 
-Peak = state + what lives through the backward pass (saved activations or the pipeline stash,
-a gradient accumulator, the pipeline's input buffers) + the largest of two transient phases (the
-head: fp32 logits and the gathered LM head; a layer's backward: its gathered weights, its
-rebuilt residuals under full remat, the MoE all-to-all buffers) + a workspace allowance.
+Peak = state + a gradient accumulator + the pipeline's input buffers + the larger of: the saved
+activations (or the pipeline stash) with the larger of two transient phases on top (the loss:
+the logits and the gathered LM head; a layer's backward: its gathered weights, its rebuilt
+residuals under full remat, the MoE all-to-all buffers), and the tables' gradients once the
+layers' backward has consumed the activations (the vocabulary tables' gradient buffers and the
+logits' cotangent) + a workspace allowance.
+
+What this estimates is what is live at once, as XLA's live-range analysis of the compiled program
+counts it (benchmarks/plan_accuracy.py's "live" column). The heap XLA assigns for those buffers
+can be larger: its packing leaves gaps (libtpu's 2-layer programs: 1.1x to 2.4x their live peak,
+around the table-sized buffers; XLA:CPU's tiny ones about 1.2x). The planner's compile stage
+reports the heap.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from spmd_train.analysis.plan.candidate import (
+    BATCH_AXES,
     STACKING_AXES,
     Candidate,
     GroupLayout,
@@ -43,6 +52,7 @@ from spmd_train.analysis.plan.candidate import (
     Workload,
     capacity_slots,
     group_layout,
+    live,
     microbatches,
     schedule_stats,
     spec_ways,
@@ -74,15 +84,21 @@ class MemoryEstimate:
     pipeline_buffers: float
     """The pipeline's embedded inputs and their gradient for all microbatches, and one receive slot each way."""
     logits: float
-    """fp32 logits of one microbatch (vocabulary split over `tensor`)."""
+    """The logits of one microbatch (vocabulary split over `tensor`) for the forward's loss: in the compute dtype
+    on accelerators, whose compilers fuse the fp32 log-softmax into its reductions (libtpu's live ranges hold bf16
+    logits, never fp32 ones), in fp32 on XLA:CPU."""
+    logit_grads: float
+    """The logits' cotangent in the compute dtype, live while the head's weight gradient waits for it."""
     head_weights: float
     """The LM head (or tied table) gathered into its compute layout at ZeRO-3."""
     head_grads: float
-    """ZeRO-3: the LM head's (or tied table's) gradient in its compute layout (model.param_dtype) before its
-    reduce-scatter, and an untied table gathered for the lookup. Found against the compiler
-    (benchmarks/plan_accuracy.py): llama3-8b fsdp 64 x tensor 8, 2 layers x 16 tokens on v5p compiled to 553 MiB,
-    estimated 179 MiB without this term; at 1,024 tokens the compiler frees them earlier (413 MiB compiled, 656
-    estimated with the term, 261 without): when XLA schedules them is not modelled yet."""
+    """ZeRO-3: the vocabulary tables' gradient buffers in their compute layout and dtype at the end of the
+    backward. Read from libtpu's live ranges (`--xla_dump_to`, `*-live-range.txt`, "peak"), benchmarks/
+    plan_accuracy.py's layouts on v5p: two buffers the size of the larger table are live together (the lookup's
+    scatter-added gradient and its relayout copy; or the tied table gathered and relaid out), and where the
+    gradient is all-reduced whole (`comm`: the batch split over two or more axes) the smaller table's gradient
+    as well (llama3-8b fsdp 8 x sequence 8: the head's and the lookup's gradients and the all-reduce's output,
+    2.9 GiB of its 3.2 GiB live peak). No fp32 copy of a table is live: gradients move in the compute dtype."""
     layer_weights: float
     """Two layers' weights gathered at ZeRO-3: the one computing and the next, prefetched."""
     recompute: float
@@ -100,10 +116,11 @@ class MemoryEstimate:
     @property
     def peak(self) -> float:
         """Estimated peak bytes per device."""
-        head = self.logits + self.head_weights + self.head_grads
+        # The saved activations are consumed by the time the tables' gradients are formed (after the layers').
+        loss = self.logits + self.head_weights
         layer = self.layer_weights + self.recompute + self.moe_dispatch
-        return (self.state + self.grad_accumulator + self.activations + self.pipeline_buffers + max(head, layer)
-                + self.workspace)
+        return (self.state + self.grad_accumulator + self.pipeline_buffers
+                + max(self.activations + max(loss, layer), self.logit_grads + self.head_grads) + self.workspace)
 
 
 def zero_paper_bytes(psi: float, devices: int, stage: int, bytes_per_param: tuple[float, float, float] = (2, 2, 12)
@@ -274,14 +291,16 @@ class _ActivationPart(NamedTuple):
     activations: float
     pipeline_buffers: float
     logits: float
+    logit_grads: float
     recompute: float
     moe_dispatch: float
 
 
 def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, w: Workload) -> _StatePart:
     params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum)
-    head, lookup, layer_w = _gathered_weights(m, sizes, stage)
-    return _StatePart(params, grads, opt, head, head / m.compute_bytes * m.param_bytes + lookup, layer_w)
+    head, lookup, whole, layer_w = _gathered_weights(m, sizes, stage, w.xla_cpu)
+    tables = 2 * max(head, lookup) + (min(head, lookup) if whole else 0.0)
+    return _StatePart(params, grads, opt, head, tables, layer_w)
 
 
 def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) -> _ActivationPart:
@@ -307,22 +326,24 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
         pipeline_buffers = (2 * micro + 2) * stream
     else:
         activations, pipeline_buffers = layers + per_stack, 0.0
-    logits = tokens * m.vocab_size / c.tensor * 4
+    logit_grads = tokens * m.vocab_size / c.tensor * m.compute_bytes
+    logits = tokens * m.vocab_size / c.tensor * 4 if w.xla_cpu else logit_grads
     recompute = 0.0
     if c.remat == "full":  # the largest layer's residuals, rebuilt for its backward
         recompute = layer_activation_bytes(m, "none", **kw)
         if m.moe_layers:
             recompute = max(recompute, layer_activation_bytes(m, "none", moe=True, slots=slots, **kw))
     dispatch = 2 * slots * m.d_model * m.compute_bytes if m.moe_layers and c.expert > 1 else 0.0
-    return _ActivationPart(grad_accum > 1 or c.pipeline > 1, activations, pipeline_buffers, logits, recompute,
-                           dispatch)
+    return _ActivationPart(grad_accum > 1 or c.pipeline > 1, activations, pipeline_buffers, logits, logit_grads,
+                           recompute, dispatch)
 
 
 def _rest(s: _StatePart, a: _ActivationPart) -> float:
     """Every term but the workspace, added in `MemoryEstimate.peak`'s order (so that a peak is the same float)."""
     accumulator = s.grads if a.accumulates else 0.0
-    return (s.params + s.grads + s.optimizer + accumulator + a.activations + a.pipeline_buffers
-            + max(a.logits + s.head_weights + s.head_grads, s.layer_weights + a.recompute + a.moe_dispatch))
+    return (s.params + s.grads + s.optimizer + accumulator + a.pipeline_buffers
+            + max(a.activations + max(a.logits + s.head_weights, s.layer_weights + a.recompute + a.moe_dispatch),
+                  a.logit_grads + s.head_grads))
 
 
 def _peak(s: _StatePart, a: _ActivationPart) -> float:
@@ -333,23 +354,29 @@ def _peak(s: _StatePart, a: _ActivationPart) -> float:
 def _assemble(s: _StatePart, a: _ActivationPart) -> MemoryEstimate:
     return MemoryEstimate(params=s.params, grads=s.grads, optimizer=s.optimizer,
                           grad_accumulator=s.grads if a.accumulates else 0.0, activations=a.activations,
-                          pipeline_buffers=a.pipeline_buffers, logits=a.logits, head_weights=s.head_weights,
+                          pipeline_buffers=a.pipeline_buffers, logits=a.logits, logit_grads=a.logit_grads,
+                          head_weights=s.head_weights,
                           head_grads=s.head_grads, layer_weights=s.layer_weights, recompute=a.recompute,
                           moe_dispatch=a.moe_dispatch, workspace=WORKSPACE_FRACTION * _rest(s, a))
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _gathered_weights(m: ModelShape, sizes: tuple[int, ...], stage: int) -> tuple[float, float, float]:
-    """(LM head, untied lookup table, two layers) bytes in the compute layout, which ZeRO-3 gathers from the stored
-    shards."""
+def _gathered_weights(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool
+                      ) -> tuple[float, float, bool, float]:
+    """(LM head, untied lookup table) bytes in the compute layout, which ZeRO-3 gathers from the stored shards;
+    whether their gradients are reduced whole (`comm._zero_terms`: the batch over two or more axes, or XLA:CPU's
+    reduce-scatter as an all-reduce); two layers' bytes in the compute layout."""
     shape = dict(zip(MESH_AXES, sizes, strict=True))
     if stage < 3 or shape["fsdp"] * shape["sequence"] == 1:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, False, 0.0
     head, lookup, per_layer = 0.0, 0.0, {}
+    batch = set(BATCH_AXES) | {"sequence"}
+    whole = xla_cpu
     for g in m.params:
         lay: GroupLayout = group_layout(g.axes, sizes, stage)
         if g.path == "lm_head" or (g.path == "embedding" and m.tie_embeddings):
             head += g.numel / math.prod(shape[a] for a in lay.compute) * m.compute_bytes
+            whole |= not m.moe_layers and len(live(batch - set(lay.compute), shape)) > 1
         elif g.path == "embedding":
             lookup += g.numel / math.prod(shape[a] for a in lay.compute) * m.compute_bytes
         elif g.path.startswith("blocks."):
@@ -358,4 +385,4 @@ def _gathered_weights(m: ModelShape, sizes: tuple[int, ...], stage: int) -> tupl
             split = math.prod(shape[a] for a in lay.compute if a != "pipeline")
             block = g.path.rsplit(".", 2)[0]  # blocks, blocks.dense or blocks.moe
             per_layer[block] = per_layer.get(block, 0.0) + g.numel / stacked / split * m.compute_bytes
-    return head, lookup, 2 * max(per_layer.values(), default=0.0)
+    return head, lookup, whole, 2 * max(per_layer.values(), default=0.0)

@@ -286,8 +286,9 @@ libtpu-compiled parameter traffic by rule):
   table's gradient in the compute dtype; full remat reduces the attention's output again but not the MLP's; SP
   gathers a sublayer's input 3 times. The one miss is 72 bytes (a scalar reduced over fsdp x tensor).
 - memory: the model estimates what is live at once, and the live column is XLA's own count of that for the
-  same program. Against it the TPU rows are within 15% but one (+5..+13%; llama-1b Ulysses +51%: the 585 MiB of
-  activations the model keeps beside the loss are not live with it, not yet broken down). Against the heap
+  same program. Against it the TPU rows are within 15% but one (+5..+13%; llama-1b Ulysses +51%: its 501 MiB
+  of bf16 logits, which the model counts, are never materialised whole there: fused into the loss's
+  reductions, where llama3-8b's 1,024-token program keeps them; when XLA does that is not modelled). Against the heap
   XLA assigns (the compiled column) 2 of 7: libtpu packs these 2-layer programs' buffers into a heap 1.1x
   (gpt2-small fsdp 8) to 2.4x (llama-1b Ulysses) what is live, around their table-sized buffers, which no
   formula here predicts; the planner's compile stage reports the heap. Read from the live ranges this stop:

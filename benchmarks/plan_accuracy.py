@@ -10,7 +10,7 @@ Conventions (both sides count the same thing):
   `peak_memory_in_bytes` leaves out temporaries); estimated = `MemoryEstimate.peak`; live = the peak of XLA's own
   live-range analysis of the same program (`--xla_dump_to`, `*-live-range.txt`: "Stack trace breakdown for peak
   usage"), what is live at once: the compiled figure is the heap XLA assigns, which its packing of the buffers
-  can make larger (up to 1.9x on libtpu's 2-layer programs, around their table-sized buffers);
+  can make larger (up to 2.4x on libtpu's 2-layer programs, around their table-sized buffers);
 - bytes: per set of mesh axes a collective's device groups span (as `describe` reports them), the bytes one
   device sends per step by the bandwidth-optimal ring formulas (`analysis.collectives`); estimated = the sum of the
   `CommTerm`s on those axes, put in the compiling platform's terms by `as_compiled`: XLA:CPU lowers the

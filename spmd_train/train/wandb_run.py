@@ -40,7 +40,7 @@ class WandbRun:
         values = {f"train/{k}": float(v) for k, v in record.items()
                   if k != "step" and isinstance(v, (int, float)) and not (isinstance(v, float) and math.isinf(v))}
         # Committed now: with an explicit step W&B otherwise holds a step's row until the next step or finish(),
-        # and the last row of a run reached the offline file only sometimes (test_metrics_sinks, 1 CI run in 3).
+        # and the last row of a run was missing from the offline file in one CI run (test_metrics_sinks).
         self._run.log(values, step=record["step"], commit=True)
 
     def close(self) -> None:

@@ -221,8 +221,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         est, comp = r["bytes"]
         axes = sorted(set(est) | set(comp), key=lambda a: (len(a), a)) or [()]
+        live = r.get("live")
         for i, a in enumerate(axes):
-            live = r.get("live")
             head = ([r["layout"], r["model"], r["where"], _mib(r["memory"][0]), _mib(r["memory"][1]),
                      _flag(error(*r["memory"]), MEMORY_BOUND), _mib(live) if live else "-",
                      _flag(error(r["memory"][0], live), MEMORY_BOUND) if live else "-"]

@@ -36,7 +36,9 @@ over a group of N devices: all-gather and reduce-scatter S·(N-1)/N, all-reduce 
 - Pipeline (`pipeline_terms`): our executor (`parallel.pipeline`) sends one microbatch's residual
   stream forward and one cotangent backward every tick, bubble ticks included: 2·ticks
   collective-permutes of b·s·h·c (the useful part is Megatron's 2·b·s·h per microbatch per stage
-  boundary); then the head and input gradients are summed over the stages in fp32.
+  boundary); then the head gradients (fp32, as the gradients are stored: split over fsdp at ZeRO-2/3) and
+  the input gradients (in the compute dtype: the executor's fp32 sum is dropped by an accelerator's XLA,
+  kept by XLA:CPU) are summed over the stages (libtpu's HLO of llama-1b pipeline 4 x fsdp 2).
 - Expert parallelism (`expert_terms`): `analysis.moe_report`'s count and bytes.
 - Context parallelism (`context_terms`): `analysis.context_report`'s per-scheme bytes.
 """
@@ -59,6 +61,7 @@ from spmd_train.analysis.plan.candidate import (
     residual_ways,
     rows_per_device,
     schedule_stats,
+    spec_ways,
     ways,
 )
 from spmd_train.analysis.plan.shape import ModelShape
@@ -225,8 +228,10 @@ def pipeline_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     for g in m.params:
         if not g.path.startswith("blocks."):
             lay = group_layout(g.axes, c.sizes, c.zero_stage)
-            head += g.numel / ways(lay.compute, c.shape) * 4
-    inputs = rows * w.seq_len / split * m.d_model * 4
+            head += g.numel / spec_ways(lay.grads, c.shape) * 4
+    # An accelerator's XLA sums the input gradients in the compute dtype: it drops the executor's fp32 round
+    # trip (excess precision allowed), which XLA:CPU keeps.
+    inputs = rows * w.seq_len / split * m.d_model * (4 if w.xla_cpu else m.compute_bytes)
     summed = CommTerm("all-reduce", ("pipeline",), 2 * (head + inputs) * _fraction(p) * c.grad_accum,
                       c.grad_accum, "pipeline")
     return [sends, summed]

@@ -307,9 +307,10 @@ compiled heap and live peak (TPU_GRID) and the libtpu-compiled parameter traffic
   tensor 8, fsdp x sequence -1.0% on llama-1b Ulysses, and scalars (7 and 72 bytes) reduced over two axes.
   Pipelined rows: only `pipeline` compares (the note above).
 - memory on the TPU rows: the model estimates what is live at once; the live column is XLA's own count of that
-  for the same program: 8 of 9 within 15% (-10..+15%), the one miss Mixtral at +25% (its MoE residuals, not yet
-  broken down). Against the heap XLA assigns (the compiled column) 5 of 9 within 15% (-15..+2%): libtpu packs
-  the other programs into a heap 1.27x (GPipe) to 1.62x (1F1B) their live peak, which no formula here
+  for the same program: 8 of 9 within 15% (-10..+15%), the one miss Mixtral at +25% (its peak is where the
+  forward starts, before any gradient exists: the estimate adds the gradient shards to the activations).
+  Against the heap XLA assigns (the compiled column) 5 of 9 within 15% (-15..+2%): libtpu packs the other
+  programs into a heap 1.27x (GPipe) to 1.62x (1F1B) their live peak, which no formula here
   predicts; the planner's compile stage reports the heap. At full depth the vocabulary tables weigh less
   than in the 2-layer cuts of the golden cases, whose heaps are up to 2.4x their live peak (KNOWN's TPU_HEAP).
   The pipeline stash is right on TPU (GPipe +3.3%, 1F1B +14.6% of the live peak).

@@ -205,8 +205,10 @@ TPU_GRID = {
     "fsdp 16 x expert 4 | mixtral-8x7b": (
         {"fsdp": 16, "expert": 4}, 24_395_992_096, 16_403_110_226,
         (-0.19, -0.13, HEAP.format(ratio="1.49x", err="+25.3%")),
-        (0.22, 0.29, "the estimate keeps 3.8 GiB more than libtpu has live at once (4.75 GiB of residuals for 32 "
-                     "MoE layers of one 256-token row, most of them the E·C slot buffers); not yet broken down")),
+        (0.22, 0.29, "XLA's peak is where the forward starts: the 32 layers' residual stacks allocated (six E·C "
+                     "slot buffers of 560 MiB among them) beside bf16 copies of the stacked expert weights, before "
+                     "any gradient exists, where the estimate adds the 3 GiB of fp32 gradient shards to the "
+                     "activations; the backward's phase is not broken down")),
 }
 
 

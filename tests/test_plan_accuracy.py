@@ -9,7 +9,15 @@ Conventions as in benchmarks/plan_accuracy.py (XLA:CPU's reduce-scatter as all-r
 
 import pytest
 
-from benchmarks.plan_accuracy import BYTES_BOUND, MEMORY_BOUND, analytic, error, estimated_bytes, golden_bytes
+from benchmarks.plan_accuracy import (
+    BYTES_BOUND,
+    GRID,
+    MEMORY_BOUND,
+    analytic,
+    error,
+    estimated_bytes,
+    golden_bytes,
+)
 from spmd_train import load_config
 from tests.golden_layouts import CASES, CONFIG_DIR, load_golden
 
@@ -182,7 +190,7 @@ def test_memory_estimate_is_what_libtpu_keeps_live(name):
 
 
 HEAP = ("libtpu's heap is {ratio} the program's live peak: its packing of the buffers, which the model does "
-                   "not predict (the estimate is {err} of what is live)")
+        "not predict (the estimate is {err} of what is live)")
 TPU_GRID = {
     # benchmarks/plan_accuracy.py's TPU rows ("layout | model"): the real models at full depth as libtpu 0.0.42.1
     # compiled them (jax 0.10.2; its `--json` output): mesh, compiled heap (argument + output + temp - alias)
@@ -213,16 +221,12 @@ TPU_GRID = {
 
 
 def _grid_layout(row: str):
-    from benchmarks.plan_accuracy import GRID
-
     found = [g for g in GRID if g.topology and f"{g.name} | {g.model}" == row]
     assert len(found) == 1, f"{row!r} is not one TPU row of benchmarks/plan_accuracy.GRID"
     return found[0]
 
 
 def test_every_tpu_row_of_the_grid_is_pinned():
-    from benchmarks.plan_accuracy import GRID
-
     assert {f"{g.name} | {g.model}" for g in GRID if g.topology} == set(TPU_GRID)
 
 
@@ -244,3 +248,15 @@ def test_memory_estimate_against_libtpu_programs_at_full_depth(row):
         elif abs(err) <= MEMORY_BOUND - MARGIN:
             failures.append(f"{what}: {err:+.1%} now within ±{MEMORY_BOUND:.0%}: drop its documented bound")
     assert not failures, f"{row}: " + "; ".join(failures)
+
+
+def test_pipeline_traffic_is_what_libtpu_compiled():
+    # llama-1b pipeline 4 x fsdp 2 (1F1B, ZeRO-3) as libtpu 0.0.42.1 compiled it for v5p:2x2x2: 140 sends of one
+    # microbatch's bf16 residual stream, and one sum over the stages of the fp32 head gradient split over fsdp as
+    # it is stored (f32[128256,1024]) with the 32 microbatches' input gradients in bf16 (XLA dropped the
+    # executor's fp32 round trip); the compiled sum has 6 more bytes (the loss's scalars).
+    lay = _grid_layout("pipeline 4 x fsdp 2, 1f1b | llama-1b")
+    est = analytic(load_config(CONFIG_DIR / f"{lay.config}.yaml", list(lay.overrides)), {"pipeline": 4, "fsdp": 2},
+                   "tpu")
+    mine = {(t.op, t.count): t.bytes for t in est.comm if t.axes == ("pipeline",)}
+    assert mine == {("collective-permute", 140): 293_601_280, ("all-reduce", 1): pytest.approx(888_674_310, abs=8)}

@@ -6,7 +6,6 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # One persistent compilation cache for the session, inherited by the xdist workers and the CLI subprocesses
@@ -14,6 +13,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # and through the CLI) load it instead of compiling it again. Keyed by the program, flags and devices.
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_train-tests-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+# After the cache directory (jax reads it when imported, as tests.runs does) and before the first backend (which
+# reads XLA_FLAGS).
+from tests.runs import TEST_XLA_FLAGS
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 "
+                           f"{TEST_XLA_FLAGS}").strip()
 
 import jax
 import pytest

@@ -25,19 +25,23 @@ TINY = [
 ]
 
 
-def run_steps(overrides: list[str], devices, steps: int = 3, config: str | None = None):
+def run_steps(overrides: list[str], devices, steps: int = 3, config: str | None = None, optimized: bool = False):
     """Train `steps` steps on `devices`; returns (per-step losses, final params as numpy, engine, state).
 
-    Without `config` the tiny test setup (TINY) is the base; with it, that run config file is.
+    Without `config` the tiny test setup (TINY) is the base; with it, that run config file is. `optimized`: the
+    step compiled by XLA:CPU's optimizing backend (`OPTIMIZED`), for runs of hundreds of steps.
     """
     base = [] if config is not None else TINY
     cfg = load_config(ROOT / config if config else None, [*base, *overrides])
     engine = Engine.build(cfg, list(devices))
     state = engine.init_state()
     data = make_source(cfg)
+    step_fn = engine.train_step
+    if optimized:
+        step_fn = step_fn.lower(state, data.batch(0, engine.batch_sharding)).compile(compiler_options=OPTIMIZED)
     losses = []
     for step in range(steps):
-        state, metrics = engine.train_step(state, data.batch(step, engine.batch_sharding))
+        state, metrics = step_fn(state, data.batch(step, engine.batch_sharding))
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.tree.map(np.asarray, state.params), engine, state
 
@@ -51,9 +55,24 @@ def relative_error(a, b) -> float:
     )
 
 
-def cli_env() -> dict[str, str]:
-    """The environment a CLI subprocess gets: ours, minus the test process's simulated-device settings."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+OPTIMIZED = {"xla_backend_optimization_level": 2}
+"""Compiler options that put back XLA:CPU's default optimizing backend where a test runs a program long enough
+for it to pay (a 600-step run: about 1.5x faster than at -O0)."""
+
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+"""XLA flags for every program the suite compiles (tests/conftest.py, and CLI subprocesses through `cli_env`).
+
+XLA:CPU's LLVM backend at -O0: the suite's programs are tiny and take far longer to compile than to run (a
+shipped-config equivalence file ran in 47 s instead of 81). What the tests compare is unchanged by it: the HLO,
+its collectives and buffer assignment come before code generation, and the numbers each side of a comparison
+computes come from programs compiled alike."""
+
+
+def cli_env(optimized: bool = False) -> dict[str, str]:
+    """The environment a CLI subprocess gets: ours, with the suite's XLA flags (none with `optimized`: XLA's
+    defaults, for runs of hundreds of steps) instead of the test process's simulated-device settings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return env if optimized else {**env, "XLA_FLAGS": TEST_XLA_FLAGS}
 
 
 def uncached_env() -> dict[str, str]:
@@ -63,10 +82,10 @@ def uncached_env() -> dict[str, str]:
     return {k: v for k, v in cli_env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
 
 
-def cli(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m spmd_train ARGS` in a fresh process, output captured as text."""
-    return subprocess.run([sys.executable, "-m", "spmd_train", *args], cwd=cwd, env=cli_env(), capture_output=True,
-                          text=True, timeout=timeout, check=False)
+def cli(*args: str, cwd: Path = ROOT, timeout: int = 600, optimized: bool = False) -> subprocess.CompletedProcess:
+    """`python -m spmd_train ARGS` in a fresh process, output captured as text (`optimized`: see `cli_env`)."""
+    return subprocess.run([sys.executable, "-m", "spmd_train", *args], cwd=cwd, env=cli_env(optimized),
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def abstract_like(shapes, shardings):

@@ -139,7 +139,7 @@ def test_profile_steps_write_a_trace(tmp_path):
 
 @pytest.mark.heavy
 def test_main_job_ends_within_ten_percent_of_the_floor(tmp_path):
-    proc = cli("train", "configs/tiny.yaml", f"run.dir={tmp_path}")
+    proc = cli("train", "configs/tiny.yaml", f"run.dir={tmp_path}", optimized=True)
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     final = sum(r["loss"] for r in records[-20:]) / 20

@@ -230,5 +230,5 @@ def test_adafactor_and_lion_reach_the_floor_like_the_main_job(label, devices):
     about 1.4x faster here."""
     floor = make_source(load_config(ROOT / "configs/tiny.yaml")).loss_floor
     losses, *_ = run_steps([*TUNED[label], "mesh.fsdp=1", "mesh.tensor=1"], devices[:1], steps=600,
-                           config="configs/tiny.yaml")
+                           config="configs/tiny.yaml", optimized=True)
     assert losses[-20:].mean() <= 1.10 * floor, (label, losses[-20:].mean(), floor)

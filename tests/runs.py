@@ -56,8 +56,8 @@ def relative_error(a, b) -> float:
 
 
 OPTIMIZED = {"xla_backend_optimization_level": 2}
-"""Compiler options that put back XLA:CPU's default optimizing backend where a test runs a program long enough
-for it to pay (a 600-step run: about 1.5x faster than at -O0)."""
+"""Compiler options that put XLA:CPU's optimizing backend (-O2) back where a test runs a program long enough for it
+to pay (a 600-step run: about 1.5x faster than at -O0)."""
 
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 """XLA flags for every program the suite compiles (tests/conftest.py, and CLI subprocesses through `cli_env`).

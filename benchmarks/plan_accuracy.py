@@ -98,6 +98,10 @@ def _grid() -> list[Layout]:
                    topology="v5p:8x8x8", model="llama3-8b"),
             Layout("fsdp 8 x sequence 8, ring", "llama3-8b_128k_v5p", ("train.seq_len=4096",),
                    topology="v5p:4x4x4", model="llama3-8b"),
+            # allgather stacks each K/V chunk's residuals (attention_memory): 19x what ring keeps of attention here.
+            Layout("fsdp 8 x sequence 8, allgather, no remat", "llama3-8b_128k_v5p",
+                   ("train.seq_len=4096", "parallel.context_parallel=allgather", "parallel.remat=none"),
+                   topology="v5p:4x4x4", model="llama3-8b"),
             # Its 47B parameters' state needs more than 8 chips.
             Layout("fsdp 16 x expert 4", "moe", ("model.preset=mixtral-8x7b", "mesh.fsdp=16", "mesh.expert=4",
                                                   "train.seq_len=256", "train.global_batch_size=64"),

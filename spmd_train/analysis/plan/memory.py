@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from spmd_train.analysis.plan.attention_memory import attention_residual_bytes
 from spmd_train.analysis.plan.candidate import (
     BATCH_AXES,
     STACKING_AXES,
@@ -186,8 +187,11 @@ def _state_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, optimizer: s
 
 
 def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context: int, tensor: int,
-                           sequence_parallel: bool, attention: str, moe: bool = False, slots: float = 0.0) -> float:
-    """Bytes one layer keeps for its backward on one device, for `tokens` tokens of `context` keys each.
+                           sequence_parallel: bool, attention: str, moe: bool = False, slots: float = 0.0,
+                           scheme: str | None = None, ways: int = 1) -> float:
+    """Bytes one layer keeps for its backward on one device, for `tokens` tokens of `context` keys each
+    (`scheme`, `ways`: the context-parallel scheme and the `sequence` size; attention's share is
+    `attention_memory.attention_residual_bytes`, whose docstring lists it by scheme).
 
     Per token, with c = compute bytes, h = d_model, H/KV query/K-V heads of width hd, f = d_ff, t = tensor
     (heads, d_ff and the vocabulary split over it; the residual-stream terms R too under sequence parallelism):
@@ -207,19 +211,13 @@ def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context
     save_matmuls_no_batch the logits only (the expert matmuls are batched over experts); shared experts as a
     dense SwiGLU for the shared experts. These are the residuals jax.vjp keeps (tests compare them with a traced stage).
     """
-    c, h, hd, f = m.compute_bytes, m.d_model, m.head_dim, m.d_ff
-    heads, kv = m.num_heads / tensor, m.num_kv_heads / tensor
+    c, h, f = m.compute_bytes, m.d_model, m.d_ff
     r = tensor if sequence_parallel else 1
-    xla = attention == "xla"
     if policy == "full":
         return tokens * c * h / r
-    if policy == "none":
-        attn = c * (2 * heads + 2 * kv) * hd + (heads * (4 + c) * context + 8 * heads if xla else 4 * heads)
-        per_token = 2 * (8 * h + c * h + 8) / r + attn
-    else:
-        keep_scores = xla and policy == "save_matmuls"
-        attn = c * (heads + 2 * kv) * hd + (4 * heads * context + c * heads * hd if keep_scores else 0)
-        per_token = 2 * c * h / r + attn
+    attn = attention_residual_bytes(m, policy, heads=m.num_heads / tensor, kv=m.num_kv_heads / tensor,
+                                    context=context, attention=attention, scheme=scheme, ways=ways)
+    per_token = (2 * (8 * h + c * h + 8) if policy == "none" else 2 * c * h) / r + attn
     wide = 6 if policy == "none" else 2
     if not moe:
         return tokens * (per_token + wide * c * f / tensor)
@@ -232,6 +230,11 @@ def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context
     return tokens * (per_token + routing + shared) + slots * c * slot_width
 
 
+def context_scheme(c: Candidate) -> str | None:
+    """The context-parallel scheme attention's memory depends on: None with the sequence on one device."""
+    return c.context_parallel if c.sequence > 1 else None
+
+
 def estimate_memory(m: ModelShape, c: Candidate, w: Workload) -> MemoryEstimate:
     """Per-device memory of candidate `c` running workload `w` on model `m`."""
     return _assemble(_state_part(m, c.sizes, c.zero_stage, w), _activation_part(m, c, w, c.grad_accum))
@@ -239,8 +242,8 @@ def estimate_memory(m: ModelShape, c: Candidate, w: Workload) -> MemoryEstimate:
 
 class MemoryModel:
     """`estimate_memory` for many candidates of one model and workload, each part computed once per the few fields
-    it reads: the search asks for a quarter of a million peaks, and the ZeRO stage, the context scheme and the
-    slow-link placement change no activation term (the last two no term at all)."""
+    it reads: the search asks for a quarter of a million peaks, the ZeRO stage and the slow-link placement change
+    no activation term (the latter no term at all), and the context scheme only attention's, where `sequence` > 1."""
 
     def __init__(self, m: ModelShape, w: Workload):
         self.m, self.w = m, w
@@ -263,9 +266,9 @@ class MemoryModel:
         return part
 
     def _activation(self, c: Candidate, grad_accum: int) -> _ActivationPart:
-        # Every field `_activation_part` reads: not the ZeRO stage, the context scheme or the slow-link factors.
-        key = (c.sizes, c.remat, c.sequence_parallel, c.pipeline_schedule, c.pipeline_microbatches, c.virtual_stages,
-               grad_accum)
+        # Every field `_activation_part` reads: not the ZeRO stage or the slow-link factors.
+        key = (c.sizes, c.remat, c.sequence_parallel, context_scheme(c), c.pipeline_schedule, c.pipeline_microbatches,
+               c.virtual_stages, grad_accum)
         part = self._activations.get(key)
         if part is None:
             part = self._activations[key] = _activation_part(self.m, c, self.w, grad_accum)
@@ -308,15 +311,17 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
     micro = microbatches(c, rows)
     tokens = rows / micro * w.seq_len / c.sequence  # one microbatch's tokens on a device
     slots = m.num_experts * capacity_slots(m, w, tokens) if m.moe_layers else 0.0
+    scheme = context_scheme(c)
     kw = {"tokens": tokens, "context": w.seq_len, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel,
-          "attention": w.attention}
+          "attention": w.attention, "scheme": scheme, "ways": c.sequence}
     dense = layer_activation_bytes(m, c.remat, **kw)
     moe = layer_activation_bytes(m, c.remat, moe=True, slots=slots, **kw) if m.moe_layers else 0.0
     # Kept once per layer stack, not per layer: RoPE's fp32 cos/sin tables [s, hd/2] (the q and k broadcasts too
-    # under 'none') and, with XLA's attention under 'none', the causal mask [rows, H, s, context] as bool and fp32.
+    # under 'none') and, with XLA's attention under 'none', the causal mask [rows, H, s, context] as bool and fp32
+    # (`ring` and `allgather` mask each block inside their loops: `attention_residual_bytes` counts it there).
     local = w.seq_len // c.sequence
     per_stack = (8 if c.remat == "none" else 4) * m.head_dim * local
-    if w.attention == "xla" and c.remat == "none":
+    if w.attention == "xla" and c.remat == "none" and scheme in (None, "ulysses"):
         per_stack += tokens * m.num_heads / c.tensor * w.seq_len * 5
     layers = (m.num_layers - m.moe_layers) * dense + m.moe_layers * moe
     stream = tokens * m.d_model * m.compute_bytes / (c.tensor if c.sequence_parallel else 1)  # one microbatch

@@ -15,7 +15,7 @@ recorded once, at the scope it was decided (`labels.Scope`):
    recorded as not fitting and the larger ones as dominated: they change no FLOPs and only add
    collective launches (ZeRO-3 gathers per microbatch), so the model never finds them faster
    (tests/test_plan_search.py checks both claims on samples). The peaks come from parts memoized by the fields
-   each reads (`memory.MemoryModel`), and candidates that differ only in their context scheme share their fits.
+   each reads (`memory.MemoryModel`), and candidates that differ in nothing memory reads share their fits.
 Ranking is branch and bound on two lower bounds of the step time: compute over the bubble alone, then
 the time on all-fast links; only candidates that can still reach the best `keep` get the next, dearer
 figure, and over several fast-link domains every slow-link placement is timed for them (the best
@@ -46,7 +46,7 @@ from spmd_train.analysis.plan.candidate import (
 from spmd_train.analysis.plan.comm import CommTerm, comm_terms
 from spmd_train.analysis.plan.devices import Target, slow_placements
 from spmd_train.analysis.plan.labels import Scope, canonical, config_for, label, scoped
-from spmd_train.analysis.plan.memory import MemoryEstimate, MemoryModel, estimate_memory, state_bytes
+from spmd_train.analysis.plan.memory import MemoryEstimate, MemoryModel, context_scheme, estimate_memory, state_bytes
 from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.rules import (
     FIT,
@@ -212,9 +212,9 @@ def _fit_accumulation(memory: MemoryModel, z: Candidate, work: Workload, hbm: fl
     """Per remat policy, the smallest grad accumulation that fits; returns the memory estimates made."""
     accums = _accumulations(work.global_batch // z.batch_ways, z.pipeline_microbatches or 1)
     remats = [_derive(z, remat=remat) for remat in REMAT_POLICIES]
-    # Memory reads every field of `z` but the context scheme (`MemoryModel`): candidates that differ only in it
-    # share their fits.
-    key = (z.sizes, z.zero_stage, z.sequence_parallel, z.pipeline_schedule, z.pipeline_microbatches, z.virtual_stages)
+    # Memory reads these fields of `z` (`MemoryModel`): candidates that differ only in others share their fits.
+    key = (z.sizes, z.zero_stage, z.sequence_parallel, context_scheme(z), z.pipeline_schedule, z.pipeline_microbatches,
+           z.virtual_stages)
     fits = cache.get(key)
     if fits is None:
         fits = cache[key] = tuple(_fit(memory, r, accums, hbm) for r in remats)

@@ -311,22 +311,29 @@ compiled heap and live peak (TPU_GRID) and the libtpu-compiled parameter traffic
   tensor 8, fsdp x sequence -1.0% on llama-1b Ulysses, and scalars (7 and 72 bytes) reduced over two axes.
   Pipelined rows: only `pipeline` compares (the note above).
 - memory on the TPU rows: the model estimates what is live at once; the live column is XLA's own count of that
-  for the same program: 8 of 9 within 15% (-10..+15%), the one miss Mixtral at +25% (its peak is where the
-  forward starts, before any gradient exists: the estimate adds the gradient shards to the activations).
-  Against the heap XLA assigns (the compiled column) 5 of 9 within 15% (-15..+2%): libtpu packs the other
-  programs into a heap 1.27x (GPipe) to 1.62x (1F1B) their live peak, which no formula here
-  predicts; the planner's compile stage reports the heap. At full depth the vocabulary tables weigh less
-  than in the 2-layer cuts of the golden cases, whose heaps are up to 2.4x their live peak (KNOWN's TPU_HEAP).
-  The pipeline stash is right on TPU (GPipe +3.3%, 1F1B +14.6% of the live peak).
+  for the same program: 8 of 10 within 15% (-10..+15%). The misses: Mixtral at +25% (its peak is where the
+  forward starts, before any gradient exists: the estimate adds the gradient shards to the activations) and
+  llama-1b Ulysses at +16% (the model counts the loss's bf16 logits, 501 MiB, which this program never
+  materialises whole; +9% without them). Against the heap XLA assigns (the compiled column) 6 of 10 within 15%
+  (-15..+5%): libtpu packs the other programs into a heap 1.27x (GPipe) to 1.62x (1F1B) their live peak, which
+  no formula here predicts; the planner's compile stage reports the heap. At full depth the vocabulary tables
+  weigh less than in the 2-layer cuts of the golden cases, whose heaps are up to 2.4x their live peak (KNOWN's
+  TPU_HEAP). The pipeline stash is right on TPU (GPipe +3.3%, 1F1B +14.6% of the live peak), and so is
+  attention by context scheme: the allgather row, whose scan keeps every K/V chunk's residuals (19x what ring
+  keeps of attention, `analysis/plan/attention_memory.py`), is +4.9% of the heap and +7.8% of live; before the
+  model knew the scheme it counted ring's residuals for all three.
 - CPU rows (tiny widths; XLA:CPU): tensor bytes -26..-38% (XLA:CPU re-reduces the forward's tensor all-reduces
   in each layer's backward: 7 [rows, seq, d] all-reduces a layer in configs/tiny's HLO, where libtpu's program
   has exactly the model's count); memory of the 1-10 MiB programs -9..-25% of the heap and -9..+7% of the
-  live peak (XLA:CPU's heap is about 1.2x what is live at once); context parallel: one memory estimate for
-  all three schemes, compiled 13-91 MiB, and XLA:CPU splits reduce-scatters over fsdp x sequence into
-  all-reduces over each axis; expert bytes +40% (XLA:CPU all-reduces the non-expert gradients over fsdp x
-  expert: compare totals); pipelined: `pipeline` bytes exact, memory -35..-44% of the heap and -34..-47% of
-  the live peak, where the same layouts on TPU are within 15% of the live peak: XLA:CPU copies the stash in
-  and out of the per-tick switch's branches (its dump), which the model does not count."""
+  live peak (XLA:CPU's heap is about 1.2x what is live at once); context parallel (XLA's attention):
+  ulysses -9% of live, ring -22% (its peak is in the last layer's forward, beside one block's scores, which
+  the model does not count), allgather -42% (XLA:CPU copies the layer's slice of each stacked chunk residual
+  into the attention's backward loop, about twice the residuals; libtpu does not: the TPU row above), and
+  XLA:CPU splits reduce-scatters over fsdp x sequence into all-reduces over each axis; expert bytes +40%
+  (XLA:CPU all-reduces the non-expert gradients over fsdp x expert: compare totals); pipelined: `pipeline` bytes
+  exact, memory -35..-44% of the heap and -34..-47% of the live peak, where the same layouts on TPU are within 15% of
+  the live peak: XLA:CPU copies the stash in and out of the per-tick switch's branches (its dump), which the model
+  does not count."""
 
 
 if __name__ == "__main__":

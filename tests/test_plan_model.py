@@ -245,7 +245,6 @@ def test_an_moe_layer_keeps_what_jax_vjp_keeps_of_it():
         assert mine == pytest.approx(traced, rel=0.03), policy
 
 
-
 @pytest.mark.parametrize("scheme", ["ring", "allgather", "ulysses"])
 def test_context_parallel_attention_keeps_what_jax_vjp_keeps_of_it(devices, scheme):
     """Each scheme's residuals, traced on 4 devices of `sequence` for XLA's attention and the flash kernel, under
@@ -263,7 +262,8 @@ def test_context_parallel_attention_keeps_what_jax_vjp_keeps_of_it(devices, sche
     n, b, length, heads, kv, hd = 4, 2, 512, 8, 4, 64
     cfg = load_config("configs/tiny.yaml", ["model.compute_dtype=bfloat16", f"model.num_heads={heads}",
                                             f"model.num_kv_heads={kv}", f"model.d_model={heads * hd}"])
-    shape, c = ModelShape.from_config(cfg.model), 2
+    shape = ModelShape.from_config(cfg.model)
+    c = shape.compute_bytes
     mesh = Mesh(np.array(devices[:n]), ("sequence",), axis_types=(AxisType.Auto,))
     tokens = b * length // n
     for attention, backends in (("xla", Backends("cpu", "xla")),

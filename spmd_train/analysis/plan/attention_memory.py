@@ -42,7 +42,7 @@ def attention_residual_bytes(m: ModelShape, policy: str, *, heads: float, kv: fl
     `scheme` over `ways` devices (None: the sequence on one device)."""
     c, hd = m.compute_bytes, m.head_dim
     xla = attention == "xla"
-    if scheme is None or ways == 1:
+    if ways == 1:
         scheme = None
     if policy != "none":
         kept = c * (heads + 2 * kv) * hd

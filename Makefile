@@ -1,11 +1,17 @@
 # Two entry points for a fresh machine with only Python 3.11+:
 #   make train   install what the main job needs, then train the tiny model on 8 simulated devices
-#   make test    install the package with its test tools, then lint (ruff) and run the whole test suite
+#   make test    install the package with its test tools, then lint (ruff) and run the fast tier (at most 10 minutes
+#                on 2 cores: every package, each axis against one device, exact resume, refusals, golden layouts)
+#   make test-all  install and lint as `make test`, then run every test: TPU compiles, loss floors, multi-process
+#                and fault runs (at most 25 minutes; `.ci/run` calls it)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test
+.PHONY: train test test-all
+
+# The fast tier leaves out what these markers name (pyproject.toml says what each holds).
+FAST := not slow and not tpu_aot and not multiprocess and not faults
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +28,20 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n auto --durations=25
+	SPMD_TRAIN_TIER=fast $(PY) -m pytest -q -n auto -m "$(FAST)" --durations=10
+
+test-all: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	SPMD_TRAIN_TIER=all $(PY) -m pytest -q -n auto --durations=25
 
 # make golden              rewrite tests/golden/*.json (per-config parameter specs, collectives, memory;
 # make golden CONFIG=tiny  see docs/describe.md "Golden layouts") after an intended layout change
 .PHONY: golden
 golden: $(VENV)/.installed-dev
 	$(PY) -m tests.golden_layouts --write $(if $(CONFIG),--config $(CONFIG))
+
+# make docs   rewrite docs/reference/ (config.md from the config schema, cli.md from the command's parser);
+#             tests/test_reference_docs.py fails while the checked-in pages differ from what the code makes
+.PHONY: docs
+docs: $(VENV)/.installed
+	$(PY) -m spmd_train.cli.reference_docs --write

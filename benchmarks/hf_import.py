@@ -152,7 +152,7 @@ def main() -> None:
         sys.path.insert(0, str(ROOT))
         from benchmarks.report import provenance, update_section
 
-        update_section("hf_import", "Hugging Face import: host memory (issue 18)",
+        update_section("hf_import", "Hugging Face import: host memory",
                        provenance("python benchmarks/hf_import.py") + "\n" + _table(rows))
 
 

@@ -40,7 +40,8 @@ from spmd_train import load_config  # noqa: E402
 from spmd_train.analysis import describe  # noqa: E402
 from spmd_train.analysis.render import human_bytes  # noqa: E402
 from spmd_train.analysis.topology import has_libtpu  # noqa: E402
-from spmd_train.parallel.schedules import build_schedule, simulate  # noqa: E402
+from spmd_train.parallel.schedule_simulator import simulate  # noqa: E402
+from spmd_train.parallel.schedules import build_schedule  # noqa: E402
 
 
 def cases(layers: int) -> list[tuple[str, list[str]]]:
@@ -245,7 +246,7 @@ def zero_bubble_section(command: str, include_tpu: bool) -> None:
     print(table)
     slice_ = "TPU v5e:2x4"
     tpu = (f" On the slice zb_h1 needs {ratios[slice_, 'zb_h1']:.3f}x and zb_v {ratios[slice_, 'zb_v']:.3f}x "
-           "1F1B's total (issue 19 asks for zb_h1 within 10%)" if (slice_, "zb_h1") in ratios else "")
+           "1F1B's total (the target: zb_h1 within 10% of it)" if (slice_, "zb_h1") in ratios else "")
     cpu = f"{ratios['8 x CPU', 'zb_h1']:.3f}x and {ratios['8 x CPU', 'zb_v']:.3f}x"
     body = (
         provenance(command).replace("- hardware:", "- host (compiles the TPU row through libtpu):")

@@ -150,7 +150,7 @@ def error(estimated: float, compiled: float) -> float:
 def analytic(cfg, mesh: dict[str, int], platform: str):
     """The analytic estimate of `cfg` on a mesh of these axis sizes, as compiled on `platform` (cpu, tpu)."""
     from spmd_train.analysis.plan import Candidate, ModelShape, Workload, estimate
-    from spmd_train.config.schema import MESH_AXES
+    from spmd_train.config.mesh_schema import MESH_AXES
     from spmd_train.hardware import hardware
 
     c = Candidate.from_config(cfg, {a: mesh.get(a, 1) for a in MESH_AXES})
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write and not args.only:
         from benchmarks.report import provenance, update_section
 
-        update_section("plan_accuracy", "Planner estimates against the compiler (issue 16)",
+        update_section("plan_accuracy", "Planner estimates against the compiler",
                        provenance("python -m benchmarks.plan_accuracy") + f"- {len(rows)} layouts compiled in "
                        f"{seconds:.0f} s\n\n" + NOTES + "\n\n" + body)
     return 0

@@ -228,7 +228,7 @@ def write(rows: list[Row], s: dict[str, float], result, profile_path: Path, seco
                f"alone ρ = {s['spearman_top']:.2f}; median absolute error of the step time "
                f"{s['median_abs_error']:.0%}; the fastest of the planner's top 8 is number "
                f"{s['best_measured_rank']} of all {s['layouts']} measured.\n\n")
-    update_section("plan_check", "Planner ranking against measured CPU steps (issue 16, `benchmarks/plan_check.py`)",
+    update_section("plan_check", "Planner ranking against measured CPU steps (`benchmarks/plan_check.py`)",
                    head + verdict + NOTES + "\n\n" + table(rows))
 
 

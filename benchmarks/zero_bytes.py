@@ -1,11 +1,11 @@
 """ZeRO-3 bytes on TPU slices: the compiled step with and without spmd_train's libtpu flags, against the floor.
 
 Usage: python benchmarks/zero_bytes.py [--remat full save_matmuls]
-Compiles the issue-13 run (Llama-3-8B, fsdp 64 on v5p:4x4x4, fp32 weights, bf16 compute, one 8192-token
-sequence per chip) with the flags (`spmd_train/tpu_flags.py`) for each remat policy and, for the first,
-with SPMD_TRAIN_TPU_FLAGS=0 (libtpu's defaults), each in its own process because libtpu reads
+Compiles the run of docs/describe.md's ZeRO-3 section (Llama-3-8B, fsdp 64 on v5p:4x4x4, fp32 weights, bf16
+compute, one 8192-token sequence per chip) with the flags (`spmd_train/tpu_flags.py`) for each remat policy and,
+for the first, with SPMD_TRAIN_TPU_FLAGS=0 (libtpu's defaults), each in its own process because libtpu reads
 LIBTPU_INIT_ARGS once. MaxText's figure (58.2 GB over fsdp, train_compile on v5p-128, same jax and libtpu)
-is the issue's. Then the other two large presets the tests hold (tests/test_zero_floor.py), at full depth:
+is quoted for comparison. Then the other two large presets the tests hold (tests/test_zero_floor.py), at full depth:
 Llama-3.2-1B with fsdp 16 on v6e:4x4 and Mixtral-8x7B with fsdp 8 x expert 8 on v5p:4x4x4.
 """
 

@@ -10,7 +10,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from spmd_train.config.schema import MESH_AXES, MeshConfig
+from spmd_train.config.mesh_schema import MESH_AXES, MeshConfig
 from spmd_train.errors import ConfigError
 
 

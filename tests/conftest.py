@@ -13,6 +13,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # and through the CLI) load it instead of compiling it again. Keyed by the program, flags and devices.
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_train-tests-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# Every program, however quick to compile: jax's default (1 s) keeps out XLA:CPU's many sub-second compiles of the
+# tiny models, which the suite repeats across tests and CLI subprocesses.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # After the cache directory (jax reads it when imported, as tests.runs does) and before the first backend (which
 # reads XLA_FLAGS).
@@ -44,3 +47,41 @@ def corpus(tmp_path_factory):
 
     lengths = np.random.default_rng(1).integers(2, 24, 400)
     return str(write_corpus(tmp_path_factory.mktemp("docs"), lengths)[0])
+
+
+def pytest_collection_modifyitems(config, items):
+    """`tpu_aot` tests compile with libtpu: skipped, with the reason, where the tpu-aot extra is not installed."""
+    from spmd_train.analysis.topology import has_libtpu
+
+    if not has_libtpu():
+        skip = pytest.mark.skip(reason="compiles for a TPU slice: needs libtpu (pip install -e '.[tpu-aot]')")
+        for item in items:
+            if "tpu_aot" in item.keywords:
+                item.add_marker(skip)
+
+
+FAST_TIER_BUDGET_S = 600
+"""`make test` (the fast tier) must finish in 10 minutes on 2 cores: the budget it prints itself against."""
+
+
+_SESSION_START = []
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _SESSION_START.append(time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Print the run's wall time against the fast tier's budget, so a test that pushes the tier over is seen."""
+    import time
+
+    tier = os.environ.get("SPMD_TRAIN_TIER")
+    if not tier or not _SESSION_START:
+        return
+    elapsed = time.monotonic() - _SESSION_START[0]
+    budget = FAST_TIER_BUDGET_S if tier == "fast" else None
+    verdict = "" if budget is None else (f" (budget {budget} s: OVER, make the slowest tests above cheaper or mark "
+                                         "them slow)" if elapsed > budget else f" (budget {budget} s)")
+    terminalreporter.write_line(f"{tier} tier: {elapsed:.0f} s of wall time{verdict}")

@@ -54,7 +54,7 @@ class Case:
     change activation bytes, and the scanned layer stack gives every layer the same layout."""
     topology: str | None = None
     """A TPU slice to compile for with libtpu; None: the config's own simulated CPU devices."""
-    heavy: bool = False
+    slow: bool = False
     cpu_devices: int = 8
     """Simulated CPU devices to compile on (topology None): a plan for a GPU cluster compiles its own mesh
     shape on that many, in a process of its own (`python -m tests.golden_layouts --config NAME`)."""
@@ -77,7 +77,7 @@ CASES: dict[str, Case] = {
         "llama3-8b_v5p-512",
         overrides=("model.num_layers=2", "train.global_batch_size=64", "train.seq_len=16"),
         topology="v5p:8x8x8",
-        heavy=True,
+        slow=True,
     ),
     # 64 chips, fsdp 8 x sequence 8, ring attention. Two layers and 256 tokens (16 per zigzag chunk)
     # instead of 32 x 131072: the same layout and ring collectives per layer, ~20 s to compile
@@ -86,7 +86,7 @@ CASES: dict[str, Case] = {
         "llama3-8b_128k_v5p",
         overrides=("model.num_layers=2", "train.seq_len=256"),
         topology="v5p:4x4x4",
-        heavy=True,
+        slow=True,
     ),
     # 64 H100s, fsdp 8 (across nodes) x sequence 8 (Ulysses inside a node). No GPU compiler here: the
     # layout and the collectives per axis are held on 64 simulated CPU devices, with XLA attention in
@@ -95,7 +95,7 @@ CASES: dict[str, Case] = {
     "llama3-8b_128k_h100": Case(
         "llama3-8b_128k_h100",
         overrides=("model.num_layers=2", "train.seq_len=256", "backends.attention=xla"),
-        heavy=True,
+        slow=True,
         cpu_devices=64,
     ),
 }

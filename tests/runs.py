@@ -88,6 +88,38 @@ def cli(*args: str, cwd: Path = ROOT, timeout: int = 600, optimized: bool = Fals
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def main_in_process(*args: str, capsys) -> tuple[int, str, str]:
+    """`spmd-train ARGS` through the CLI's `main()` in this process: (exit code, stdout, stderr).
+
+    For refusals and other runs that prove nothing a fresh process would add: a subprocess costs an interpreter and
+    a jax import. Relative paths resolve against the repository, as `cli`'s do; the process-wide set-up `main()` makes
+    (SIGINT handler, unraisable hook, the `spmd_train` log handler on captured stderr) is undone afterwards.
+    """
+    import logging
+    import signal
+
+    from spmd_train.cli.main import main
+
+    logger = logging.getLogger("spmd_train")
+    saved = (signal.getsignal(signal.SIGINT), sys.unraisablehook, list(logger.handlers), logger.level,
+             logger.propagate, os.getcwd())
+    capsys.readouterr()
+    os.chdir(ROOT)
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        sys.unraisablehook = saved[1]
+        logger.handlers[:] = saved[2]
+        logger.setLevel(saved[3])
+        logger.propagate = saved[4]
+        os.chdir(saved[5])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def abstract_like(shapes, shardings):
     """ShapeDtypeStructs of a tree of shapes, each carrying its sharding (for lowering without arrays)."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)

@@ -33,7 +33,7 @@ from spmd_train.analysis.plan.timing import collective_seconds
 from spmd_train.cli.bench_collectives import parse_mesh, parse_sizes
 from spmd_train.cli.main import main
 from spmd_train.config import load_config
-from spmd_train.config.schema import MeshConfig
+from spmd_train.config.mesh_schema import MeshConfig
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import hardware
 from spmd_train.mesh import build_mesh

@@ -9,7 +9,6 @@ import pytest
 
 from spmd_train import Engine, Trainer, load_config
 from spmd_train.analysis import tpu_topology_devices
-from spmd_train.analysis.topology import has_libtpu
 from spmd_train.errors import ConfigError
 from spmd_train.train import capacity
 from spmd_train.train import trainer as trainer_module
@@ -44,7 +43,7 @@ def test_over_the_host_or_the_device_kind_is_refused():
     check_state_fits(100 * GiB, cpu, "run", allocating=False)  # describe compiles without allocating
 
 
-@pytest.mark.skipif(not has_libtpu(), reason="needs the tpu-aot extra (libtpu)")
+@pytest.mark.tpu_aot
 def test_describe_for_a_tpu_slice_refuses_a_state_over_its_memory():
     cfg = load_config(None, ["model.preset=llama3-8b", "mesh.fsdp=8", "mesh.tensor=1", "parallel.zero_stage=1"])
     with pytest.raises(ConfigError, match=r"need [\d.]+ GiB per device, more than the 16 GiB of a TPU v5e"):

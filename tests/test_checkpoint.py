@@ -139,7 +139,7 @@ def test_a_saved_step_is_not_saved_again_a_finished_run_compiles_nothing_step_re
     trainer = _trainer(tmp_path, devices, "train.steps=3")
     trainer.init()
     trainer.run()  # saves step 3 at the end (asynchronously)
-    trainer.save()  # the README's API block does this next: Orbax would raise "step already exists"
+    trainer.save()  # docs/python-api.md's API block does this next: Orbax would raise "step already exists"
     trainer.save(wait=True)
     trainer.close()
     assert Checkpointer(tmp_path / "checkpoints").steps() == [3]
@@ -179,6 +179,7 @@ def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
     child.close()
 
 
+@pytest.mark.faults
 def test_a_crash_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, numpy as np, jax, jax.numpy as jnp

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from spmd_train import load_config
-from tests.runs import cli, uncached_env
+from tests.runs import cli, main_in_process, uncached_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,9 +90,9 @@ def test_describe_rules_prints_the_effective_rules_with_those_the_code_adds():
     assert as_json["params"]["layers"] == ["pipeline"] and "mesh.pipeline=4" in as_json["added_by_code"][0]
 
 
-def test_missing_config_file_exits_2():
-    proc = cli("train", "configs/no_such.yaml")
-    assert proc.returncode == 2 and "configs/no_such.yaml" in proc.stderr and "Traceback" not in proc.stderr
+def test_missing_config_file_exits_2(capsys):
+    code, _, err = main_in_process("train", "configs/no_such.yaml", capsys=capsys)
+    assert code == 2 and "configs/no_such.yaml" in err and "Traceback" not in err
 
 
 def test_prepare_data_then_train_on_it(tmp_path):
@@ -123,11 +123,12 @@ def test_prepare_data_then_train_on_it(tmp_path):
     ],
     ids=["empty-file", "seq-longer-than-document", "text-given-as-tokens"],
 )
-def test_bad_data_through_the_cli(tmp_path, setup, args, needle):
+def test_bad_data_through_the_cli(tmp_path, setup, args, needle, capsys):
     setup(tmp_path)
-    proc = cli("train", "configs/tiny.yaml", f"run.dir={tmp_path / 'run'}", *(a.format(d=tmp_path) for a in args))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert needle in proc.stderr
+    code, _, err = main_in_process("train", "configs/tiny.yaml", f"run.dir={tmp_path / 'run'}",
+                                   *(a.format(d=tmp_path) for a in args), capsys=capsys)
+    assert code == 2 and "Traceback" not in err
+    assert needle in err
 
 
 def test_profile_steps_write_a_trace(tmp_path):
@@ -137,7 +138,7 @@ def test_profile_steps_write_a_trace(tmp_path):
     assert traces and traces[0].stat().st_size > 0
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_main_job_ends_within_ten_percent_of_the_floor(tmp_path):
     proc = cli("train", "configs/tiny.yaml", f"run.dir={tmp_path}", optimized=True)
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,4 @@
-"""Fuzzing the config (issue 17): any override set either passes every check `spmd-train train` makes before it
+"""Fuzzing the config: any override set either passes every check `spmd-train train` makes before it
 compiles, or is refused with a ConfigError that names one of the keys it was given; never another exception.
 
 The keys, their types, Literal choices and pydantic bounds are read from the schema (dataclass fields and type
@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 
 from spmd_train.cli.main import main
 from spmd_train.config import Config, load_config
-from spmd_train.config.schema import LOGICAL_AXES
+from spmd_train.config.mesh_schema import LOGICAL_AXES
 from spmd_train.errors import ConfigError
 from spmd_train.train.trainer import Trainer
 

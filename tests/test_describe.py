@@ -16,11 +16,10 @@ from jax.experimental.compilation_cache import compilation_cache
 from spmd_train import load_config
 from spmd_train.analysis import describe, tpu_topology_devices
 from spmd_train.analysis.topology import has_libtpu, without_persistent_cache
-from tests.runs import cli
+from tests.runs import cli, main_in_process
 from tests.structure import mlp_forward_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_libtpu = pytest.mark.skipif(not has_libtpu(), reason="needs the tpu-aot extra")
 TINY = ["model.preset=tiny", "train.global_batch_size=32", "train.seq_len=16", "run.simulate_devices=null"]
 # Big enough that XLA:TPU keeps reduce-scatters (it all-reduces tiny tensors instead).
 MID = ["model.num_layers=4", "model.d_model=512", "model.d_ff=2048", "model.num_heads=8", "model.num_kv_heads=8"]
@@ -44,7 +43,7 @@ def test_tensor_parallel_mlp_has_one_all_reduce_and_no_all_gather(devices):
     assert coll[0].bytes == pytest.approx(2 * 3 / 4 * 4 * 16 * 64 * 4)  # 2(N-1)/N x local [4, 16, 64] fp32
 
 
-@needs_libtpu
+@pytest.mark.tpu_aot
 def test_sequence_parallel_mlp_swaps_the_all_reduce_for_reduce_scatter_and_all_gather():
     coll = mlp_forward_collectives(
         tpu_topology_devices("v5e:2x4"),
@@ -76,7 +75,7 @@ def test_data_parallel_reduces_parameter_bytes_once_per_step(devices, grad_accum
     assert reduce.bytes == pytest.approx(2 * 7 / 8 * param_bytes, rel=1e-3)
 
 
-@needs_libtpu
+@pytest.mark.tpu_aot
 def test_zero3_moves_three_times_the_parameters_over_fsdp():
     with jax.default_matmul_precision("highest"):  # keep the fp32 weights fp32 on the wire
         report = _report(tpu_topology_devices("v5e:2x4"), "mesh.fsdp=8", "parallel.zero_stage=3", *MID)
@@ -149,14 +148,14 @@ def test_cli_tables():
     ],
     ids=["unknown-topology", "topology-size", "bad-config", "override-after-option"],
 )
-def test_cli_bad_input_exits_2(args, needles):
+def test_cli_bad_input_exits_2(args, needles, capsys):
     if "--topology" in args and not has_libtpu():
         pytest.skip("needs the tpu-aot extra")
-    proc = cli("describe", "configs/tiny.yaml", *args)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, _, err = main_in_process("describe", "configs/tiny.yaml", *args, capsys=capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
     for needle in needles:
-        assert needle in proc.stderr
+        assert needle in err
 
 
 def test_cli_topology_without_libtpu_says_how_to_install(tmp_path):
@@ -170,8 +169,8 @@ def test_cli_topology_without_libtpu_says_how_to_install(tmp_path):
     assert "tpu-aot" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.heavy
-@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.tpu_aot
 def test_llama3_8b_on_512_v5p_chips_compiles_and_fits():
     report = describe(load_config(ROOT / "configs" / "llama3-8b_v5p-512.yaml"), topology="v5p:8x8x8")
     assert report.devices == 512 and report.mesh["fsdp"] == 64 and report.mesh["tensor"] == 8
@@ -181,7 +180,7 @@ def test_llama3_8b_on_512_v5p_chips_compiles_and_fits():
     assert math.isfinite(report.per_device["flops"]) and report.per_device["flops"] > report.per_device["model_flops"]
 
 
-@needs_libtpu
+@pytest.mark.tpu_aot
 def test_a_step_too_big_for_the_chip_is_reported_not_raised():
     report = describe(
         load_config(None, ["model.preset=gpt2-small", "mesh.fsdp=4", "train.global_batch_size=64",
@@ -220,7 +219,7 @@ def test_the_cache_stays_off_until_the_last_of_several_threads_compiling_for_a_s
     assert jax.config.jax_enable_compilation_cache == before
 
 
-@needs_libtpu
+@pytest.mark.tpu_aot
 def test_compiling_for_a_slice_leaves_the_persistent_cache_alone(devices, tmp_path):
     # A compile-only TPU client writes entries it cannot read back: the second compile of the same program
     # warned "Error reading persistent compilation cache entry" before describe compiled slices without it.

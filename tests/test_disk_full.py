@@ -47,6 +47,7 @@ def _mount_tmpfs(path, size):
         pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}); the injected case above runs")
 
 
+@pytest.mark.faults
 def test_a_full_filesystem_exits_3_and_a_rerun_resumes(tmp_path):
     # Real: checkpoints/ on a 3.5 MB tmpfs holds two of the tiny run's 1.3 MB checkpoints, not three.
     checkpoints = tmp_path / "checkpoints"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from spmd_train import Engine, load_config
-from spmd_train.config.schema import BackendsConfig, ModelConfig
+from spmd_train.config.model_schema import BackendsConfig, ModelConfig
 from spmd_train.data import Batch, TokenFiles, make_source
 from spmd_train.data.batch import document_layout, document_layout_from_eot
 from spmd_train.errors import ConfigError

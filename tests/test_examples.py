@@ -1,5 +1,5 @@
-"""Every command the README and docs/ show runs as written: each fenced bash block's commands and the README's
-Python API block, in a fresh directory, exit 0. Train commands get a few steps instead of their hundreds.
+"""Every command the README and docs/ show runs as written: each fenced bash block's commands and the Python API
+block of docs/python-api.md, in a fresh directory, exit 0. Train commands get a few steps instead of their hundreds.
 
 A command is run unless SKIPPED says why not (a usage line with placeholders, a benchmark that runs for
 minutes, several hosts, or a test elsewhere that already runs that exact command); a skip that no longer
@@ -46,6 +46,8 @@ COVERED = {
     # command prefix -> (the test file that runs it through the API, the arguments that file must contain)
     "spmd-train describe configs/llama3-8b_v5p-512.yaml --topology v5p:8x8x8":
         ("tests/test_describe.py", ["llama3-8b_v5p-512", "v5p:8x8x8"]),
+    # The tutorial trains the config its plan command writes (each command runs in a fresh dir).
+    "spmd-train train runs/plan/tiny-best.yaml": ("tests/test_plan_search.py", ['"--write-config"', "Trainer(cfg"]),
 }
 FIGURES = {
     # command prefix -> figures the docs quote from its output: (doc, the figure in the doc, the figure printed)
@@ -124,7 +126,7 @@ def _in_fresh_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.parametrize(("where", "command"), RUN, ids=[command for _, command in RUN])
 def test_documented_command_runs_as_written(where, command, tmp_path):
     argv = shlex.split(command)
@@ -143,9 +145,9 @@ def test_documented_command_runs_as_written(where, command, tmp_path):
         assert said == now.group(1), f"{doc} quotes {said}, {command!r} now prints {now.group(1)}: update {doc}"
 
 
-@pytest.mark.heavy
-def test_readme_python_api_block_runs_as_a_script(tmp_path):
-    block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+@pytest.mark.slow
+def test_python_api_block_runs_as_a_script(tmp_path):
+    block = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "python-api.md").read_text(), re.S).group(1)
     assert "trainer.run(" in block and "trainer.save()" in block
     script = _in_fresh_dir(tmp_path) / "api.py"
     script.write_text(block)

@@ -182,9 +182,8 @@ def test_inside_the_model_under_grad_accumulation_shard_map(devices):
     assert np.max(np.abs(pallas - xla) / np.abs(xla)) <= 1e-5
 
 
-@pytest.mark.skipif(not __import__("spmd_train.analysis.topology", fromlist=["x"]).has_libtpu(),
-                    reason="needs the tpu-aot extra")
-@pytest.mark.parametrize("length", [2048, pytest.param(32768, marks=pytest.mark.heavy)])
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("length", [2048, pytest.param(32768, marks=pytest.mark.slow)])
 def test_kernels_compile_for_tpu_inside_shard_map(length):
     from jax.sharding import AxisType, Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -213,7 +212,7 @@ def test_kernels_compile_for_tpu_inside_shard_map(length):
 
 
 def test_vmem_does_not_grow_with_length_and_oversized_blocks_fall_back_clearly():
-    from spmd_train.config.schema import BackendsConfig, ModelConfig
+    from spmd_train.config.model_schema import BackendsConfig, ModelConfig
     from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
     from spmd_train.parallel import resolve_backends
 

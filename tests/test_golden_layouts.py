@@ -28,13 +28,11 @@ from golden_layouts import (
     shipped_configs,
 )
 
-from spmd_train.analysis.topology import has_libtpu
-
 
 def _param(name):
-    marks = [pytest.mark.heavy] if CASES[name].heavy else []
+    marks = [pytest.mark.slow] if CASES[name].slow else []
     if CASES[name].topology is not None:
-        marks.append(pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra"))
+        marks.append(pytest.mark.tpu_aot)
     return pytest.param(name, marks=marks, id=name)
 
 

@@ -6,7 +6,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from spmd_train import Layout, build_mesh, load_config
-from spmd_train.config.schema import MESH_AXES
+from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.errors import ConfigError
 from spmd_train.mesh import resolve_axis_sizes
 

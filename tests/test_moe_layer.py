@@ -26,7 +26,7 @@ from moe_reference import (
 
 from spmd_train import ConfigError, Layout, build_mesh, load_config, use_layout
 from spmd_train.analysis import collectives_of
-from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
+from spmd_train.analysis.topology import tpu_topology_devices
 from spmd_train.config.checks import check_moe
 from spmd_train.models.moe import MoE
 from spmd_train.ops.experts import ExpertWeights
@@ -352,7 +352,7 @@ def test_dropless_exchange_equals_the_dense_loop_with_an_emulated_ragged_all_to_
         _assert_close(grads[name], grads_ref[name], what=f"d {name}")
 
 
-@pytest.mark.skipif(not has_libtpu(), reason="needs libtpu (the tpu-aot extra) to compile for TPU")
+@pytest.mark.tpu_aot
 @pytest.mark.parametrize("mesh", [["mesh.expert=8", "mesh.fsdp=1"], ["mesh.expert=4", "mesh.fsdp=2"]])
 def test_dropless_compiles_for_tpu_with_ragged_all_to_all(mesh):
     devices = tpu_topology_devices("v5e:2x4")

@@ -162,8 +162,8 @@ def test_train_step_has_four_all_to_alls_per_moe_layer_with_slot_bytes(devices, 
         assert compiled_over_sequence(collectives, ops) == {op: context["collectives"].get(op, zero) for op in ops}
 
 
-@pytest.mark.heavy
-@pytest.mark.skipif(not has_libtpu(), reason="needs libtpu (the tpu-aot extra) to compile for TPU")
+@pytest.mark.slow
+@pytest.mark.tpu_aot
 def test_bf16_all_to_alls_move_bf16_on_tpu():
     # XLA:CPU widens bf16 all-to-alls to f32; the TPU program moves the compute dtype, as the section says.
     engine = Engine.build(load_config(CONFIG, ["model.compute_dtype=bfloat16"]), tpu_topology_devices("v5e:2x4"))
@@ -234,7 +234,7 @@ def _balance(history):
     return load, float(np.mean([h["dropped_fraction"] for h in tail])), float(np.mean([h["loss"] for h in tail]))
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_training_with_the_aux_loss_lowers_the_loss_and_balances_the_experts(devices):
     history, _, _ = _train(TRAINING, devices[:1], STEPS)
     load, dropped, loss = _balance(history)
@@ -245,7 +245,7 @@ def test_training_with_the_aux_loss_lowers_the_loss_and_balances_the_experts(dev
     assert dropped <= 0.05
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_training_without_the_aux_loss_is_visibly_less_balanced(devices):
     history, _, _ = _train([*TRAINING, "model.moe.router_aux_weight=0"], devices[:1], STEPS)
     load, dropped, _ = _balance(history)

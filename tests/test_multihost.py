@@ -51,7 +51,7 @@ def _close(rel: list[float], ref: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(rel, ref, strict=True))
 
 
-@pytest.mark.heavy
+@pytest.mark.multiprocess
 def test_a_lost_process_ends_the_other_and_both_resume_to_match_one_process(tmp_path):
     multi = tmp_path / "multi"
     # A run far longer than the test: process 1 is killed once checkpoint 10 is complete.
@@ -112,7 +112,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.heavy
+@pytest.mark.multiprocess
 def test_a_process_hung_outside_the_step_ends_both_naming_it(tmp_path):
     procs = _two_processes(tmp_path, "train.steps=40", launch=("-c", HANG_AT_STEP_8))
     started = time.monotonic()

@@ -18,7 +18,7 @@ EXPECTED = {
 }
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch):
     # A fresh kernel process: it must configure its own simulated devices like a user would.

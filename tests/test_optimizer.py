@@ -133,7 +133,7 @@ def mesh_params(devices):
 def test_each_optimizer_steps_with_its_state_sharded_on_the_mesh(devices, mesh_params, name):
     """An update keeps every state array in the sharding the engine derived for it, Adafactor's row and column
     statistics included. The optimizer is stepped alone (the model's step costs a long compile on 8 devices;
-    the heavy test below trains Adafactor and Lion through it, the main job AdamW)."""
+    the slow test below trains Adafactor and Lion through it, the main job AdamW)."""
     engine = Engine.build(load_config(None, [*MESH_MODEL, f"optim.name={name}"]), devices)
     sh = engine.state_shardings
     opt_state = jax.jit(engine.tx.init, out_shardings=sh.opt_state)(mesh_params)
@@ -212,14 +212,14 @@ def test_resuming_with_another_optimizer_exits_2_naming_it_and_keeps_the_checkpo
     assert not (tmp_path / "damaged_checkpoints").exists()
 
 
-# Learning rates that take configs/tiny.yaml within 10% of the Markov floor in its 600 steps (README).
+# Learning rates that take configs/tiny.yaml within 10% of the Markov floor in its 600 steps (docs/configs.md).
 TUNED = {"wsd": ["optim.schedule=wsd"], "adafactor": ["optim.name=adafactor", "optim.lr=1e-1"],
          "lion": ["optim.name=lion", "optim.lr=2e-3"]}
-"""The README's tuned settings; wsd (AdamW's update under another schedule, whose values the formula tests above
-pin) is measured in the README's table, not trained again here: each case costs about a minute on 2 cores."""
+"""The tuned settings of docs/configs.md; wsd (AdamW's update under another schedule, whose values the formula tests
+above pin) is measured in that page's table, not trained again here: each case costs about a minute on 2 cores."""
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["adafactor", "lion"])
 def test_adafactor_and_lion_reach_the_floor_like_the_main_job(label, devices):
     """configs/tiny.yaml (600 steps) with the tuned setting, through the engine's train step in this process (no

@@ -12,7 +12,8 @@ from spmd_train.analysis import collectives_of
 from spmd_train.errors import ConfigError
 from spmd_train.parallel.pipeline import run_pipeline
 from spmd_train.parallel.pipeline_plan import build_plan
-from spmd_train.parallel.schedules import build_schedule, placement_of, simulate
+from spmd_train.parallel.schedule_simulator import simulate
+from spmd_train.parallel.schedules import build_schedule, placement_of
 from spmd_train.train.pipelined import layer_order
 from tests.runs import TINY, relative_error, run_steps
 
@@ -120,7 +121,7 @@ MODEL_GRID = [(2, 4), (4, 4), (4, 16)]
 HEAVY = [(name, v, p, m) for name, v in FUSED for p, m in MODEL_GRID] + [(name, v, 4, 8) for name, v in SPLIT]
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.parametrize("name,v,p,m", HEAVY)
 def test_pipelined_model_equals_one_device(reference, devices, name, v, p, m):
     _check(reference, [f"mesh.pipeline={p}", f"mesh.fsdp={8 // p}", f"parallel.pipeline_schedule={name}",

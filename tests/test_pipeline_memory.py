@@ -20,7 +20,6 @@ import pytest
 
 from spmd_train import load_config
 from spmd_train.analysis import describe, tpu_topology_devices
-from spmd_train.analysis.topology import has_libtpu
 from spmd_train.models.flops import balanced_depths, head_flops_per_token, layer_flops_per_token
 from tests.runs import cli
 
@@ -72,8 +71,8 @@ def test_1f1b_needs_at_most_half_the_activation_memory_of_gpipe_on_cpu(devices):
     assert mem["gpipe"]["temp"] - mem["1f1b"]["temp"] >= (M - P) * stash
 
 
-@pytest.mark.heavy
-@pytest.mark.skipif(not has_libtpu(), reason="needs the tpu-aot extra (libtpu)")
+@pytest.mark.slow
+@pytest.mark.tpu_aot
 def test_1f1b_needs_at_most_half_the_activation_memory_of_gpipe_on_a_v5e_slice():
     tpu_topology_devices("v5e:2x4")  # load libtpu once before two threads ask for the slice
     # The two compilations run side by side (XLA releases the GIL): about 50 s instead of 80 on 2 cores.

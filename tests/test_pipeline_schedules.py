@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from spmd_train.cli.main import main
+from spmd_train.config.validity import SCHEDULES
 from spmd_train.errors import ConfigError
-from spmd_train.parallel.schedules import SCHEDULES, Op, Schedule, build_schedule, render_timeline, simulate
+from spmd_train.parallel.schedule_simulator import render_timeline, simulate
+from spmd_train.parallel.schedules import Op, Schedule, build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from spmd_train import Engine, load_config
-from spmd_train.analysis.report import rows_per_device
 from spmd_train.config.checks import check_layout
 from spmd_train.errors import ConfigError
 from spmd_train.models.flops import balanced_depths
+from spmd_train.sharding.arithmetic import rows_per_device
 from spmd_train.train.pipelined import chunk_depths, stash_bytes_per_microbatch
 from tests.runs import TINY, cli, relative_error, run_steps
 

@@ -1,7 +1,7 @@
 """The planner's analytic estimate against compiled programs, without compiling: the figures recorded in
 tests/golden/*.json (kept true by tests/test_golden_layouts.py) against `analysis.plan.estimate` of the same config.
 
-Issue 16's bounds are memory within 15% and bytes per mesh axis within 10%. Each golden case that does not meet them
+The planner's targets are memory within 15% and bytes per mesh axis within 10%. Each golden case that does not meet them
 asserts its documented bound instead, with the reason beside it (`KNOWN`): the test fails if a case gets worse, and
 also if it gets better than its documented bound by a wide margin, so the table is tightened when the model is fixed.
 Conventions as in benchmarks/plan_accuracy.py (XLA:CPU's reduce-scatter as all-reduce + slice; XLA attention on CPU).

@@ -217,7 +217,7 @@ def test_a_pipeline_stage_stashes_what_the_model_says_for_every_remat_policy(dev
 def test_an_moe_layer_keeps_what_jax_vjp_keeps_of_it():
     from flax import nnx
 
-    from spmd_train.config.schema import BackendsConfig
+    from spmd_train.config.model_schema import BackendsConfig
     from spmd_train.models.remat import apply_remat
     from spmd_train.models.transformer import Block
     from spmd_train.ops.rope import rope_tables

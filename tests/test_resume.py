@@ -16,7 +16,7 @@ from spmd_train import Trainer, load_config
 from spmd_train.errors import ConfigError
 from spmd_train.train.metrics import read_history
 from spmd_train.train.run_record import record_config
-from tests.runs import cli, cli_env
+from tests.runs import cli, cli_env, main_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["train", "configs/tiny.yaml", "train.steps=120", "checkpoint.every=10", "run.log_every=1000"]
@@ -89,6 +89,7 @@ def _final_state(run_dir: Path):
         trainer.close()
 
 
+@pytest.mark.faults
 def test_ten_kills_anywhere_then_resume_equal_the_uninterrupted_run_bitwise(straight, cache, tmp_path):
     """SIGKILL at 10 seeded moments: while starting (restore, compile), at a random step, and while an
     asynchronous checkpoint is being written; each restart resumes from what was left on disk."""
@@ -150,13 +151,14 @@ def test_restoring_another_architecture_exits_2_and_leaves_the_run_intact(tmp_pa
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
 
-def test_a_run_dir_that_is_a_file_or_cannot_be_created_exits_2(tmp_path):
+def test_a_run_dir_that_is_a_file_or_cannot_be_created_exits_2(tmp_path, capsys):
     (tmp_path / "afile").write_text("keep me")
     for run_dir, needle in ((tmp_path / "afile", "is a file, not a directory"),
                             (Path("/proc/spmd_train_run"), "cannot be created")):
-        proc = cli("train", "configs/tiny.yaml", "train.steps=2", f"run.dir={run_dir}")
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert f"run.dir={run_dir} {needle}" in proc.stderr
+        code, _, err = main_in_process("train", "configs/tiny.yaml", "train.steps=2", f"run.dir={run_dir}",
+                                       capsys=capsys)
+        assert code == 2 and "Traceback" not in err, err
+        assert f"run.dir={run_dir} {needle}" in err
     assert (tmp_path / "afile").read_text() == "keep me"
 
 
@@ -169,12 +171,14 @@ def test_a_run_dir_that_is_a_file_or_cannot_be_created_exits_2(tmp_path):
     ],
     ids=["missing-data", "profile-outside", "resume-never"],
 )
-def test_bad_run_input_exits_2(tmp_path, args, needle):
+def test_bad_run_input_exits_2(tmp_path, args, needle, capsys):
     if "train.resume=never" in args:
-        assert cli("train", "configs/tiny.yaml", "train.steps=3", f"run.dir={tmp_path}").returncode == 0
-    proc = cli("train", "configs/tiny.yaml", "train.steps=20", f"run.dir={tmp_path}", *args)
-    assert proc.returncode == 2, proc.stderr
-    assert needle in proc.stderr and "Traceback" not in proc.stderr
+        assert main_in_process("train", "configs/tiny.yaml", "train.steps=3", f"run.dir={tmp_path}",
+                               capsys=capsys)[0] == 0
+    code, _, err = main_in_process("train", "configs/tiny.yaml", "train.steps=20", f"run.dir={tmp_path}", *args,
+                                   capsys=capsys)
+    assert code == 2, err
+    assert needle in err and "Traceback" not in err
 
 
 def test_a_record_cut_short_by_a_kill_is_dropped_and_a_damaged_one_is_named(tmp_path):

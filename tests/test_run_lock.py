@@ -15,6 +15,7 @@ from spmd_train import Trainer, load_config
 from tests.runs import ROOT, TINY, cli, cli_env
 
 
+@pytest.mark.faults
 def test_a_second_job_on_a_run_dir_exits_2_naming_the_holder(tmp_path):
     first = subprocess.Popen([sys.executable, "-m", "spmd_train", "train", "configs/tiny.yaml", f"run.dir={tmp_path}",
                               "train.steps=120"], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,

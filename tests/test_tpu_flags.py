@@ -1,7 +1,7 @@
 """The libtpu flags spmd_train sets: merged into LIBTPU_INIT_ARGS without overriding the user's, and what they change.
 
 Without them libtpu compiles a 64-way weight gather on v5p:4x4x4 to an all-reduce of a padded buffer and a
-64-way gradient reduce-scatter to an all-reduce + slice (2x the bytes each; issue 13).
+64-way gradient reduce-scatter to an all-reduce + slice (2x the bytes each; docs/describe.md, "ZeRO-3 on large slices").
 """
 
 import jax
@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.analysis.hlo import parse_collectives
-from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
+from spmd_train.analysis.topology import tpu_topology_devices
 from spmd_train.tpu_flags import TPU_FLAGS, apply_tpu_flags, merged_init_args, parse_init_args, tpu_flags_in_effect
 
 
@@ -35,7 +35,7 @@ def test_apply_sets_the_environment_and_can_be_switched_off():
     assert "LIBTPU_INIT_ARGS" not in off and tpu_flags_in_effect(off) == {}
 
 
-@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+@pytest.mark.tpu_aot
 def test_a_64_way_gather_and_reduce_scatter_stay_what_they_are_on_a_3d_torus():
     # Importing spmd_train applied the flags before libtpu loaded in this process.
     assert tpu_flags_in_effect() == TPU_FLAGS
@@ -55,7 +55,7 @@ def test_a_64_way_gather_and_reduce_scatter_stay_what_they_are_on_a_3d_torus():
     assert kinds == {"all-gather", "reduce-scatter"}, kinds
 
 
-@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+@pytest.mark.tpu_aot
 def test_gradients_scattered_on_a_trailing_model_dimension_are_reduce_scatters_on_a_2d_torus():
     # Without xla_tpu_enable_sparse_core_collective_offload_reduce_scatter these two are all-reduces on a
     # v6e 4x4 (16-way fsdp); the gate/up projection, scattered on its leading dimension, never was.

@@ -4,15 +4,10 @@
 import pytest
 
 from spmd_train.cli.main import main
+from spmd_train.config.validity import SCHEDULES
 from spmd_train.errors import ConfigError
-from spmd_train.parallel.schedules import (
-    SCHEDULES,
-    SIMULATED_SCHEDULES,
-    Op,
-    build_schedule,
-    render_timeline,
-    simulate,
-)
+from spmd_train.parallel.schedule_simulator import render_timeline, simulate
+from spmd_train.parallel.schedules import SIMULATED_SCHEDULES, Op, build_schedule
 from tests.test_pipeline_schedules import _rejected, _when, _with
 
 

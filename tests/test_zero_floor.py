@@ -9,7 +9,6 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train import Engine, load_config
 from spmd_train.analysis import describe
-from spmd_train.analysis.topology import has_libtpu
 from spmd_train.analysis.zero_floor import floor_by_axes, zero_floor
 
 
@@ -69,10 +68,10 @@ def _large(preset_overrides, topology):
     return describe(cfg, topology=topology)
 
 
-@pytest.mark.heavy
-@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+@pytest.mark.slow
+@pytest.mark.tpu_aot
 def test_llama3_8b_zero3_over_64_chips_of_v5p_moves_close_to_the_floor():
-    # The run (fsdp 64 on v5p:4x4x4, full remat). Without the TPU flags every gather and reduction
+    # docs/describe.md's ZeRO-3 run (fsdp 64 on v5p:4x4x4, full remat). Without the TPU flags every gather and reduction
     # here is an all-reduce (ratio 3.2 for all 32 layers at 8192 tokens).
     report = _large(["mesh.fsdp=64", "train.global_batch_size=64"], "v5p:4x4x4")
     (row,) = report.floor_ratios()
@@ -87,8 +86,8 @@ def test_llama3_8b_zero3_over_64_chips_of_v5p_moves_close_to_the_floor():
     assert by_op["all-reduce"] < 1e-3 * floor["reduce-scatter"]  # only norm scales and scalars
 
 
-@pytest.mark.heavy
-@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+@pytest.mark.slow
+@pytest.mark.tpu_aot
 def test_llama_1b_zero3_over_a_v6e_4x4_reduces_its_tied_table_once():
     report = _large(["model.preset=llama-1b", "mesh.fsdp=16", "train.global_batch_size=16"], "v6e:4x4")
     (row,) = report.floor_ratios()
@@ -104,8 +103,8 @@ def test_llama_1b_zero3_over_a_v6e_4x4_reduces_its_tied_table_once():
     assert by_op.get("all-reduce", 0.0) < 1e-3 * floor["reduce-scatter"]
 
 
-@pytest.mark.heavy
-@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+@pytest.mark.slow
+@pytest.mark.tpu_aot
 def test_mixtral_expert_by_fsdp_over_64_chips_of_v5p_moves_close_to_the_floor():
     report = _large(["model.preset=mixtral-8x7b", "mesh.fsdp=8", "mesh.expert=8", "train.global_batch_size=64"],
                     "v5p:4x4x4")
@@ -125,7 +124,7 @@ def test_mixtral_expert_by_fsdp_over_64_chips_of_v5p_moves_close_to_the_floor():
         assert ops["all-reduce", axes] < 1e-3 * scatter, (axes, ops["all-reduce", axes])  # norm scales, scalars
 
 
-@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+@pytest.mark.tpu_aot
 def test_vocabulary_gradients_are_scattered_along_the_vocabulary_on_tpu_only(devices):
     from spmd_train.analysis.topology import tpu_topology_devices
 
@@ -142,7 +141,7 @@ def test_vocabulary_gradients_are_scattered_along_the_vocabulary_on_tpu_only(dev
     assert Engine.build(cfg, devices).layout.scatter_path(P("vocab", "embed"), (vocab, d)) == ()  # CPU
 
 
-@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+@pytest.mark.tpu_aot
 def test_dense_weights_of_an_moe_model_are_scattered_over_fsdp_and_expert_together_on_tpu(devices):
     from spmd_train.analysis.topology import tpu_topology_devices
 
@@ -161,8 +160,8 @@ def test_dense_weights_of_an_moe_model_are_scattered_over_fsdp_and_expert_togeth
     assert Engine.build(cfg, devices).layout.scatter_path(P("embed", "mlp"), (d, 4 * d)) == ()
 
 
-@pytest.mark.heavy
-@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+@pytest.mark.slow
+@pytest.mark.tpu_aot
 def test_two_slices_over_dcn_count_the_gradient_all_reduce_between_them():
     # XLA:TPU lowers a collective between slices to host-transfer sends to the megascale runtime, not to a
     # collective instruction: describe saw no traffic over `data` at all before it read them.
@@ -176,7 +175,7 @@ def test_two_slices_over_dcn_count_the_gradient_all_reduce_between_them():
     assert all(c.axes == ("fsdp",) for c in report.collectives if c not in over_data)  # the rest stays on a slice
 
 
-@pytest.mark.skipif(not has_libtpu(), reason="compiles for a TPU slice: needs the tpu-aot extra")
+@pytest.mark.tpu_aot
 def test_pipeline_stages_on_two_slices_send_over_dcn_every_tick():
     cfg = load_config("configs/tiny.yaml", ["mesh.pipeline=2", "mesh.fsdp=8", "mesh.tensor=1", "mesh.dcn.pipeline=2",
                                             "run.simulate_devices=null", "model.num_layers=4"])

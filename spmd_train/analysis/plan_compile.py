@@ -23,8 +23,9 @@ from spmd_train.analysis.plan.candidate import Workload
 from spmd_train.analysis.plan.compiled import Compiled, rescore
 from spmd_train.analysis.plan.labels import Scope, config_for
 from spmd_train.analysis.plan.model import estimate
+from spmd_train.analysis.plan.ranking import Ranked, tie_order
 from spmd_train.analysis.plan.rules import REFUSED, Rejection
-from spmd_train.analysis.plan.search import Ranked, SearchResult, tie_order
+from spmd_train.analysis.plan.search import SearchResult
 from spmd_train.analysis.render import PIPELINE_FLOPS_NOTE
 from spmd_train.analysis.report import describe
 from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices

@@ -12,8 +12,8 @@ from typing import Any
 from rich.console import Console, RenderableType
 from rich.table import Table
 
+from spmd_train.config.validity import SPLIT_BACKWARD
 from spmd_train.parallel import Backends
-from spmd_train.parallel.schedules import SPLIT_BACKWARD
 
 PIPELINE_FLOPS_NOTE = (
     "pipelined step: FLOPs per device are the model count (averaged over devices; the last stage also runs the "

@@ -3,7 +3,7 @@ layer on the chunk that holds it, the LM head on the last model chunk), summed p
 
 from __future__ import annotations
 
-from spmd_train.config.schema import ModelConfig
+from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.flops import chunk_flops_per_token
 from spmd_train.parallel.schedules import stage_of
 

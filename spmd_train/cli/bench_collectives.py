@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spmd_train.analysis.plan.profile import OPS, Matmul, Measurement, Profile, fit_all, host_memory, save_profile
-from spmd_train.config.schema import MESH_AXES
+from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.errors import ConfigError
 
 DEFAULT_SIZES = "1KiB..256MiB"
@@ -134,7 +134,7 @@ def run_bench(args: argparse.Namespace) -> int:
     simulate_devices(args.simulate_devices)  # before anything below starts jax's backend
     import jax
 
-    from spmd_train.config.schema import MeshConfig
+    from spmd_train.config.mesh_schema import MeshConfig
     from spmd_train.mesh import build_mesh
     from spmd_train.parallel.collective_bench import matmul_probe, time_collective
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 from spmd_train.errors import ConfigError
-from spmd_train.parallel.schedules import ScheduleStats, build_schedule, render_timeline, simulate
+from spmd_train.parallel.schedule_simulator import ScheduleStats, render_timeline, simulate
+from spmd_train.parallel.schedules import build_schedule
 
 MAX_CHUNKS = 16384
 """stages x microbatches x virtual this command draws: about 200 KB of timeline and a few seconds (the

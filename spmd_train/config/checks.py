@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
+from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.rules import resolve_rules
-from spmd_train.config.schema import MESH_AXES, Config
+from spmd_train.config.schema import Config
+from spmd_train.config.validity import (
+    axes_divide_tokens,
+    batch_axes_divide_batch,
+    cudnn_merges_no_blocks,
+    divisors,
+    expert_divides_experts,
+    refuse,
+    ring_outside_pipeline,
+    ring_zigzag_chunks,
+    tensor_divides,
+    ulysses_whole_heads,
+    virtual_stages_fit,
+)
 from spmd_train.errors import ConfigError
 
 
@@ -81,47 +94,19 @@ def check_config(cfg: Config) -> None:
 def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = None) -> None:
     """Checks that need the resolved mesh axis sizes (after -1 is filled) and the platform compiled for.
 
-    The pipeline keys are checked beside the schedules (`parallel.schedules.check_pipeline`).
+    The rules are `config.validity`'s; the pipeline keys beyond parallel.virtual_stages are checked by
+    `config.pipeline_keys.check_pipeline`.
     """
-    m, t = cfg.model, cfg.train
+    m, t, par = cfg.model, cfg.train, cfg.parallel
     tensor = sizes["tensor"]
-    for key, value in (
-        ("model.num_heads", m.num_heads),
-        ("model.num_kv_heads", m.num_kv_heads),
-        ("model.d_ff", m.d_ff),
-        ("model.vocab_size", m.vocab_size),
-    ):
-        if value % tensor:
-            raise ConfigError(
-                f"{key}={value} is not divisible by mesh.tensor={tensor}: tensor parallelism splits it "
-                f"across {tensor} devices (valid mesh.tensor: {divisors(value)})"
-            )
+    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ("d_ff", m.d_ff),
+                       ("vocab_size", m.vocab_size)):
+        refuse(tensor_divides(key, value, tensor))
     batch_axes = resolve_rules(cfg).batch_axes
-    need = math.prod(sizes[a] for a in batch_axes) * t.grad_accum
-    if t.global_batch_size % need:
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by "
-            f"{' x '.join(f'mesh.{a}={sizes[a]}' for a in batch_axes)} x train.grad_accum={t.grad_accum} = {need}: "
-            f"each device needs a whole share of every microbatch (valid: a multiple of {need})"
-        )
-    length_ways = sizes["sequence"] * (tensor if cfg.parallel.sequence_parallel else 1)
-    if t.seq_len % length_ways:
-        why = f"mesh.sequence={sizes['sequence']}"
-        if cfg.parallel.sequence_parallel:
-            why += f" x mesh.tensor={tensor} (parallel.sequence_parallel=true)"
-        raise ConfigError(
-            f"train.seq_len={t.seq_len} is not divisible by {why} = {length_ways}: "
-            f"tokens are split over these axes (valid: a multiple of {length_ways})"
-        )
-    par = cfg.parallel
-    if sizes["pipeline"] > 1 and par.pipeline_schedule == "interleaved_1f1b" and par.virtual_stages < 2:
-        # Before `check_pipeline`, whose message names the value only: the user may have set either key.
-        raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} is invalid with parallel.pipeline_schedule="
-                          "interleaved_1f1b, which gives each stage several chunks of layers (valid: "
-                          "parallel.virtual_stages >= 2, or parallel.pipeline_schedule=1f1b or gpipe)")
-    if sizes["pipeline"] > 1 and par.pipeline_schedule == "zb_v" and par.virtual_stages != 2:
-        raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} is invalid with parallel.pipeline_schedule="
-                          "zb_v, which runs exactly 2 chunks per stage in a V (valid: set parallel.virtual_stages=2)")
+    refuse(batch_axes_divide_batch(t.global_batch_size, {a: sizes[a] for a in batch_axes}, t.grad_accum))
+    refuse(axes_divide_tokens(t.seq_len, sizes["sequence"], tensor, par.sequence_parallel))
+    if sizes["pipeline"] > 1:
+        refuse(virtual_stages_fit(par.pipeline_schedule, par.virtual_stages))
     layers = par.pipeline_layers
     if sizes["pipeline"] == 1 and layers not in (None, "balanced") and tuple(layers) != (cfg.model.num_layers,):
         raise ConfigError(f"parallel.pipeline_layers=[{', '.join(map(str, layers))}] splits the layers into stages, "
@@ -130,14 +115,6 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
     check_context(cfg, sizes)
-
-
-def divisors(n: int) -> str:
-    """The divisors of n, as a 'valid values' list for error messages (described, not listed, past 10**12)."""
-    if n > 10**12:  # trial division up to sqrt(n) would take minutes (model.num_layers=2147483647 did hang)
-        return f"a divisor of {n}"
-    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return ", ".join(str(d) for d in sorted({*low, *(n // d for d in low)}))
 
 
 def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
@@ -150,28 +127,10 @@ def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
     if length != ("sequence",):
         raise ConfigError(f"mesh.rules.activations.length={list(length)} with mesh.sequence={n}: context-parallel "
                           "attention needs the tokens split over sequence alone (valid: [sequence])")
-    if how == "ulysses":
-        heads = m.num_heads // sizes["tensor"]
-        if heads % n:
-            raise ConfigError(
-                f"parallel.context_parallel=ulysses with mesh.sequence={n} needs the query heads on a device "
-                f"(model.num_heads={m.num_heads} / mesh.tensor={sizes['tensor']} = {heads}) to divide by {n} "
-                f"(valid mesh.sequence: {divisors(heads)}); parallel.context_parallel=ring or allgather has no such "
-                "limit")
-    if how in ("allgather", "ring") and cfg.backends.attention == "cudnn":
-        raise ConfigError(f"backends.attention=cudnn with parallel.context_parallel={how}: the blocks' results "
-                          "are merged by log-sum-exp, which cuDNN through jax does not return (valid: "
-                          "backends.attention=pallas, xla or auto, or parallel.context_parallel=ulysses)")
-    if how == "ring" and sizes["pipeline"] > 1:
-        raise ConfigError(f"parallel.context_parallel=ring with mesh.pipeline={sizes['pipeline']}: ring attention's "
-                          "permutes would run inside the pipeline's per-tick branch, which stages take differently "
-                          "at one tick, and the step computes wrong values (NaN on 8 CPU devices; found by the "
-                          "planner's check) (valid: parallel.context_parallel=allgather or ulysses with a pipeline, "
-                          "or mesh.pipeline=1 for ring)")
-    if how == "ring" and cfg.train.seq_len % (2 * n):
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} with parallel.context_parallel=ring over "
-                          f"mesh.sequence={n}: the zigzag layout gives each device 2 of {2 * n} equal chunks "
-                          f"(valid: a multiple of {2 * n}, or parallel.context_parallel=allgather)")
+    refuse(ulysses_whole_heads(how, m.num_heads, sizes["tensor"], n))
+    refuse(cudnn_merges_no_blocks(how, cfg.backends.attention, n))
+    refuse(ring_outside_pipeline(how, n, sizes["pipeline"]))
+    refuse(ring_zigzag_chunks(how, cfg.train.seq_len, n))
 
 
 def check_attention(cfg: Config, platform: str) -> None:
@@ -206,18 +165,8 @@ def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
             f"model.moe.experts_per_token={moe.experts_per_token} is invalid with "
             f"model.moe.num_experts={moe.num_experts} (valid: 1 to {moe.num_experts})"
         )
-    expert = sizes["expert"]
-    if moe.num_experts % expert:
-        raise ConfigError(
-            f"model.moe.num_experts={moe.num_experts} is not divisible by mesh.expert={expert}: each device of "
-            f"the expert axis holds num_experts / mesh.expert experts (valid mesh.expert: {divisors(moe.num_experts)})"
-        )
-    tensor = sizes["tensor"]
-    if m.resolved_moe_d_ff % tensor:
-        raise ConfigError(
-            f"model.moe.d_ff={m.resolved_moe_d_ff} is not divisible by mesh.tensor={tensor}: tensor parallelism "
-            f"splits each expert's hidden width (valid mesh.tensor: {divisors(m.resolved_moe_d_ff)})"
-        )
+    refuse(expert_divides_experts(moe.num_experts, sizes["expert"]))
+    refuse(tensor_divides("moe.d_ff", m.resolved_moe_d_ff, sizes["tensor"]))
     if cfg.backends.moe == "dropless" and platform == "cpu":
         raise ConfigError(
             "backends.moe=dropless needs ragged all-to-all, which XLA:CPU does not implement; use "

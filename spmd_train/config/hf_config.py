@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from spmd_train.config.schema import ModelConfig
+from spmd_train.config.model_schema import ModelConfig
 from spmd_train.errors import ConfigError
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -21,8 +21,9 @@ import yaml
 
 from spmd_train.config.checks import check_config
 from spmd_train.config.hf_config import hf_directory, model_section, read_hf_config
+from spmd_train.config.model_schema import ModelConfig
 from spmd_train.config.moved import MOVED_KEYS, upgrade_model_section
-from spmd_train.config.schema import Config, ModelConfig
+from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]

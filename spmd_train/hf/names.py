@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd_train.config.schema import ModelConfig
+from spmd_train.config.model_schema import ModelConfig
 
 
 @dataclass(frozen=True)

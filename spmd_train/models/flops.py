@@ -29,7 +29,7 @@ import itertools
 
 import numpy as np
 
-from spmd_train.config.schema import ModelConfig
+from spmd_train.config.model_schema import ModelConfig
 
 
 def moe_layer_count(m: ModelConfig) -> int:

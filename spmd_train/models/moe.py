@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd_train.config.schema import ModelConfig
+from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.layers import dense, param, weight
 from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights
 from spmd_train.ops.routing import aux_loss, expert_counts, route, z_loss

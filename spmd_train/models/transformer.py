@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd_train.config.schema import BackendsConfig, ModelConfig
+from spmd_train.config.model_schema import BackendsConfig, ModelConfig
 from spmd_train.models.layers import Pinned, dense, param, pin, weight
 from spmd_train.models.moe import MoE
 from spmd_train.models.padded_row import padded_row

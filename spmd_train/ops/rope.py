@@ -11,7 +11,7 @@ import jax.numpy as jnp
 def inverse_frequencies(head_dim: int, theta: float, scaling=None) -> jax.Array:
     """RoPE's per-pair frequencies theta^(-2i/head_dim) [head_dim // 2] in fp32, optionally stretched.
 
-    `scaling` (a `config.schema.RopeScaling` or anything with its fields): `linear` divides every
+    `scaling` (a `config.model_schema.RopeScaling` or anything with its fields): `linear` divides every
     frequency by `factor`; `llama3` (Llama 3.1, as `transformers` computes it) divides those whose
     wavelength exceeds original_max_position / low_freq_factor, keeps those below
     original_max_position / high_freq_factor, and blends linearly in 1 / wavelength between the two.

@@ -5,7 +5,8 @@ chosen for the run, kernels wrapped in `shard_map`; `Backends` is that choice, m
 `resolve_backends` when the engine is built), `moe_ffn` (routed experts, tokens sent to
 their experts' devices with `all_to_all`) and `replica_mean` (a statistic averaged over the
 replicas of an enclosing gradient region). The pipeline executor and schedules are used by the
-train step (`spmd_train.parallel.pipeline`, `spmd_train.parallel.schedules`).
+train step (`spmd_train.parallel.pipeline`, `spmd_train.parallel.schedules`); the simulator that checks and
+measures a schedule is `spmd_train.parallel.schedule_simulator`.
 """
 
 from spmd_train.parallel.attention import attention

@@ -14,7 +14,7 @@ from typing import get_args
 
 import jax.numpy as jnp
 
-from spmd_train.config.schema import AttentionImpl, BackendsConfig, ModelConfig, MoEImpl
+from spmd_train.config.model_schema import AttentionImpl, BackendsConfig, ModelConfig, MoEImpl
 from spmd_train.errors import ConfigError
 from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
 from spmd_train.kernels.flash_attention.api import default_blocks

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.config.schema import MoEImpl
+from spmd_train.config.model_schema import MoEImpl
+from spmd_train.config.validity import expert_divides_experts, refuse
 from spmd_train.errors import ConfigError
 from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights, Prepare, batched_swiglu, ragged_swiglu
 from spmd_train.ops.routing import capacity, expert_counts, slot_positions
@@ -64,8 +65,7 @@ def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: Expe
     if ways > 1 and AXIS not in axes:
         raise ConfigError(f"mesh.expert={ways} needs `expert` among the mesh axes of the activation rule `batch` "
                           f"(now {list(axes)}): each expert-axis device dispatches its own tokens")
-    if num_experts % ways:
-        raise ConfigError(f"model.moe.num_experts={num_experts} is not divisible by mesh.expert={ways}")
+    refuse(expert_divides_experts(num_experts, ways))
     if impl == "capacity":
         return _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes,
                          length, ways)

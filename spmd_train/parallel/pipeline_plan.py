@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd_train.parallel.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, simulate
+from spmd_train.parallel.schedule_simulator import simulate
+from spmd_train.parallel.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
 
 IDLE_CODE, FORWARD_CODE, BACKWARD_CODE, WEIGHT_CODE = 0, 1, 2, 3
 """A plan row's `kind` column: the integer index of the executor's `lax.switch` branch (the schedule

@@ -10,8 +10,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.config.mesh_schema import LOGICAL_AXES
 from spmd_train.config.rules import ResolvedRules, resolve_rules
-from spmd_train.config.schema import LOGICAL_AXES, Config
+from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 from spmd_train.sharding.arithmetic import entry_axes, spec_axes, ways
 
@@ -140,7 +141,7 @@ class Layout:
         out = []
         for dim, name in enumerate(logical):
             if name is not None and name not in LOGICAL_AXES:  # the model code's error, caught by the tests
-                raise ValueError(f"{what}: logical axis name {name!r} is not in config.schema.LOGICAL_AXES")
+                raise ValueError(f"{what}: logical axis name {name!r} is not in config.mesh_schema.LOGICAL_AXES")
             axes = tuple(a for a in (table.get(name, ()) if name is not None else ()) if self.mesh.shape[a] > 1)
             for a in axes:
                 if a in used:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.checks import check_layout
+from spmd_train.config.pipeline_keys import check_pipeline
 from spmd_train.config.schema import Config
 from spmd_train.data.batch import Batch, as_batch
 from spmd_train.errors import ConfigError
@@ -29,7 +30,6 @@ from spmd_train.ops import cross_entropy
 from spmd_train.parallel import Backends, resolve_backends
 from spmd_train.parallel.gradients import loss_and_grads
 from spmd_train.parallel.pipeline_plan import PipelinePlan
-from spmd_train.parallel.schedules import check_pipeline
 from spmd_train.sharding.arithmetic import local_shape, rows_per_device
 from spmd_train.sharding.constrain import use_layout
 from spmd_train.sharding.rules import Layout

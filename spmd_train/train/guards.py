@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd_train.config.schema import TrainConfig
+from spmd_train.config.train_schema import TrainConfig
 
 REASONS = (None, "nonfinite", "spike")
 """skip_reason by the code the step reports (0: applied)."""

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.config.schema import OptimConfig
+from spmd_train.config.train_schema import OptimConfig
 from spmd_train.errors import ConfigError
 from spmd_train.models.layers import STACKING_AXES
 

@@ -32,14 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from spmd_train.config.pipeline_keys import equal_stages, resolved_microbatches
 from spmd_train.config.schema import Config
+from spmd_train.config.validity import SPLIT_BACKWARD
 from spmd_train.errors import ConfigError
 from spmd_train.models.flops import balanced_depths
 from spmd_train.models.transformer import RESIDUAL, apply_blocks
 from spmd_train.ops import cross_entropy
 from spmd_train.parallel.pipeline import executor_stage, run_pipeline, stash_layout
 from spmd_train.parallel.pipeline_plan import PipelinePlan, build_plan
-from spmd_train.parallel.schedules import SPLIT_BACKWARD, build_schedule, equal_stages, resolved_microbatches
+from spmd_train.parallel.schedules import build_schedule
 from spmd_train.parallel.split_backward import split_vjp
 from spmd_train.sharding.arithmetic import rows_per_device
 from spmd_train.sharding.constrain import constrain

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from spmd_train.config.schema import RunConfig
+from spmd_train.config.run_schema import RunConfig
 from spmd_train.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """A layout to estimate (`Candidate`), the work it runs (`Workload`), and where each parameter tree lives.
 
-The mesh axes are the six of DESIGN.md (`config.schema.MESH_AXES`): `data` (replicas), `pipeline`
+The mesh axes are the six of DESIGN.md (`config.mesh_schema.MESH_AXES`): `data` (replicas), `pipeline`
 (stages: the layer stack's `layers` axis), `fsdp` (ZeRO sharding), `sequence` (context
 parallelism; outside attention it splits tokens, and ZeRO shards over it too), `expert` (the
 experts of MoE layers; outside them one more batch axis) and `tensor` (Megatron; with
@@ -15,7 +15,7 @@ axes through `ACTIVATION_RULES`, the stacking axes keeping their stored split. S
 nothing. Other rule presets are outside this model (`Candidate.from_config` refuses them).
 
 Also here, what follows from a candidate and a workload alone: rows per device, pipeline
-microbatches (`parallel.schedules.resolved_microbatches`), MoE capacity slots
+microbatches (`config.pipeline_keys.resolved_microbatches`), MoE capacity slots
 (`ops.routing.capacity`) and a pipeline schedule's ticks, bubble and stash slots, counted on its tick
 table and cached per (schedule, stages, microbatches, virtual stages).
 """
@@ -29,10 +29,14 @@ from dataclasses import dataclass
 from typing import get_args
 
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.config.mesh_schema import MESH_AXES, RematPolicy
+from spmd_train.config.pipeline_keys import default_microbatches
 from spmd_train.config.rules import resolve_rules
-from spmd_train.config.schema import MESH_AXES, Config, RematPolicy
+from spmd_train.config.schema import Config
+from spmd_train.config.validity import SCHEDULES
 from spmd_train.errors import ConfigError
-from spmd_train.parallel.schedules import SCHEDULES, build_schedule, occupancy
+from spmd_train.parallel.schedule_simulator import occupancy
+from spmd_train.parallel.schedules import build_schedule
 
 ZERO_AXES = ("fsdp", "sequence")
 """The mesh axes the ZeRO stage shards over (`sharding.rules.ZERO_AXES`)."""
@@ -242,15 +246,13 @@ def rows_per_device(c: Candidate, w: Workload) -> int:
 
 
 def microbatches(c: Candidate, rows: int) -> int:
-    """Pipeline microbatches per accumulation step (`parallel.schedules.resolved_microbatches`); 1 without stages."""
+    """Pipeline microbatches per accumulation step (`config.pipeline_keys.resolved_microbatches`); 1 without
+    stages."""
     if c.pipeline == 1:
         return 1
     if c.pipeline_microbatches is not None:
         return c.pipeline_microbatches
-    for m in (4 * c.pipeline, 2 * c.pipeline):
-        if rows % m == 0:
-            return m
-    return c.pipeline
+    return default_microbatches(c.pipeline, rows)
 
 
 def residual_ways(c: Candidate) -> int:
@@ -269,9 +271,10 @@ def capacity_slots(m: ModelShape, w: Workload, group_tokens: float) -> float:
 def schedule_stats(name: str, stages: int, micro: int, virtual: int) -> tuple[int, float, int]:
     """(ticks, bubble fraction, most (microbatch, chunk) stashes a stage holds) of the schedule's tick table.
 
-    The figures `parallel.schedules.simulate` reports as num_ticks, bubble_fraction and max(peak_in_flight), from
-    the same `occupancy` count (tests/test_plan_search.py holds them equal), without simulate's validation and
-    transfer list: those took a fifth of the planner's time over the pipeline meshes of a 512-device slice.
+    The figures `parallel.schedule_simulator.simulate` reports as num_ticks, bubble_fraction and
+    max(peak_in_flight), from the same `occupancy` count (tests/test_plan_search.py holds them equal), without
+    simulate's validation and transfer list: those took a fifth of the planner's time over the pipeline meshes of a
+    512-device slice.
     """
     schedule = build_schedule(name, stages, micro, virtual)
     busy, peak, _ = occupancy(schedule)

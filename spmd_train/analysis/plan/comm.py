@@ -65,7 +65,7 @@ from spmd_train.analysis.plan.candidate import (
     ways,
 )
 from spmd_train.analysis.plan.shape import ModelShape
-from spmd_train.config.schema import MESH_AXES
+from spmd_train.config.mesh_schema import MESH_AXES
 
 LOOKUP_ONLY = "embedding"
 """`analysis.zero_floor.LOOKUP_ONLY`: the table an untied model only looks up."""

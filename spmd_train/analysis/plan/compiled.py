@@ -28,7 +28,7 @@ from spmd_train.analysis.plan.comm import CommTerm
 from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.timing import Timing, estimate_timing
-from spmd_train.config.schema import MESH_AXES
+from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.hardware import Hardware
 
 

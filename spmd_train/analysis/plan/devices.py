@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from itertools import product
 
-from spmd_train.config.schema import MESH_AXES
+from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import KINDS, Hardware, hardware
 

@@ -22,9 +22,10 @@ from typing import Any
 
 from spmd_train.analysis.plan.candidate import CONTEXT_SCHEMES, REMAT_POLICIES, Candidate
 from spmd_train.config.checks import check_config
-from spmd_train.config.schema import MESH_AXES, AxisFactors, Config
+from spmd_train.config.mesh_schema import MESH_AXES, AxisFactors
+from spmd_train.config.schema import Config
+from spmd_train.config.validity import SCHEDULES
 from spmd_train.errors import ConfigError
-from spmd_train.parallel.schedules import SCHEDULES
 
 
 class Scope(IntEnum):

@@ -59,7 +59,7 @@ from spmd_train.analysis.plan.candidate import (
     spec_ways,
 )
 from spmd_train.analysis.plan.shape import ModelShape, ParamGroup
-from spmd_train.config.schema import MESH_AXES
+from spmd_train.config.mesh_schema import MESH_AXES
 
 WORKSPACE_FRACTION = 0.05
 """XLA's temporaries this model does not name (fusion outputs, collective staging, kernel scratch), as a

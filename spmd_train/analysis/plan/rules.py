@@ -1,15 +1,12 @@
 """Which layouts the config checks refuse, as short stable reasons, without building a config per candidate.
 
-Mirrored from `config.checks.check_layout` (tensor splits the heads, K/V heads, d_ff, the vocabulary
-and each expert's d_ff; the batch axes and grad_accum divide the global batch; sequence, times tensor
-under sequence parallelism, divides the length; ring needs 2 x sequence chunks, ulysses whole query
-heads per device, and cuDNN cannot merge context-parallel blocks), `check_moe` (expert divides the
-experts), `parallel.schedules.check_pipeline` (stages x virtual stages divide the layers, the
-microbatches divide a device's rows, whole MoE groups per stage) and `sharding.rules.Layout` (from ZeRO-1
-on, the state's `embed` dimension, d_model, is split over fsdp x sequence). The search runs the real
-checks too on what it ranks first (`real_check`), and tests/test_plan_search.py holds the mirror to
-`Engine.build`. A rejection's `rule` is stable (model constants only) so rejections can be counted per
-rule; its `detail` names this candidate's values.
+Each rule is `config.validity`'s, the predicate the config checks raise on (`config.checks.check_layout`, `check_moe`,
+`check_context`, `config.pipeline_keys.check_pipeline`); here a broken one becomes a `Rejection` with the rule's
+stable text, at the scope where the rule's numbers are all known (the mesh, then the structure). Only the ZeRO split
+of d_model is this module's own: the config refuses it through `sharding.rules.Layout`'s split of any dimension,
+which needs a mesh. The search runs the real checks too on what it ranks first (`real_check`), and
+tests/test_plan_search.py holds the two equal over a grid, and the ZeRO rule to `Engine.build`. A rejection's `rule`
+is stable (model constants only) so rejections can be counted per rule; its `detail` names this candidate's values.
 """
 
 from __future__ import annotations
@@ -18,14 +15,30 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from spmd_train.analysis.plan.candidate import ACTIVATION_RULES, PARAM_RULES, Candidate
+from spmd_train.analysis.plan.candidate import ACTIVATION_RULES, BATCH_AXES, PARAM_RULES, Candidate
 from spmd_train.analysis.plan.devices import SLOW_AXES, Target, slow_placements
 from spmd_train.analysis.plan.labels import Scope, label
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.checks import check_layout
-from spmd_train.config.schema import MESH_AXES, Config
+from spmd_train.config.mesh_schema import MESH_AXES
+from spmd_train.config.pipeline_keys import check_pipeline
+from spmd_train.config.schema import Config
+from spmd_train.config.validity import (
+    Violation,
+    axes_divide_tokens,
+    batch_axes_divide_batch,
+    chunks_divide_layers,
+    chunks_hold_moe_groups,
+    cudnn_merges_no_blocks,
+    expert_divides_experts,
+    microbatches_divide_rows,
+    ring_outside_pipeline,
+    ring_zigzag_chunks,
+    tensor_divides,
+    ulysses_whole_heads,
+    virtual_stages_fit,
+)
 from spmd_train.errors import ConfigError
-from spmd_train.parallel.schedules import check_pipeline
 
 FIT = "does not fit in HBM"
 REFUSED = "refused by the config checks"
@@ -88,24 +101,20 @@ def check_default_rules(cfg: Config) -> None:
 
 def mesh_reason(cfg: Config, shape: ModelShape, c: Candidate, target: Target) -> Rejection | None:
     """Why no candidate on this mesh can run, or None."""
-    m, t, where = cfg.model, cfg.train, (c, Scope.MESH)
+    m, t = cfg.model, cfg.train
     splits = [("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ("d_ff", m.d_ff),
               ("vocab_size", m.vocab_size)] + ([("moe.d_ff", m.resolved_moe_d_ff)] if m.moe else [])
-    for key, value in splits:
-        if value % c.tensor:
-            return _invalid(where, f"tensor does not divide {key}={value}", f"tensor={c.tensor}")
-    if m.moe is not None and m.moe.num_experts % c.expert:
-        return _invalid(where, f"expert does not divide num_experts={m.moe.num_experts}", f"expert={c.expert}")
-    if m.num_layers % c.pipeline:
-        return _invalid(where, f"pipeline does not divide num_layers={m.num_layers}", f"pipeline={c.pipeline}")
-    if t.global_batch_size % c.batch_ways:
-        return _invalid(where, f"data x fsdp x expert does not divide global_batch_size={t.global_batch_size}",
-                        f"data x fsdp x expert = {c.batch_ways}")
-    if t.seq_len % c.sequence:
-        return _invalid(where, f"sequence does not divide seq_len={t.seq_len}", f"sequence={c.sequence}")
+    found = (next((v for key, value in splits if (v := tensor_divides(key, value, c.tensor))), None)
+             or (expert_divides_experts(m.moe.num_experts, c.expert) if m.moe is not None else None)
+             # Every virtual-stage count splits the layers at least as finely as the stages alone.
+             or chunks_divide_layers(m.num_layers, c.pipeline, 1)
+             or batch_axes_divide_batch(t.global_batch_size, {a: c.shape[a] for a in BATCH_AXES})
+             or axes_divide_tokens(t.seq_len, c.sequence, c.tensor, sequence_parallel=False))
+    if found is not None:
+        return _invalid((c, Scope.MESH), found)
     if target.domains > 1 and not slow_placements(c.sizes, target.domains):
         outer = math.prod(c.shape[a] for a in SLOW_AXES)
-        return Rejection(*where, f"the outer axes cannot span the {target.domains} fast-link domains",
+        return Rejection(c, Scope.MESH, f"the outer axes cannot span the {target.domains} fast-link domains",
                          f"{' x '.join(SLOW_AXES)} = {outer} cannot take {target.domains} slow-link factors (the "
                          f"inner axes would cross the slow link)", "placement")
     return None
@@ -114,45 +123,27 @@ def mesh_reason(cfg: Config, shape: ModelShape, c: Candidate, target: Target) ->
 def structure_reason(cfg: Config, shape: ModelShape, c: Candidate) -> Rejection | None:
     """Why this sequence-parallel, context and pipeline setting cannot run on its mesh, or None (`c` at that scope,
     `labels.scoped`)."""
-    m, t, where = cfg.model, cfg.train, (c, Scope.STRUCTURE)
-    if c.sequence_parallel and t.seq_len % (c.sequence * c.tensor):
-        return _invalid(where, f"sequence x tensor does not divide seq_len={t.seq_len} (sequence parallelism)",
-                        f"sequence x tensor = {c.sequence * c.tensor}")
-    if c.sequence > 1:
-        if c.context_parallel == "ring" and c.pipeline > 1:
-            return _invalid(where, "ring attention inside a pipeline stage computes wrong values (config checks)",
-                            f"cp=ring, pipeline={c.pipeline}")
-        if c.context_parallel == "ring" and t.seq_len % (2 * c.sequence):
-            return _invalid(where, f"ring: 2 x sequence does not divide seq_len={t.seq_len}",
-                            f"2 x sequence = {2 * c.sequence}")
-        heads = m.num_heads // c.tensor
-        if c.context_parallel == "ulysses" and heads % c.sequence:
-            return _invalid(where, "ulysses: sequence does not divide the query heads per tensor shard",
-                            f"sequence={c.sequence}, {heads} heads per tensor shard")
-        if c.context_parallel != "ulysses" and cfg.backends.attention == "cudnn":
-            return _invalid(where, "backends.attention=cudnn cannot merge context-parallel blocks",
-                            f"cp={c.context_parallel}")
-    if c.pipeline > 1:
-        chunks = c.pipeline * c.virtual_stages
-        if m.num_layers % chunks:
-            return _invalid(where, f"pipeline x virtual does not divide num_layers={m.num_layers}",
-                            f"pipeline x virtual = {chunks}")
-        if m.moe_every > 1 and (m.num_layers // chunks) % m.moe_every:
-            return _invalid(where, f"a stage chunk's layers would split an MoE group of moe.every={m.moe_every}",
-                            f"pipeline x virtual = {chunks}")
+    m, t, cp = cfg.model, cfg.train, c.context_parallel
+    found = (axes_divide_tokens(t.seq_len, c.sequence, c.tensor, c.sequence_parallel)
+             or ring_outside_pipeline(cp, c.sequence, c.pipeline)
+             or ring_zigzag_chunks(cp, t.seq_len, c.sequence)
+             or ulysses_whole_heads(cp, m.num_heads, c.tensor, c.sequence)
+             or cudnn_merges_no_blocks(cp, cfg.backends.attention, c.sequence))
+    if found is None and c.pipeline > 1:
         rows = t.global_batch_size // c.batch_ways
-        if rows % c.pipeline_microbatches:
-            return _invalid(where, "pipeline microbatches do not divide the rows per device",
-                            f"m={c.pipeline_microbatches}, {rows} rows per device")
-    return None
+        found = (virtual_stages_fit(c.pipeline_schedule, c.virtual_stages)
+                 or chunks_divide_layers(m.num_layers, c.pipeline, c.virtual_stages)
+                 or chunks_hold_moe_groups(m.num_layers, m.moe_every, c.pipeline, c.virtual_stages)
+                 or microbatches_divide_rows(c.pipeline_microbatches, rows, t.global_batch_size, 1))
+    return None if found is None else _invalid((c, Scope.STRUCTURE), found)
 
 
 def zero_reason(shape: ModelShape, c: Candidate) -> Rejection | None:
     """Why this ZeRO stage cannot shard the state on its mesh, or None (`c` at that scope, `labels.scoped`)."""
     ways = c.fsdp * c.sequence
     if c.zero_stage >= 1 and shape.d_model % ways:
-        return _invalid((c, Scope.ZERO), f"fsdp x sequence does not divide d_model={shape.d_model} (ZeRO-1+)",
-                        f"fsdp x sequence = {ways}")
+        rule = f"fsdp x sequence does not divide d_model={shape.d_model} (ZeRO-1+)"
+        return Rejection(c, Scope.ZERO, rule, f"fsdp x sequence = {ways}: {rule}", "invalid")
     return None
 
 
@@ -176,5 +167,5 @@ def real_check(cfg: Config, c: Candidate, platform: str) -> Rejection | None:
     return None
 
 
-def _invalid(where: tuple[Candidate, Scope], rule: str, values: str) -> Rejection:
-    return Rejection(*where, rule, f"{values}: {rule}", "invalid")
+def _invalid(where: tuple[Candidate, Scope], found: Violation) -> Rejection:
+    return Rejection(*where, found.rule, found.detail, "invalid")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from spmd_train.config.schema import ModelConfig
+from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.flops import flops_per_token, matmul_params, moe_layer_count
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

@@ -15,7 +15,7 @@ pipeline bubble, and an overlap rule; then tokens/s, MFU and each axis's communi
   the slow link (`Candidate.dcn`), runs hierarchically: of its bytes, a share (n_s-1)/(N-1) crosses the slow
   link and n_s·(n_f-1)/(N-1) stays on the fast one (n_f devices per fast domain, n_s domains, N = n_f·n_s).
   An all-to-all sends (N - n_f)/(N-1) of its bytes over the slow link; a permute crossing it is timed on it.
-- Pipeline bubble: (ticks - 2·m·v) / ticks from the schedule simulator (`parallel.schedules.simulate`),
+- Pipeline bubble: (ticks - 2·m·v) / ticks from the schedule simulator (`parallel.schedule_simulator.simulate`),
   which is (p-1)/(m+p-1) for GPipe and 1F1B and right for interleaved schedules; compute / (1 - bubble).
 - Overlap: ZeRO-3's weight gathers, the per-layer gradient reduce-scatters and ring attention's permutes run
   while other layers (or blocks) compute, so they hide behind compute up to the compute time. Exposed in

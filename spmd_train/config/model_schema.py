@@ -1,0 +1,143 @@
+"""The `model` and `backends` sections: the architecture, and which implementation computes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator
+
+from spmd_train.config.field_types import (
+    STRICT,
+    DType,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
+
+AttentionImpl = Literal["auto", "pallas", "cudnn", "xla"]
+MoEImpl = Literal["capacity", "dropless"]
+
+
+def _check_blocks(blocks: tuple[int, int] | None) -> tuple[int, int] | None:
+    if blocks is not None and any(b < 8 or b % 8 for b in blocks):
+        raise ValueError("block_q and block_k must be positive multiples of 8 (e.g. [512, 512] on TPU, "
+                         "[128, 128] on GPU)")
+    return blocks
+
+
+Blocks = Annotated[tuple[int, int] | None, AfterValidator(_check_blocks)]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: which layers route each token to k of E SwiGLU experts, and the router's losses."""
+
+    __pydantic_config__ = STRICT
+
+    every: PositiveInt = 1
+    """Every k-th layer's MLP is an MoE layer (1: all of them); must divide model.num_layers."""
+    num_experts: PositiveInt = 8
+    """Routed experts per MoE layer (split over mesh.expert)."""
+    experts_per_token: PositiveInt = 2
+    """Top-k: experts each token is sent to (at most num_experts)."""
+    d_ff: PositiveInt | None = None
+    """Hidden width of each expert's SwiGLU; defaults to model.d_ff."""
+    num_shared_experts: NonNegativeInt = 0
+    """Experts every token goes through (one SwiGLU of width num_shared_experts x d_ff)."""
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """How router logits become expert scores before top-k (gates are renormalised to sum to 1)."""
+    router_aux_weight: NonNegativeFloat = 0.01
+    """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
+    router_z_weight: NonNegativeFloat = 0.001
+    """Weight of the router z-loss (mean squared logsumexp of router logits)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequencies stretched for long context: Llama 3.1's per-band rule, or plain linear interpolation."""
+
+    __pydantic_config__ = STRICT
+
+    type: Literal["llama3", "linear"]
+    """llama3: long wavelengths divided by `factor`, short ones kept, a smooth ramp between; linear: all divided."""
+    factor: PositiveFloat
+    low_freq_factor: PositiveFloat = 1.0
+    """llama3: wavelengths above original_max_position / low_freq_factor are scaled fully."""
+    high_freq_factor: PositiveFloat = 4.0
+    """llama3: wavelengths below original_max_position / high_freq_factor are kept."""
+    original_max_position: PositiveInt = 8192
+    """llama3: the context length the model was first trained at."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model: a decoder-only transformer (Llama-style), optionally with MoE layers.
+
+    This section is the architecture: a checkpoint resumes only into the same section (how it is
+    computed, the attention and expert implementations, is the `backends` section).
+    """
+
+    __pydantic_config__ = STRICT
+
+    preset: str | None = None
+    num_layers: PositiveInt = 2
+    d_model: PositiveInt = 64
+    num_heads: PositiveInt = 8
+    num_kv_heads: PositiveInt = 4
+    head_dim: PositiveInt | None = None
+    d_ff: PositiveInt = 128
+    vocab_size: PositiveInt = 256
+    rope_theta: PositiveFloat = 10000.0
+    rope_scaling: RopeScaling | None = None
+    """Stretched rotary frequencies (Llama 3.1/3.2); null: plain RoPE."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key before RoPE (Qwen3)."""
+    sliding_window: PositiveInt | None = None
+    """A published model's attention window (Mistral); recorded, and sequences must fit inside it."""
+    norm_eps: NonNegativeFloat = 1e-5
+    tie_embeddings: bool = False
+    init_std: PositiveFloat = 0.02
+    compute_dtype: DType = "float32"
+    param_dtype: DType = "float32"
+    moe: MoEConfig | None = None
+    """Mixture-of-experts layers; null: a dense model."""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """Per-head width: `head_dim` when set, else d_model // num_heads."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def moe_every(self) -> int:
+        """Every how many layers an MoE layer comes (0: a dense model)."""
+        return self.moe.every if self.moe is not None else 0
+
+    @property
+    def stack_rows(self) -> int:
+        """Rows of the stacked layer parameters: one per layer, or per MoE group (every > 1 layers ending in MoE)."""
+        return self.num_layers // self.moe_every if self.moe_every > 1 else self.num_layers
+
+    @property
+    def resolved_moe_d_ff(self) -> int:
+        """Per-expert hidden width: `moe.d_ff` when set, else d_ff."""
+        return self.moe.d_ff if self.moe is not None and self.moe.d_ff is not None else self.d_ff
+
+
+@dataclass(frozen=True)
+class BackendsConfig:
+    """Which implementation computes attention and the experts; resolved once per run (`parallel.Backends`)."""
+
+    __pydantic_config__ = STRICT
+
+    attention: AttentionImpl = "auto"
+    """auto: Pallas kernel on TPU, cuDNN on GPU, plain XLA on CPU (where Pallas runs only in interpret mode)."""
+    attention_blocks: Blocks = None
+    """(block_q, block_k) of the Pallas kernels; None: per-backend defaults (TPU 512 x 512, GPU 128 x 128)."""
+    moe: MoEImpl = "capacity"
+    """capacity: fixed slots per expert, overflow dropped (all-to-all); dropless: ragged all-to-all (GPU/TPU only)."""
+    capacity_factor: PositiveFloat = 1.25
+    """moe=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts)."""

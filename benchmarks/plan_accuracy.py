@@ -1,6 +1,6 @@
 """The planner's analytic estimate against the compiler: per-device memory and collective bytes per mesh axis.
 
-Each layout of `GRID` is compiled once with `analysis.report.describe` (a TPU slice through libtpu where
+Each layout of `GRID` is compiled once with `analysis.step_report.describe` (a TPU slice through libtpu where
 `analysis.topology.has_libtpu()`, else simulated CPU devices) and estimated by `analysis.plan.estimate` from the
 same config (`Candidate.from_config`, `Workload.from_config` for the platform it compiled on,
 `ModelShape.from_config`). The table goes to docs/benchmarks.md, section `plan_accuracy`.
@@ -191,7 +191,7 @@ def run(layouts: list[Layout], dump_dir: str | None = None) -> tuple[list[dict],
     import jax
 
     from spmd_train import load_config
-    from spmd_train.analysis.report import describe
+    from spmd_train.analysis.step_report import describe
     from spmd_train.analysis.topology import has_libtpu
 
     tpu = has_libtpu()

@@ -123,10 +123,10 @@ def run(profile_path: Path, kind: str, top: int, drawn: int, seed: int, steps: i
     import jax
 
     from spmd_train import load_config
-    from spmd_train.analysis.plan.devices import target_for
     from spmd_train.analysis.plan.labels import config_for
     from spmd_train.analysis.plan.profile import load_profile, profile_hardware
     from spmd_train.analysis.plan.search import search
+    from spmd_train.analysis.plan.target import target_for
 
     devices = jax.device_count()
     cfg = load_config(ROOT / "models" / "gpt2-small.yaml", list(workload(kind, devices)))

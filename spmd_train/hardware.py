@@ -3,7 +3,7 @@
 Figures and sources: ../shared/hardware.md (dense peaks, per JAX device: a TPU7x chip is two
 devices). Source tags in brackets, e.g. [C-v5p] or [SB-G], are that file's **Sources** list;
 "hw.md §4" is its table of disagreements and the value it chose. GPU memory is the marketed
-capacity; at run time prefer `device.memory_stats()["bytes_limit"]`.
+size; at run time prefer `device.memory_stats()["bytes_limit"]`.
 
 Two lookups:
 - `device_spec(device_kind)`: the string jax reports -> peak and memory (MFU, the fit checks);

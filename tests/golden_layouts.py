@@ -125,7 +125,7 @@ def record(name: str, devices: list | None = None) -> dict[str, Any]:
     import jax
 
     from spmd_train import load_config
-    from spmd_train.analysis.report import describe
+    from spmd_train.analysis.step_report import describe
 
     case = CASES[name]
     cfg = load_config(CONFIG_DIR / f"{case.config}.yaml", list(case.overrides))

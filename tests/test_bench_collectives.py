@@ -147,6 +147,7 @@ def test_sizes_and_mesh_parse_or_are_refused_with_the_valid_forms():
             parse_mesh(bad, 8)
 
 
+@pytest.mark.slow
 def test_a_tiny_cli_run_writes_a_profile_that_round_trips_and_plan_refuses_it_for_h100(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert main(["bench-collectives", "--sizes", "1KiB..16KiB", "--repeats", "2", "--simulate-devices", "8",

@@ -10,12 +10,13 @@ import pytest
 from spmd_train import Engine, Trainer, load_config
 from spmd_train.analysis import tpu_topology_devices
 from spmd_train.errors import ConfigError
-from spmd_train.train import capacity
+from spmd_train.train import memory_fit
 from spmd_train.train import trainer as trainer_module
-from spmd_train.train.capacity import GiB, activation_floor, check_compiled_fits, check_state_fits
+from spmd_train.train.memory_fit import GiB, activation_floor, check_compiled_fits, check_state_fits
 from tests.runs import cli
 
 
+@pytest.mark.slow
 def test_an_absurd_model_exits_2_in_train_and_describe_and_writes_nothing(tmp_path):
     for command in ("train", "describe"):
         proc = cli(command, "configs/tiny.yaml", "model.d_model=1000000000", f"run.dir={tmp_path / 'run'}")
@@ -87,8 +88,9 @@ def test_a_compiled_step_over_the_device_is_refused_with_what_would_fit():
         check_compiled_fits(_Memory(share // 4, 0, 3 * share, 0), cpu, cfg, local_devices=8)
 
 
+@pytest.mark.slow
 def test_a_step_refused_after_compiling_leaves_no_run_dir(tmp_path, devices, monkeypatch):
-    monkeypatch.setattr(capacity, "_device_limit", lambda device, local: (2**20, "in this test"))
+    monkeypatch.setattr(memory_fit, "_device_limit", lambda device, local: (2**20, "in this test"))
     cfg = load_config("configs/tiny.yaml", [f"run.dir={tmp_path / 'run'}", "train.steps=2"])
     monkeypatch.setattr(trainer_module, "check_batch_fits", lambda *a, **k: None)  # only the compiled check
     trainer = Trainer(cfg, devices)

@@ -31,6 +31,7 @@ def _np(tree):
     return jax.tree.map(np.asarray, tree)
 
 
+@pytest.mark.slow
 def test_restore_onto_another_mesh_and_zero_stage_gives_the_saved_values(tmp_path, devices):
     saver = _trainer(tmp_path, devices, "mesh.fsdp=8", "parallel.zero_stage=3")
     saver.init()
@@ -82,6 +83,7 @@ DAMAGE = {"scribbled": (_scribble, "cannot be read"), "truncated": (_truncate, "
           "values": (_changed_values, "1 arrays differ from the fingerprint recorded when it was saved (first: ")}
 
 
+@pytest.mark.faults
 def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_run_passes_its_step_again(tmp_path, devices, caplog):
     trainer = _trainer(tmp_path / "run", devices, "mesh.fsdp=8", "checkpoint.async_save=false")
     trainer.init()
@@ -110,6 +112,7 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_run_passes_its_step_
         _trainer(run, devices, "mesh.fsdp=8").init()
 
 
+@pytest.mark.slow
 def test_resume_step_goes_back_to_a_saved_step_and_sets_the_newer_ones_aside(tmp_path, devices):
     run = tmp_path / "run"
     first = _trainer(run, devices, "mesh.fsdp=8", "checkpoint.async_save=false", "train.steps=9")
@@ -154,6 +157,7 @@ def test_a_saved_step_is_not_saved_again_a_finished_run_compiles_nothing_step_re
     assert steps == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
     donor = _trainer(tmp_path / "donor", devices, "mesh.fsdp=8")
     donor.init()
@@ -203,6 +207,7 @@ def test_a_crash_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
     np.testing.assert_array_equal(np.asarray(state["w"]), np.ones(4))
 
 
+@pytest.mark.slow
 def test_an_interleaved_pipeline_checkpoint_restores_in_model_order_elsewhere(tmp_path, devices):
     # Interleaved 1F1B stores the layer stack permuted; the checkpoint records the order and a
     # run without a pipeline gets every layer (and its optimizer moments) back in model order.

@@ -14,6 +14,7 @@ from tests.runs import cli, main_in_process, uncached_env
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_train_writes_metrics_and_learns(tmp_path):
     run_dir = tmp_path / "run"
     proc = cli("train", "configs/tiny.yaml", "train.steps=40", f"run.dir={run_dir}")
@@ -66,14 +67,14 @@ def test_train_writes_metrics_and_learns(tmp_path):
     ids=["mesh-product", "heads-vs-tensor", "batch-vs-accum", "seq-vs-sp", "unknown-key", "wrong-type", "zero-stage",
          "pipeline-too-shallow", "microbatches-below-stages", "mesh-axis-twice"],
 )
-def test_bad_input_exits_2_with_a_message(tmp_path, overrides, needles):
+def test_bad_input_exits_2_with_a_message(tmp_path, overrides, needles, capsys):
     run_dir = tmp_path / "run"
-    proc = cli("train", "configs/tiny.yaml", f"run.dir={run_dir}", *overrides)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().startswith("spmd-train: error:") or "spmd-train: error:" in proc.stderr
+    code, _, err = main_in_process("train", "configs/tiny.yaml", f"run.dir={run_dir}", *overrides, capsys=capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.strip().startswith("spmd-train: error:") or "spmd-train: error:" in err
     for needle in needles:
-        assert needle in proc.stderr, (needle, proc.stderr)
+        assert needle in err, (needle, err)
     assert not (run_dir / "metrics.jsonl").exists()
 
 
@@ -95,6 +96,7 @@ def test_missing_config_file_exits_2(capsys):
     assert code == 2 and "configs/no_such.yaml" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_prepare_data_then_train_on_it(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
@@ -131,6 +133,7 @@ def test_bad_data_through_the_cli(tmp_path, setup, args, needle, capsys):
     assert needle in err
 
 
+@pytest.mark.slow
 def test_profile_steps_write_a_trace(tmp_path):
     proc = cli("train", "configs/tiny.yaml", "train.steps=6", "run.profile_steps=[3,4]", f"run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
@@ -195,6 +198,7 @@ except KeyboardInterrupt:
 """
 
 
+@pytest.mark.faults
 def test_a_ctrl_c_inside_a_gc_callback_prints_no_traceback_and_is_remembered():
     # The SIGINT of one CI run landed in jax's garbage-collection callback: Python printed "Exception ignored in
     # <function _xla_gc_callback>" with a traceback. In a process of its own: pytest puts its own unraisablehook.
@@ -206,6 +210,7 @@ def test_a_ctrl_c_inside_a_gc_callback_prints_no_traceback_and_is_remembered():
     assert "ValueError: other" in proc.stderr, proc.stderr
 
 
+@pytest.mark.faults
 def test_ctrl_c_while_compiling_exits_130_with_one_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "spmd_train", "train", "configs/tiny.yaml",
                              f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=uncached_env(), stderr=subprocess.PIPE,

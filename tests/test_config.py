@@ -12,7 +12,7 @@ import yaml
 from spmd_train.config import Config, load_config, parse_overrides
 from spmd_train.config.checks import check_layout
 from spmd_train.config.mesh_schema import LOGICAL_AXES, RulesConfig
-from spmd_train.config.rules import resolve_rules
+from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.config.validity import divisors
 from spmd_train.errors import ConfigError
 from tests.runs import cli_env

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import annotated_types as at
+import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from pydantic.fields import FieldInfo
@@ -213,6 +214,7 @@ def precheck(base: str, overrides: list[str]) -> tuple[Config | None, str | None
 FUZZ = settings(derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=1000)
 @given(run=runs())
 def test_any_override_set_is_accepted_or_refused_naming_one_of_its_keys(run):

@@ -18,11 +18,12 @@ from spmd_train.analysis import describe
 from spmd_train.config.checks import check_layout
 from spmd_train.errors import ConfigError
 from spmd_train.ops.attention import dot_product_attention
-from spmd_train.parallel.attention import local_kernel
+from spmd_train.parallel.attention_dispatch import local_kernel
 from spmd_train.parallel.backends import Backends, resolve_backends
 from spmd_train.parallel.context import context_attention, kv_repeats
 from spmd_train.parallel.ring import zigzag_order
 from tests.runs import FP32, ROOT, TINY, cli, relative_error, run_steps, token_files
+from tests.tiers import fast_cases
 
 
 def _kernel(name):
@@ -37,8 +38,9 @@ def test_kv_heads_are_repeated_only_as_far_as_the_devices_need():
     assert kv_repeats(6, 4) == 2  # 12 heads: 3 whole groups per device
 
 
-@pytest.mark.parametrize("how", ["ring", "allgather", "ulysses"])
-@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+@pytest.mark.parametrize(("kernel", "how"), fast_cases(
+    [(kernel, how) for kernel in ("xla", "pallas") for how in ("ring", "allgather", "ulysses")],
+    fast=["xla-ring", "xla-allgather", "pallas-ulysses"], ids="-".join, several=True))
 def test_each_device_chunk_attends_like_the_whole_sequence(devices, how, kernel):
     # 4 chunks of 8 tokens, 4 query heads over 2 K/V heads (ulysses repeats them), three documents
     # whose boundaries fall inside chunks: values and gradients equal the unsplit reference.
@@ -106,7 +108,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", fast_cases(LAYOUTS, fast=["ring_sequence8", "allgather_sequence8",
+                                                              "ulysses_sequence8_kv_heads_repeated"]))
 def test_sequence_split_runs_equal_one_device(corpus, references, devices, layout):
     documents, overrides = LAYOUTS[layout]
     ref_losses, ref_params = references[documents]
@@ -128,6 +131,7 @@ def _sequence_collectives(devices, how, overrides=(), n=4):
     return cfg, {op: (c["count"], c["bytes_per_device"]) for op, c in context["compiled"].items()}
 
 
+@pytest.mark.slow
 def test_allgather_gathers_k_and_v_forward_and_reduce_scatters_their_gradients(devices):
     cfg, found = _sequence_collectives(devices, "allgather")
     m, t, n = cfg.model, cfg.train, 4
@@ -151,6 +155,7 @@ def test_ring_passes_k_and_v_n_minus_1_times_forward_and_brings_their_gradients_
     assert "all-gather" not in found and "all-to-all" not in found
 
 
+@pytest.mark.slow
 def test_ring_with_documents_remat_and_accumulation_compiles_to_the_described_collectives(corpus, devices):
     # Document ids go round once per microbatch (hoisted out of the layer loop, reused backward); the
     # forward hops full remat recomputes are the backward ring's own, so they add nothing.
@@ -204,6 +209,7 @@ def test_zigzag_gives_every_ring_device_the_same_attention_work(devices):
     # Contiguous chunks (allgather) would leave device N-1 (2N-1)/N of the average work.
 
 
+@pytest.mark.slow
 def test_ulysses_moves_qkv_in_one_all_to_all_and_the_output_in_another(devices):
     cfg, found = _sequence_collectives(devices, "ulysses")
     m, t, n = cfg.model, cfg.train, 4

@@ -18,6 +18,7 @@ from spmd_train.analysis import describe, tpu_topology_devices
 from spmd_train.analysis.topology import has_libtpu, without_persistent_cache
 from tests.runs import cli, main_in_process
 from tests.structure import mlp_forward_collectives
+from tests.tiers import fast_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.preset=tiny", "train.global_batch_size=32", "train.seq_len=16", "run.simulate_devices=null"]
@@ -64,7 +65,7 @@ def test_sequence_parallel_mlp_on_cpu_gathers_before_and_reduces_after(devices):
     ]
 
 
-@pytest.mark.parametrize("grad_accum", [1, 4])
+@pytest.mark.parametrize("grad_accum", fast_cases([1, 4], fast=[1]))
 def test_data_parallel_reduces_parameter_bytes_once_per_step(devices, grad_accum):
     report = _report(devices, "mesh.data=8", "mesh.fsdp=1", f"train.grad_accum={grad_accum}")
     param_bytes = report.param_count * 4
@@ -85,6 +86,7 @@ def test_zero3_moves_three_times_the_parameters_over_fsdp():
     assert _bytes(report, ("fsdp",), ops=("reduce-scatter",)) == pytest.approx(7 / 8 * param_bytes, rel=0.10)
 
 
+@pytest.mark.slow
 def test_loop_counts_come_from_the_program(devices):
     reports = {n: _report(devices, "mesh.fsdp=8", f"model.num_layers={n}") for n in (2, 4, 6)}
     counts = {n: {(c.op, c.axes): (c.count, c.bytes) for c in r.collectives} for n, r in reports.items()}
@@ -100,7 +102,7 @@ def test_loop_counts_come_from_the_program(devices):
     assert two_layer_bytes == pytest.approx(2 * 7 / 8 * two_layer_params * 4, rel=0.01)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", fast_cases([0, 1, 2, 3], fast=[3]))
 def test_memory_follows_zero_arithmetic(devices, stage):
     report = _report(devices, "mesh.fsdp=8", f"parallel.zero_stage={stage}")
     d = report.per_device
@@ -110,6 +112,7 @@ def test_memory_follows_zero_arithmetic(devices, stage):
     assert d["argument_bytes"] == pytest.approx(d["param_bytes"] + d["opt_state_bytes"] + d["batch_bytes"], rel=0.01)
 
 
+@pytest.mark.slow
 def test_flops_count_every_layer(devices):
     two, eight = (_report(devices, "mesh.fsdp=8", f"model.num_layers={n}") for n in (2, 8))
     for report in (two, eight):
@@ -130,6 +133,7 @@ def test_cli_json_has_the_public_keys():
     assert {("all-reduce", ("tensor",))} <= {(c["op"], tuple(c["axes"])) for c in report["collectives"]}
 
 
+@pytest.mark.slow
 def test_cli_tables():
     proc = cli("describe", "configs/tiny.yaml", "mesh.fsdp=8", "mesh.tensor=1")
     assert proc.returncode == 0, proc.stderr
@@ -158,6 +162,7 @@ def test_cli_bad_input_exits_2(args, needles, capsys):
         assert needle in err
 
 
+@pytest.mark.slow
 def test_cli_topology_without_libtpu_says_how_to_install(tmp_path):
     # Hide libtpu from the child process, as on a machine without the extra.
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['libtpu'] = None\n")

@@ -13,6 +13,7 @@ from spmd_train.train.checkpoint import Checkpointer
 from tests.runs import TINY, cli
 
 
+@pytest.mark.faults
 def test_a_failed_write_stops_the_run_naming_the_directory_and_keeps_what_is_saved(tmp_path, devices, monkeypatch):
     # Injected: the third save's write fails as a full disk makes Orbax fail (RESOURCE_EXHAUSTED).
     cfg = load_config(None, [*TINY, "train.steps=12", "checkpoint.every=3", f"run.dir={tmp_path}"])

@@ -13,9 +13,10 @@ from spmd_train.data import Batch, TokenFiles, make_source
 from spmd_train.data.batch import document_layout, document_layout_from_eot
 from spmd_train.errors import ConfigError
 from spmd_train.ops.attention import dot_product_attention
-from spmd_train.parallel.attention import cudnn_attention
+from spmd_train.parallel.attention_dispatch import cudnn_attention
 from spmd_train.parallel.backends import resolve_backends
 from tests.runs import FP32, TINY, cli, relative_error, run_steps, token_files, write_corpus
+from tests.tiers import fast_cases
 
 
 def test_document_layout_from_starts_restarts_positions_at_each_document():
@@ -64,7 +65,7 @@ def _packed_rows(lengths_per_row, vocab, seed=0):
     return Batch(*(jnp.asarray(np.stack(a), jnp.int32) for a in (tokens, segments, positions)))
 
 
-@pytest.mark.parametrize("attention", ["xla", "pallas"])
+@pytest.mark.parametrize("attention", fast_cases(["xla", "pallas"], fast=["pallas"]))
 def test_packed_loss_is_the_loss_of_each_document_alone(devices, attention):
     # Larger weights than the default init: attention far from uniform, so crossing documents shows.
     cfg = load_config(None, [*TINY, *FP32, "mesh.fsdp=1", "model.init_std=0.3", f"backends.attention={attention}"])
@@ -130,7 +131,7 @@ DOC_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(DOC_LAYOUTS))
+@pytest.mark.parametrize("layout", fast_cases(DOC_LAYOUTS, fast=["data2_fsdp2_tensor2_sp"]))
 def test_sharded_runs_with_documents_equal_one_device(corpus, doc_reference, devices, layout):
     ref_losses, ref_params = doc_reference
     losses, params, _, _ = _doc_run(corpus, DOC_LAYOUTS[layout], devices)

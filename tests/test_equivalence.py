@@ -4,6 +4,7 @@ import pytest
 
 from tests.golden_layouts import MESH_PRESETS
 from tests.runs import relative_error, run_steps
+from tests.tiers import fast_cases
 
 LAYOUTS = {
     "data8": ["mesh.data=8", "mesh.fsdp=1"],
@@ -27,8 +28,10 @@ def reference(devices):
     return losses, params
 
 
-@pytest.mark.parametrize("grad_accum", [1, 4])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("layout", "grad_accum"), fast_cases(
+    [(layout, accum) for accum in (1, 4) for layout in LAYOUTS],
+    fast=["data8-1", "fsdp8_zero3-4", "fsdp2_tensor4_sp-1", "data2_fsdp2_tensor2-1"],
+    ids=lambda case: f"{case[0]}-{case[1]}", several=True))
 def test_sharded_run_equals_single_device(reference, devices, layout, grad_accum):
     ref_losses, ref_params = reference
     losses, params, _, _ = run_steps([*LAYOUTS[layout], f"train.grad_accum={grad_accum}"], devices)
@@ -36,6 +39,7 @@ def test_sharded_run_equals_single_device(reference, devices, layout, grad_accum
     assert relative_error(params, ref_params) <= 1e-5
 
 
+@pytest.mark.slow
 def test_single_device_grad_accum_equals_full_batch(reference, devices):
     ref_losses, ref_params = reference
     losses, params, _, _ = run_steps(["mesh.fsdp=1", "train.grad_accum=4"], devices[:1])
@@ -48,8 +52,9 @@ SINGLE_DEVICE = [f"mesh.{axis}=1" for axis in ("data", "fsdp", "tensor", "sequen
 ]
 
 
-SHIPPED = [pytest.param("tiny", (), id="tiny"), pytest.param("pipeline", (), id="pipeline"),
-           *(pytest.param("mesh_presets", (f"mesh.preset={p}",), id=f"mesh_presets-{p}") for p in MESH_PRESETS)]
+SHIPPED = fast_cases([("tiny", ()), ("pipeline", ()), *(("mesh_presets", (f"mesh.preset={p}",)) for p in MESH_PRESETS)],
+                     fast=["tiny"], ids=lambda case: "-".join([case[0], *(o.split("=")[1] for o in case[1])]),
+                     several=True)
 
 
 @pytest.mark.parametrize(("name", "preset"), SHIPPED)

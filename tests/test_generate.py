@@ -16,7 +16,7 @@ from spmd_train.cli.main import main
 from spmd_train.errors import ConfigError
 from spmd_train.models.transformer import Transformer
 from spmd_train.sharding.constrain import use_layout
-from spmd_train.train.generate import check_request, generate, generation_backends
+from spmd_train.train.generation import check_request, generate, generation_backends
 from tests.runs import FP32, token_files
 
 PROMPTS = [[5, 17, 3], [200, 1, 2, 3, 4, 9, 77], [42], [8, 8, 8, 8, 8]]

@@ -114,7 +114,7 @@ def _heads_transposed(pieces):
 def test_a_conversion_bug_fails_the_comparison(devices, monkeypatch, family, mutation, overrides):
     if mutation is not None:
         original = hf_names.pieces
-        monkeypatch.setattr("spmd_train.hf.load.pieces", lambda model: list(mutation(original(model))))
+        monkeypatch.setattr("spmd_train.hf.import_params.pieces", lambda model: list(mutation(original(model))))
     engine = _engine(family, devices[:1], *overrides)
     ref = np.load(REFERENCE / family / "reference.npz")
     assert _error(_logits(engine, load_hf_params(engine, REFERENCE / family), ref["input_ids"]), ref["logits"]) \
@@ -259,7 +259,7 @@ def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tm
                                               ("qwen3", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_greedy_generation_from_an_imported_model_equals_transformers(devices, family, mesh):
-    from spmd_train.train.generate import generate
+    from spmd_train.train.generation import generate
 
     engine = _engine(family, devices if mesh else devices[:1], *mesh)
     ref = np.load(REFERENCE / family / "reference.npz")

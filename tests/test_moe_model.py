@@ -14,7 +14,7 @@ from spmd_train.analysis import collectives_of
 from spmd_train.analysis.context_report import compiled_over_sequence, context_section
 from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
-from spmd_train.config.rules import resolve_rules
+from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.data import make_source
 from spmd_train.ops.routing import capacity
 from tests.runs import ROOT, cli, relative_error

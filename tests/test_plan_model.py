@@ -23,7 +23,7 @@ from spmd_train.analysis.plan.memory import (
 )
 from spmd_train.analysis.plan.timing import LINK_EFFICIENCY, collective_seconds, device_flops, ring_allreduce_seconds
 from spmd_train.analysis.zero_floor import zero_floor
-from spmd_train.config.rules import resolve_rules
+from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import KINDS, device_spec, hardware
 from spmd_train.models.flops import flops_per_token
@@ -114,7 +114,7 @@ def test_parameter_counts_of_a_dense_and_a_mixture_model_by_hand():
 
 
 def test_the_mirrored_rule_tables_are_the_default_presets_and_other_rules_are_refused(devices):
-    from spmd_train.sharding.rules import ZERO_AXES as REAL_ZERO_AXES
+    from spmd_train.sharding.layout import ZERO_AXES as REAL_ZERO_AXES
 
     rules = resolve_rules(load_config("configs/mesh_presets.yaml"))
     assert rules.activations == ACTIVATION_RULES and rules.params == PARAM_RULES
@@ -255,7 +255,7 @@ def test_context_parallel_attention_keeps_what_jax_vjp_keeps_of_it(devices, sche
 
     from spmd_train.analysis.plan.attention_memory import attention_residual_bytes
     from spmd_train.models.remat import apply_remat
-    from spmd_train.parallel.attention import local_kernel
+    from spmd_train.parallel.attention_dispatch import local_kernel
     from spmd_train.parallel.backends import Backends
     from spmd_train.parallel.context import context_attention
 

@@ -16,15 +16,15 @@ from spmd_train.analysis.plan import Candidate
 from spmd_train.analysis.plan.candidate import schedule_stats
 from spmd_train.analysis.plan.comm import CommTerm
 from spmd_train.analysis.plan.compiled import bytes_by_axes, rescore
-from spmd_train.analysis.plan.devices import parse_topology, slow_placements, target_for
 from spmd_train.analysis.plan.enumeration import DOMINATED, GPIPE, MICROBATCHES, PIPELINES
 from spmd_train.analysis.plan.labels import Scope, config_for, label, overrides, parse_label
 from spmd_train.analysis.plan.memory import estimate_memory, korthikanti_layer_bytes, zero_paper_bytes
+from spmd_train.analysis.plan.plan_report import why_lost
 from spmd_train.analysis.plan.ranking import Ranked, tie_order
-from spmd_train.analysis.plan.report import why_lost
-from spmd_train.analysis.plan.rules import factorizations, real_check, structure_reason
+from spmd_train.analysis.plan.rejections import factorizations, real_check, structure_reason
 from spmd_train.analysis.plan.search import evaluate, search
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.analysis.plan.target import parse_topology, slow_placements, target_for
 from spmd_train.analysis.plan.timing import (
     LINK_EFFICIENCY,
     Timing,

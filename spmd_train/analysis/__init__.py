@@ -2,7 +2,7 @@
 
 from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
 from spmd_train.analysis.param_rows import ParamRow
-from spmd_train.analysis.report import StepReport, describe
+from spmd_train.analysis.step_report import StepReport, describe
 from spmd_train.analysis.topology import tpu_topology_devices
 from spmd_train.models.flops import flops_per_token, matmul_params
 

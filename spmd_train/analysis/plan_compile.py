@@ -24,10 +24,10 @@ from spmd_train.analysis.plan.compiled import Compiled, rescore
 from spmd_train.analysis.plan.labels import Scope, config_for
 from spmd_train.analysis.plan.model import estimate
 from spmd_train.analysis.plan.ranking import Ranked, tie_order
-from spmd_train.analysis.plan.rules import REFUSED, Rejection
+from spmd_train.analysis.plan.rejections import REFUSED, Rejection
 from spmd_train.analysis.plan.search import SearchResult
 from spmd_train.analysis.render import PIPELINE_FLOPS_NOTE
-from spmd_train.analysis.report import describe
+from spmd_train.analysis.step_report import describe
 from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
 from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError

@@ -1,6 +1,6 @@
 """Readable tables for `spmd-train describe` and `Trainer.describe()` (rich renderables; HTML in notebooks).
 
-Reports are passed in as `StepReport`s (analysis/report.py), which import this module to render themselves.
+Reports are passed in as `StepReport`s (analysis/step_report.py), which import this module to render themselves.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = _run_config(run_dir, args.overrides)
     codec = run_tokenizer(cfg)
     prompts = _prompts(args, codec, cfg.data.source)
-    from spmd_train.train.generate import check_request
+    from spmd_train.train.generation import check_request
 
     check_request(prompts, cfg.model.vocab_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p)
@@ -69,7 +69,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from spmd_train.devices import simulate_devices
     from spmd_train.train.checkpoint import Checkpointer
     from spmd_train.train.engine import Engine
-    from spmd_train.train.generate import check_engine, generate
+    from spmd_train.train.generation import check_engine, generate
     from spmd_train.train.restore import restore_latest
 
     simulate_devices(cfg.run.simulate_devices)

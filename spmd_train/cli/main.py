@@ -18,7 +18,7 @@ from spmd_train.cli.generate import add_generate_parser, run_generate
 from spmd_train.cli.plan import add_plan_parser, run_plan
 from spmd_train.cli.schedule import schedule_report
 from spmd_train.config import load_config
-from spmd_train.config.rules import resolve_rules
+from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.data import prepare_data
 from spmd_train.devices import simulate_devices, start_distributed
 from spmd_train.errors import ConfigError, TrainingHalted

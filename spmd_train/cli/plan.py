@@ -15,10 +15,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from spmd_train.analysis.plan.devices import target_for
 from spmd_train.analysis.plan.labels import config_dict, label, parse_label
-from spmd_train.analysis.plan.profile import load_profile, profile_hardware
-from spmd_train.analysis.plan.report import (
+from spmd_train.analysis.plan.plan_report import (
     compiled_json,
     count,
     estimate_json,
@@ -30,7 +28,9 @@ from spmd_train.analysis.plan.report import (
     time_parts,
     why_lost,
 )
+from spmd_train.analysis.plan.profile import load_profile, profile_hardware
 from spmd_train.analysis.plan.search import KEEP, SearchResult, evaluate, search
+from spmd_train.analysis.plan.target import target_for
 from spmd_train.analysis.plan_compile import CompileStage, compile_stage
 from spmd_train.config import load_config
 from spmd_train.config.schema import Config

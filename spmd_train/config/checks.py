@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from spmd_train.config.mesh_schema import MESH_AXES
-from spmd_train.config.rules import resolve_rules
+from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.config.validity import (
     axes_divide_tokens,

@@ -68,7 +68,7 @@ class RulesConfig:
 
     Once loaded, `activations` is the preset's activation table with the config's entries on top,
     and `params` the entries where parameters differ from it (the preset's, then the config's).
-    The effective tables, with the rules the code adds, come from `config.rules.resolve_rules`.
+    The effective tables, with the rules the code adds, come from `config.resolved_rules.resolve_rules`.
     """
 
     __pydantic_config__ = STRICT

@@ -2,7 +2,7 @@
 
 Two callers read the same violation. The config checks (`config.checks`, `config.pipeline_keys`, and the schedule
 builder `parallel.schedules.build_schedule`) raise its `message`, which names the keys, their values and what would be
-valid. The planner (`analysis.plan.rules`) records its `rule`, stable text built from model constants only so that
+valid. The planner (`analysis.plan.rejections`) records its `rule`, stable text built from model constants only so that
 rejections can be counted per rule, and its `values`, the layout's numbers. The arguments are plain values, not
 configs or meshes, so the planner can ask without building a config per candidate (and no jax is imported).
 """

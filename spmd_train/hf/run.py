@@ -10,7 +10,7 @@ import jax
 
 from spmd_train.config.hf_config import read_hf_config
 from spmd_train.errors import ConfigError
-from spmd_train.hf.load import load_hf_params
+from spmd_train.hf.import_params import load_hf_params
 
 RECORD = "hf_config.json"
 """In run.dir: the imported checkpoint's directory and config.json (export keeps its other fields)."""

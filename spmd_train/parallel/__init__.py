@@ -9,7 +9,7 @@ train step (`spmd_train.parallel.pipeline`, `spmd_train.parallel.schedules`); th
 measures a schedule is `spmd_train.parallel.schedule_simulator`.
 """
 
-from spmd_train.parallel.attention import attention
+from spmd_train.parallel.attention_dispatch import attention
 from spmd_train.parallel.backends import Backends, resolve_backends
 from spmd_train.parallel.expert_dispatch import moe_ffn, replica_mean
 

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train.sharding.arithmetic import entry_axes, spec_axes
 from spmd_train.sharding.constrain import constrain
-from spmd_train.sharding.rules import Layout
+from spmd_train.sharding.layout import Layout
 
 ValueAndGrad = Callable[[Any, Any], tuple[Any, Any]]
 """(params, batch of one microbatch) -> (values, gradient of the loss): `jax.value_and_grad` of

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 import jax
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.config.rules import resolve_rules
+from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.config.schema import Config
 
 

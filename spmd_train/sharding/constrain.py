@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.sharding.arithmetic import manual_axes, without_axes
-from spmd_train.sharding.rules import Layout
+from spmd_train.sharding.layout import Layout
 
 _ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("spmd_train_layout", default=None)
 

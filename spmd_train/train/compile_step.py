@@ -9,8 +9,8 @@ import jax
 from spmd_train.config.schema import Config
 from spmd_train.data import TokenSource
 from spmd_train.errors import ConfigError
-from spmd_train.train.capacity import check_compiled_fits
 from spmd_train.train.engine import Engine, TrainState
+from spmd_train.train.memory_fit import check_compiled_fits
 
 
 def compile_train_step(engine: Engine, data: TokenSource, state: TrainState, cfg: Config) -> jax.stages.Compiled:

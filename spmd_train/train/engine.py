@@ -32,13 +32,13 @@ from spmd_train.parallel.gradients import loss_and_grads
 from spmd_train.parallel.pipeline_plan import PipelinePlan
 from spmd_train.sharding.arithmetic import local_shape, rows_per_device
 from spmd_train.sharding.constrain import use_layout
-from spmd_train.sharding.rules import Layout
+from spmd_train.sharding.layout import Layout
 from spmd_train.tpu_flags import tpu_flags_in_effect
-from spmd_train.train.capacity import bytes_per_device, check_state_fits, describe_run
 from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
 from spmd_train.train.inputs import model_inputs, with_loss_weights
+from spmd_train.train.memory_fit import bytes_per_device, check_state_fits, describe_run
 from spmd_train.train.optimizer import lr_schedule, make_optimizer, state_sharding
 from spmd_train.train.pipelined import chunk_depths, layer_order, model_rows, pipeline_plan, pipeline_value_and_grad
 

@@ -26,11 +26,11 @@ from spmd_train.hardware import device_spec
 from spmd_train.models.flops import flops_per_token
 from spmd_train.output_dir import make_output_dir
 from spmd_train.train import run_lock
-from spmd_train.train.capacity import activation_floor, check_batch_fits, check_state_fits, describe_run
 from spmd_train.train.checkpoint import Checkpointer
 from spmd_train.train.compile_step import compile_train_step, write_program
 from spmd_train.train.engine import Engine, TrainState
-from spmd_train.train.generate import GenerateResult, generate
+from spmd_train.train.generation import GenerateResult, generate
+from spmd_train.train.memory_fit import activation_floor, check_batch_fits, check_state_fits, describe_run
 from spmd_train.train.metrics import MetricsSink
 from spmd_train.train.param_sharding import show_param_sharding
 from spmd_train.train.restore import restore_latest
@@ -177,8 +177,8 @@ class Trainer(RunLoop):
 
     def generate(self, prompts: list[list[int]], **kw) -> GenerateResult:
         """New tokens for each prompt (token ids) from the current parameters, with a KV cache; starts or resumes the
-        run first if it has no state. Keywords as `train.generate.generate` (max_new_tokens, temperature, top_k, top_p,
-        seed)."""
+        run first if it has no state. Keywords as `train.generation.generate` (max_new_tokens, temperature, top_k,
+        top_p, seed)."""
         if self.state is None:
             self.init()
         return generate(self.engine, self.state.params, prompts, **kw)

@@ -6,10 +6,10 @@ parallelism; outside attention it splits tokens, and ZeRO shards over it too), `
 experts of MoE layers; outside them one more batch axis) and `tensor` (Megatron; with
 sequence parallelism the residual stream's length too).
 
-The layout arithmetic mirrors `sharding.rules.Layout` under the default rules
-(`meshes/rules/default.yaml` plus the rules `config.rules.resolve_rules` adds): a parameter's
+The layout arithmetic mirrors `sharding.layout.Layout` under the default rules
+(`meshes/rules/default.yaml` plus the rules `config.resolved_rules.resolve_rules` adds): a parameter's
 stored layout maps each logical axis through `PARAM_RULES`, dropping the ZeRO axes (`fsdp`,
-`sequence`: `sharding.rules.ZERO_AXES`) from a tree the stage does not shard (parameters at
+`sequence`: `sharding.layout.ZERO_AXES`) from a tree the stage does not shard (parameters at
 stage 3, gradients from stage 2, optimizer state from stage 1); its compute layout maps the
 axes through `ACTIVATION_RULES`, the stacking axes keeping their stored split. Size-1 axes split
 nothing. Other rule presets are outside this model (`Candidate.from_config` refuses them).
@@ -31,7 +31,7 @@ from typing import get_args
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.mesh_schema import MESH_AXES, RematPolicy
 from spmd_train.config.pipeline_keys import default_microbatches
-from spmd_train.config.rules import resolve_rules
+from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.config.validity import SCHEDULES
 from spmd_train.errors import ConfigError
@@ -39,7 +39,7 @@ from spmd_train.parallel.schedule_simulator import occupancy
 from spmd_train.parallel.schedules import build_schedule
 
 ZERO_AXES = ("fsdp", "sequence")
-"""The mesh axes the ZeRO stage shards over (`sharding.rules.ZERO_AXES`)."""
+"""The mesh axes the ZeRO stage shards over (`sharding.layout.ZERO_AXES`)."""
 STACKING_AXES = ("layers", "sublayers")
 """Logical axes that stack copies of a layer (`models.layers.STACKING_AXES`)."""
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {

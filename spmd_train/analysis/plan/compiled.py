@@ -1,7 +1,7 @@
 """A candidate's compiled figures in place of its estimates (`rescore`), with both kept to show the error.
 
 What replaces what:
-- memory: the compiled program's peak (argument + output + temp - alias, `analysis.report.describe`).
+- memory: the compiled program's peak (argument + output + temp - alias, `analysis.step_report.describe`).
   Where the program compiled is not the target's (a GPU target compiled by XLA:CPU, whose attention
   is XLA's, not a fused kernel), the model's own estimate of the difference between the two programs
   (`reference` against the target's estimate) is added, and the note says so;

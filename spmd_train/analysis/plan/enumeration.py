@@ -3,8 +3,8 @@
 Enumerated outermost first, so a refusal at one level skips everything below it; each refusal is
 recorded once, at the scope it was decided (`labels.Scope`):
 1. mesh: every factorization of the device count over the six axes, refused by the rules
-   `rules.mesh_reason` mirrors from the config checks, or when the outer axes cannot take the
-   slow-link factors (`devices.slow_placements`);
+   `rejections.mesh_reason` mirrors from the config checks, or when the outer axes cannot take the
+   slow-link factors (`target.slow_placements`);
 2. structure: sequence parallelism (tensor > 1), the context scheme (sequence > 1), the pipeline
    schedule (1f1b, gpipe, interleaved with 2 or 4 virtual stages) with p, 2p, 4p or 8p microbatches;
    gpipe is recorded as dominated by 1f1b with the same microbatches (the same ticks, so the same
@@ -25,10 +25,9 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from spmd_train.analysis.plan.candidate import CONTEXT_SCHEMES, REMAT_POLICIES, Candidate, Workload
-from spmd_train.analysis.plan.devices import Target
 from spmd_train.analysis.plan.labels import Scope
 from spmd_train.analysis.plan.memory import MemoryModel, context_scheme, state_bytes
-from spmd_train.analysis.plan.rules import (
+from spmd_train.analysis.plan.rejections import (
     FIT,
     Rejection,
     factorizations,
@@ -38,6 +37,7 @@ from spmd_train.analysis.plan.rules import (
     zero_reason,
 )
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.analysis.plan.target import Target
 from spmd_train.config.schema import Config
 
 GiB = 2**30

@@ -3,7 +3,7 @@
 Compute over the bubble alone, then the time on all-fast links; only candidates that can still reach
 the best `keep` get the next, dearer figure, and over several fast-link domains every slow-link
 placement is timed for them (the best placement is an attribute of the candidate, not a candidate of
-its own). Whatever enters the best `keep` also passes the real config checks (`rules.real_check`).
+its own). Whatever enters the best `keep` also passes the real config checks (`rejections.real_check`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 from spmd_train.analysis.plan.candidate import Candidate, Workload, schedule_stats
 from spmd_train.analysis.plan.comm import CommTerm, comm_terms
-from spmd_train.analysis.plan.devices import Target, slow_placements
 from spmd_train.analysis.plan.labels import Scope, config_for, label, scoped
 from spmd_train.analysis.plan.memory import MemoryEstimate, MemoryModel
 from spmd_train.analysis.plan.model import Estimate
-from spmd_train.analysis.plan.rules import Rejection, real_check
+from spmd_train.analysis.plan.rejections import Rejection, real_check
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.analysis.plan.target import Target, slow_placements
 from spmd_train.analysis.plan.timing import Timing, achievable_fraction, device_flops, estimate_timing, ties
 from spmd_train.config.schema import Config
 from spmd_train.hardware import Hardware

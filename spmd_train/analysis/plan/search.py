@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 from spmd_train.analysis.plan.candidate import Candidate, Workload, rows_per_device
 from spmd_train.analysis.plan.comm import comm_terms
-from spmd_train.analysis.plan.devices import Target, slow_placements
 from spmd_train.analysis.plan.enumeration import enumerate_fitting
 from spmd_train.analysis.plan.labels import Scope, canonical, label, scoped
 from spmd_train.analysis.plan.memory import MemoryModel, estimate_memory
 from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.ranking import Ranked, estimate_with, rank
-from spmd_train.analysis.plan.rules import Rejection, check_default_rules
+from spmd_train.analysis.plan.rejections import Rejection, check_default_rules
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.analysis.plan.target import Target, slow_placements
 from spmd_train.config.checks import check_attention
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError

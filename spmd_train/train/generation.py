@@ -34,7 +34,7 @@ from spmd_train.models import decode
 from spmd_train.models.transformer import Transformer
 from spmd_train.parallel import Backends
 from spmd_train.sharding.constrain import use_layout
-from spmd_train.sharding.rules import Layout
+from spmd_train.sharding.layout import Layout
 from spmd_train.train.engine import Engine
 
 

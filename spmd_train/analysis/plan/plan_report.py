@@ -9,14 +9,14 @@ from typing import Any
 
 from spmd_train.analysis.plan.candidate import Candidate
 from spmd_train.analysis.plan.compiled import Compiled
-from spmd_train.analysis.plan.devices import Target, target_for
 from spmd_train.analysis.plan.enumeration import MICROBATCHES, PIPELINES
 from spmd_train.analysis.plan.labels import label
 from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.ranking import Ranked
-from spmd_train.analysis.plan.rules import Rejection, factorizations, mesh_reason, structure_reason
+from spmd_train.analysis.plan.rejections import Rejection, factorizations, mesh_reason, structure_reason
 from spmd_train.analysis.plan.search import SearchResult
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.analysis.plan.target import Target, target_for
 from spmd_train.analysis.plan.timing import Timing, ties
 from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.schema import Config

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.mesh_schema import LOGICAL_AXES
-from spmd_train.config.rules import ResolvedRules, resolve_rules
+from spmd_train.config.resolved_rules import ResolvedRules, resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 from spmd_train.sharding.arithmetic import entry_axes, spec_axes, ways
@@ -33,7 +33,7 @@ class Layout:
     whether the ZeRO axes (`ZERO_AXES`: `fsdp`, and `sequence`, whose devices hold different tokens
     of the same rows) are kept: parameters keep them at stage 3, gradients at stage >= 2, optimizer
     state at stage >= 1; otherwise that tree is replicated over them. The tables are the
-    resolved rules (`config.rules.resolve_rules`: the preset, the config's entries and the
+    resolved rules (`config.resolved_rules.resolve_rules`: the preset, the config's entries and the
     rules the code adds); a mesh axis may split only one dimension of an array.
     """
 

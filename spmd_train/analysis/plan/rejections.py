@@ -3,7 +3,7 @@
 Each rule is `config.validity`'s, the predicate the config checks raise on (`config.checks.check_layout`, `check_moe`,
 `check_context`, `config.pipeline_keys.check_pipeline`); here a broken one becomes a `Rejection` with the rule's
 stable text, at the scope where the rule's numbers are all known (the mesh, then the structure). Only the ZeRO split
-of d_model is this module's own: the config refuses it through `sharding.rules.Layout`'s split of any dimension,
+of d_model is this module's own: the config refuses it through `sharding.layout.Layout`'s split of any dimension,
 which needs a mesh. The search runs the real checks too on what it ranks first (`real_check`), and
 tests/test_plan_search.py holds the two equal over a grid, and the ZeRO rule to `Engine.build`. A rejection's `rule`
 is stable (model constants only) so rejections can be counted per rule; its `detail` names this candidate's values.
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from spmd_train.analysis.plan.candidate import ACTIVATION_RULES, BATCH_AXES, PARAM_RULES, Candidate
-from spmd_train.analysis.plan.devices import SLOW_AXES, Target, slow_placements
 from spmd_train.analysis.plan.labels import Scope, label
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.analysis.plan.target import SLOW_AXES, Target, slow_placements
 from spmd_train.config.checks import check_layout
 from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.pipeline_keys import check_pipeline

@@ -157,6 +157,32 @@ def test_a_saved_step_is_not_saved_again_a_finished_run_compiles_nothing_step_re
     assert steps == [1, 2, 3, 4]
 
 
+@pytest.mark.faults
+def test_a_run_whose_every_checkpoint_was_set_aside_refuses_until_told_to_start_over(tmp_path, devices):
+    # A requeued job reruns the identical command: it must not train from step 1 over the run's history.
+    run = tmp_path / "run"
+    first = _trainer(run, devices, "checkpoint.async_save=false")
+    first.init()
+    first.run()
+    first.close()
+    history = (run / "metrics.jsonl").read_text()
+    for step in (3, 6):
+        _scribble(run / "checkpoints" / str(step))
+    with pytest.raises(ConfigError, match=r"all of steps \[3, 6\] are damaged"):
+        _trainer(run, devices).init()
+    for _ in range(2):  # the rerun, and the one after it
+        with pytest.raises(ConfigError, match=r"no checkpoint left to resume from: steps \['3', '6'\] were set aside "
+                                              r".*damaged_checkpoints.*valid: train.resume=never to start over"):
+            _trainer(run, devices).init()
+        assert (run / "metrics.jsonl").read_text() == history
+    over = _trainer(run, devices, "train.resume=never", "train.steps=2")
+    over.init()
+    assert over.step_count == 0
+    over.run()
+    over.close()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
 @pytest.mark.slow
 def test_load_from_starts_from_another_runs_weights(tmp_path, devices):
     donor = _trainer(tmp_path / "donor", devices, "mesh.fsdp=8")

@@ -18,6 +18,7 @@ from spmd_train.models.transformer import Transformer
 from spmd_train.sharding.constrain import use_layout
 from spmd_train.train.generation import check_request, generate, generation_backends
 from tests.runs import FP32, token_files
+from tests.tiers import fast_cases
 
 PROMPTS = [[5, 17, 3], [200, 1, 2, 3, 4, 9, 77], [42], [8, 8, 8, 8, 8]]
 NEW = 6
@@ -67,8 +68,9 @@ def _recomputed(engine: Engine, params, prompts: list[list[int]], new: int) -> l
     return [buf[i, lengths[i]: lengths[i] + new].tolist() for i in rows]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "moe-tiny"])
-@pytest.mark.parametrize("mesh", ["one", "fsdp2_tensor4"])
+@pytest.mark.parametrize(("mesh", "preset"), fast_cases(
+    [(mesh, preset) for mesh in ("one", "fsdp2_tensor4") for preset in ("tiny", "moe-tiny")],
+    fast=["one-tiny", "fsdp2_tensor4-moe-tiny"], ids="-".join, several=True))
 def test_greedy_with_cache_equals_recomputation_for_every_row_of_a_ragged_batch(devices, preset, mesh):
     devs, overrides = (devices[:1], []) if mesh == "one" else (devices, ["mesh.fsdp=2", "mesh.tensor=4"])
     engine = _engine(devs, preset, *overrides)

@@ -34,6 +34,7 @@ from spmd_train.ops.routing import aux_loss, capacity, route, slot_positions, z_
 from spmd_train.parallel import resolve_backends
 from spmd_train.parallel.expert_dispatch import moe_ffn
 from tests.runs import abstract_like
+from tests.tiers import fast_cases
 
 BATCH, LENGTH, D = 8, 16, 64
 AUX, Z = 0.3, 0.1  # weights of the router losses in the test objective, large enough to matter
@@ -127,7 +128,9 @@ CASES = [(m, k) for m in ("single", "expert1", "expert2", "expert4", "expert8") 
 ]
 
 
-@pytest.mark.parametrize(("mesh", "k"), CASES)
+@pytest.mark.parametrize(("mesh", "k"), fast_cases(
+    CASES, fast=["single-2", "expert8-1", "expert2_fsdp2_tensor2-2", "expert2_sequence2_tensor2-2"],
+    ids=lambda case: f"{case[0]}-{case[1]}", several=True))
 def test_layer_and_gradients_equal_the_dense_loop_when_nothing_drops(devices, mesh, k):
     # capacity_factor = num_experts gives k x tokens slots per expert: nothing can drop.
     cfg, layout = _setup(devices, f"model.moe.experts_per_token={k}", "backends.capacity_factor=8.0",
@@ -155,7 +158,7 @@ def test_shared_experts_add_a_dense_swiglu(devices):
     _assert_close(y, jax.jit(reference_moe, static_argnums=2)(p, x, 2) + shared, what="output")
 
 
-@pytest.mark.parametrize("impl", ["capacity", "dropless"])
+@pytest.mark.parametrize("impl", fast_cases(["capacity", "dropless"], fast=["dropless"]))
 def test_bfloat16_compute_stays_close_to_the_fp32_loop(devices, monkeypatch, impl):
     # Also guards an XLA:CPU abort on bf16 psum / psum_scatter in a partly manual shard_map.
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)

@@ -36,7 +36,9 @@ class TrainConfig:
     eval_batches: PositiveInt = 4
     """Global batches of the held-out split each evaluation averages over (the same ones every time)."""
     resume: Literal["auto", "never"] = "auto"
-    """auto: continue from the latest complete checkpoint in run.dir; never: refuse a run.dir that has checkpoints."""
+    """auto: continue from the latest complete checkpoint in run.dir (refused when every checkpoint was set aside as
+    damaged and the run has a history); never: refuse a run.dir that has checkpoints, and start over in one whose
+    checkpoints were all set aside."""
     resume_step: PositiveInt | None = None
     """Resume from this checkpoint step of run.dir instead of the latest; newer steps are moved to
     run.dir/superseded_checkpoints/ (kept, not deleted) so the run can save those step numbers again."""

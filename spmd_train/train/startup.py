@@ -33,6 +33,8 @@ def starting_state(engine: Engine, cfg: Config, checkpointer: Checkpointer, run_
                           f"train.resume_step={chosen}: {run_dir} has no checkpoints to resume from "
                           "(valid: train.resume_step=null to start fresh)")
     restored = restore_latest(engine, cfg, checkpointer, run_dir, only=chosen) if existing else None
+    if restored is None and cfg.train.resume != "never":
+        _keep_history(run_dir)
     if restored is not None:
         step, state = restored
         for aside in checkpointer.supersede_after(step):
@@ -49,6 +51,20 @@ def starting_state(engine: Engine, cfg: Config, checkpointer: Checkpointer, run_
         if cfg.checkpoint.load_from:
             state = _load_weights(engine, cfg, state, Path(cfg.checkpoint.load_from), say)
     return state, history
+
+
+def _keep_history(run_dir: Path) -> None:
+    """Refuse to start over in a run.dir whose checkpoints were all set aside as damaged while its metrics history
+    remains: a requeued job would otherwise rewrite that history from step 1 without anyone asking for it."""
+    damaged = run_dir / "damaged_checkpoints"
+    metrics = run_dir / "metrics.jsonl"
+    if not damaged.is_dir() or not any(damaged.iterdir()) or not metrics.exists() or not metrics.read_text().strip():
+        return
+    steps = sorted((p.name for p in damaged.iterdir()), key=lambda n: [int(x) for x in n.split(".") if x.isdigit()])
+    raise ConfigError(f"run.dir={run_dir} has no checkpoint left to resume from: steps {steps} were set aside in "
+                      f"{damaged} as damaged, and {metrics} keeps the run's history, which starting again would "
+                      "rewrite (valid: train.resume=never to start over in this run.dir, a new run.dir, or a sound "
+                      f"checkpoint put back in {run_dir / 'checkpoints'})")
 
 
 def _load_weights(engine: Engine, cfg: Config, state: TrainState, path: Path,

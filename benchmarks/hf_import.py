@@ -39,7 +39,7 @@ def make_checkpoint(directory: Path, layers: int) -> None:
     from safetensors.numpy import save_file
 
     from spmd_train.analysis.plan.shape import ModelShape
-    from spmd_train.config.hf_config import model_section
+    from spmd_train.config.hf_config import family, model_section
     from spmd_train.config.load import model_from_record
     from spmd_train.hf.names import pieces
 
@@ -49,7 +49,7 @@ def make_checkpoint(directory: Path, layers: int) -> None:
     model = model_from_record(model_section(config))
     stacked = {g.path: g.shape for g in ModelShape.from_config(model).params}
     rng = np.random.default_rng(0)
-    plan = list(pieces(model))
+    plan = list(pieces(model, family(config)))
     half = len(plan) // 2
     weight_map = {}
     for k, part in enumerate((plan[:half], plan[half:])):
@@ -113,6 +113,7 @@ def _whole(engine, directory: Path):
     from flax import traverse_util
     from safetensors.numpy import load_file
 
+    from spmd_train.config.hf_config import family, read_hf_config
     from spmd_train.hf.names import pieces
 
     tensors = {}
@@ -121,7 +122,7 @@ def _whole(engine, directory: Path):
     shapes = traverse_util.flatten_dict(engine.param_shapes, sep=".")
     shardings = traverse_util.flatten_dict(engine.state_shardings.params, sep=".")
     host = {path: np.empty(s.shape, s.dtype) for path, s in shapes.items()}
-    for p in pieces(engine.cfg.model):
+    for p in pieces(engine.cfg.model, family(read_hf_config(directory))):
         target = host[p.path][p.index] if p.index else host[p.path]
         target[...] = p.layout.to_ours(tensors[p.hf_name], target.shape)
     out = {path: jax.device_put(value, shardings[path]) for path, value in host.items()}

@@ -1,31 +1,13 @@
-"""Per-accelerator figures for MFU and the mesh planner, per JAX device.
+"""Per-accelerator figures for MFU and the mesh planner, per JAX device (a TPU7x chip is two devices).
 
-Figures and sources: ../shared/hardware.md (dense peaks, per JAX device: a TPU7x chip is two
-devices). Source tags in brackets, e.g. [C-v5p] or [SB-G], are that file's **Sources** list;
-"hw.md §4" is its table of disagreements and the value it chose. GPU memory is the marketed
-size; at run time prefer `device.memory_stats()["bytes_limit"]`.
+`device_spec(device_kind)`: the string jax reports -> dense bf16 peak and memory (MFU, the fit checks);
+`hardware(kind)`: a planner name (`h100`, `v5p`, ...) -> `Hardware`, adding HBM bandwidth, the fast and slow links
+with their per-hop latency, and how devices group into hosts and fast-link domains. Each figure cites its source
+by tag; the tags' URLs (vendor datasheets and pages) are listed above `_TABLE`. `Link.bandwidth` is the bytes per
+second one device moves through one ring collective: one direction for GPU links and NICs (NVIDIA's NVLink
+figures, sums over both directions, halved), the bidirectional figure of one link for TPU ICI.
 
-Two lookups:
-- `device_spec(device_kind)`: the string jax reports -> peak and memory (MFU, the fit checks);
-- `hardware(kind)`: a planner name (`h100`, `v5p`, ...) -> `Hardware`, which adds HBM bandwidth,
-  the fast and slow links with their per-hop latency, and how devices group into hosts and
-  fast-link domains.
-
-What a `Link.bandwidth` means (the figure the planner's α-β model divides bytes by): the bytes per
-second one device moves through one ring collective over that link.
-- GPUs (NVLink, xGMI, InfiniBand): one direction per device. NVIDIA's 600/900/1,800 GB/s are sums
-  over both directions; a ring sends one way and receives the other, so it uses half (hw.md §5.2,
-  the scaling-book's "full-duplex" figure).
-- TPUs (ICI): the bidirectional figure of one link, 2 x one-way: a mesh axis laid on one torus
-  dimension with wraparound runs a bidirectional ring, so each hop carries half the data each way
-  ([SB] sharding.md: "T_hop = 2V / (|X| W_ICI)" with W_ICI bidirectional). Without wraparound
-  (v5e/v6e axes shorter than 16, v4/v5p/tpu7x shapes below a full 4x4x4 cube) it is about half,
-  and an axis spread over k torus dimensions has about k times it: the topology, not this table,
-  decides that.
-- DCN / inter-node NICs: one direction per device (a NIC's Gb/s rating is per direction).
-[SB] is jax-ml/scaling-book `sharding.md` @ 0819a7d, the source of the ICI hop latency; [NCCL] is
-NVIDIA/nccl `src/graph/tuning.cc`, whose `hwLat` table gives NCCL's per-hop latency for the ring
-algorithm with the Simple protocol (the one large collectives use): NVLink 3.4 us, network 14 us.
+Sources and derivation: docs/explanation/hardware-figures.md
 """
 
 from __future__ import annotations
@@ -46,6 +28,34 @@ class DeviceSpec:
     hbm_bytes: float
 
 
+# Sources, cited by tag beside each figure below (docs/explanation/hardware-figures.md quotes each figure from its
+# source, and says which value was chosen where sources disagree):
+# [C-v4] https://cloud.google.com/tpu/docs/v4        [C-v5e] https://cloud.google.com/tpu/docs/v5e
+# [C-v5p] https://cloud.google.com/tpu/docs/v5p      [C-v6e] https://cloud.google.com/tpu/docs/v6e
+# [C-7x] https://cloud.google.com/tpu/docs/tpu7x
+# [N-A100] https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+# [S-A100] https://glennklockwood.com/garden/processors/A100 (the A100 datasheet's figures, as read)
+# [N-H100] https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 SXM, PCIe, NVL)
+# [S-H100] https://glennklockwood.com/garden/processors/h100 (the H100 datasheet's figures, as read)
+# [N-H200] https://www.nvidia.com/en-us/data-center/h200/
+# [N-BW] https://nvdam.widen.net/s/wwnsxrhm2w/blackwell-datasheet-3384703 (B200)
+# [N-HGX] https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 system totals)
+# [N-GB] https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (NVL72 rack totals, divided by 72)
+# [N-POD] https://docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-foundation-enterprise-ai/latest/core-components.html
+# [S-IB] https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/nvidia-dgx-a100-datasheet.pdf (DGX A100 NICs)
+# [AMD] https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html
+# [S-mi300] secondary pages agreeing with [AMD]: emergentmind.com (128 GB/s per xGMI link, both directions) and
+#   gpu.blog (896 GB/s, fully connected 8-GPU xGMI)
+# [AZ] https://github.com/MicrosoftDocs/azure-docs/blob/main/articles/virtual-machines/sizes/gpu-accelerated/nd-mi300x-v5-series.md
+# [SB-T] https://jax-ml.github.io/scaling-book/tpus/ (tpus.md @ 54e2c43)
+# [SB-G] https://jax-ml.github.io/scaling-book/gpus/ (gpus.md @ 1a55377)
+# [SB] https://jax-ml.github.io/scaling-book/sharding/ (sharding.md @ 0819a7d)
+# [NCCL] https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc (hwLat: Ring, Simple protocol)
+# [M1] https://github.com/AI-Hypercomputer/maxtext/blob/e591f30/src/maxtext/utils/accelerator_to_spec_map.py
+# _TABLE's rows, by source: v4 [C-v4]; v5e [C-v5e]; v5p [C-v5p]; v6e [C-v6e]; TPU7x [C-7x] (per chip / 2); A100
+# [N-A100]; H100 SXM, PCIe and NVL [N-H100]; H200 [N-H200]; B200 [N-BW] (memory: 1,440 GB per DGX B200 / 8, [N-POD]);
+# GB200 [N-GB] (360 PF sparse and 13.4 TB per NVL72 rack, / 72 / 2); MI300X [AMD]. Peaks are dense bf16: NVIDIA's
+# datasheets list 2:4-sparsity figures, twice the dense ones.
 # Order matters: the first matching prefix wins ("TPU v5 lite" before "TPU v5").
 _TABLE: tuple[tuple[str, DeviceSpec], ...] = (
     ("TPU v4", DeviceSpec("TPU v4", 275e12, 32 * GiB)),
@@ -138,7 +148,7 @@ _DCN_ALPHA = _NET_ALPHA
 
 
 def _ib(gbps: float, what: str) -> Link:
-    """A NIC per device rated at `gbps` Gb/s per direction (hw.md §5.2)."""
+    """A NIC per device rated at `gbps` Gb/s per direction (NIC ratings are per direction: module docstring)."""
     return Link(what, gbps / 8 * 1e9, _NET_ALPHA)
 
 
@@ -153,7 +163,7 @@ def _ici(one_way_per_link: float, devices_per_chip: int = 1) -> Link:
 
 
 _PLANNER: dict[str, Hardware] = {
-    # NVLink: per-GPU totals over both directions halved (hw.md §1, §5.2): A100 600 -> 300, Hopper 900 -> 450,
+    # NVLink: per-GPU totals over both directions halved (module docstring): A100 600 -> 300, Hopper 900 -> 450,
     # Blackwell 1,800 -> 900 GB/s [SB-G][N-A100][N-H100][N-BW]. Scale-out: one NIC per GPU [N-POD][S-IB][AZ].
     "a100": Hardware(
         # The 80 GB SXM4 part (DGX A100 640 GB); the 40 GB part differs only in memory and HBM bandwidth.
@@ -169,13 +179,13 @@ _PLANNER: dict[str, Hardware] = {
         Link("NVLink 4", 450e9, _NVLINK_ALPHA), _ib(400, "NDR InfiniBand 400 Gb/s"),  # [N-POD]
         devices_per_host=8, fast_domain=8),
     "b200": Hardware(
-        "b200", device_spec("NVIDIA B200"), 8e12,  # [N-BW]: HGX B200 64 TB/s per 8 GPUs; hw.md §4
+        "b200", device_spec("NVIDIA B200"), 8e12,  # [N-HGX]: HGX B200 64 TB/s per 8 GPUs
         Link("NVLink 5", 900e9, _NVLINK_ALPHA), _ib(400, "NDR InfiniBand 400 Gb/s"),  # [N-POD]: 8 x CX-7
         devices_per_host=8, fast_domain=8),
     "gb200": Hardware(
         # The NVLink domain is the whole NVL72 rack (72 GPUs, [N-GB]): the planner's fast/slow split follows the
         # links, so the "node" a slow factor crosses is the rack. A host (compute tray) drives 2 superchips = 4 GPUs
-        # (hw.md's table says 8 per host; NVIDIA's NVL72 has 18 trays of 4 GPUs).
+        # (NVIDIA's NVL72 has 18 compute trays of 4 GPUs; some summaries say 8 per host).
         "gb200", device_spec("NVIDIA GB200"), 8e12,  # [N-GB]: 576 TB/s / 72
         Link("NVLink 5", 900e9, _NVLINK_ALPHA), _ib(400, "InfiniBand 400 Gb/s"),  # [SB-G]: 72 x 400 Gb/s per rack
         devices_per_host=4, fast_domain=72),
@@ -186,18 +196,18 @@ _PLANNER: dict[str, Hardware] = {
         "mi300x", device_spec("AMD Instinct MI300X"), 5.3e12,  # [AMD][S-mi300]
         Link("Infinity Fabric (xGMI)", 7 * 64e9, _NVLINK_ALPHA), _ib(400, "NDR InfiniBand 400 Gb/s"),  # [AZ]
         devices_per_host=8, fast_domain=8),
-    # TPUs. ICI one-way per link: v5e 50, v5p and v6e 100 GB/s (Cloud per-chip bidi / (2 x ports), hw.md §5.2);
-    # v4 45 GB/s (scaling-book, the only source, hw.md §4). DCN per chip from Cloud's Gbps or NICs per host.
+    # TPUs. ICI one-way per link: v5e 50, v5p and v6e 100 GB/s (Cloud per-chip bidi / (2 x ports));
+    # v4 45 GB/s ([SB-T], the only source). DCN per chip from Cloud's Gbps or NICs per host.
     # fast_domain is the largest single slice: beyond it, multislice over DCN.
     "v4": Hardware(
         "v4", device_spec("TPU v4"), 1.2e12,  # [C-v4]
         _ici(45e9),
-        # DCN per v4 chip is not published [hw.md §2]: the scaling-book's per-chip DCN figure for v4p/v5p,
+        # DCN per v4 chip is not published: the scaling-book's per-chip DCN figure for v4p/v5p,
         # 6.25e9 B/s = 50 Gb/s [SB-T], is assumed.
         _dcn(50),
         devices_per_host=4, fast_domain=4096, torus=3),  # [C-v4]: 4 chips per host, pod 4,096 chips, 3D
     "v5e": Hardware(
-        "v5e", device_spec("TPU v5 lite"), 819e9,  # [C-v5e]; hw.md §4
+        "v5e", device_spec("TPU v5 lite"), 819e9,  # [C-v5e]: the chip table's 819 GBps
         _ici(50e9),
         _dcn(25),  # [C-v5e]: 2 x 100 Gb/s NICs per 8-chip host; [SB-T] 3.125e9 B/s per chip
         devices_per_host=8, fast_domain=256, torus=2),  # 16x16, 2D torus
@@ -205,15 +215,15 @@ _PLANNER: dict[str, Hardware] = {
         "v5p", device_spec("TPU v5"), 2765e9,  # [C-v5p]
         _ici(100e9),
         _dcn(50),  # [C-v5p]: 50 Gb/s per chip
-        devices_per_host=4, fast_domain=6144, torus=3),  # [C-v5p]: largest single-slice job 6,144 chips; hw.md §4
+        devices_per_host=4, fast_domain=6144, torus=3),  # [C-v5p]: largest single-slice job 6,144 chips
     "v6e": Hardware(
-        "v6e", device_spec("TPU v6 lite"), 1638e9,  # [C-v6e]; hw.md §4
+        "v6e", device_spec("TPU v6 lite"), 1638e9,  # [C-v6e] (latest version), [C-7x]
         _ici(100e9),
         _dcn(100),  # [C-v6e][C-7x]: 4 x 200 Gb/s NICs per 8-chip host
         devices_per_host=8, fast_domain=256, torus=2),
     "tpu7x": Hardware(
         # Two devices per chip share its HBM bandwidth, ICI and DCN: per-device figures are the chip's halved.
-        # ICI links per chip are not stated [hw.md §2]; the chip's 1,200 GB/s bidi equals v5p's 6 x 200, so v5p's
+        # ICI links per chip are not stated in [C-7x]; the chip's 1,200 GB/s bidi equals v5p's 6 x 200, so v5p's
         # 100 GB/s one-way per link is assumed.
         "tpu7x", device_spec("TPU7x"), 7380e9 / 2,  # [C-7x]
         _ici(100e9, devices_per_chip=2),

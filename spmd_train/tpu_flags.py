@@ -1,21 +1,10 @@
 """The libtpu compiler flags every spmd_train process runs with (LIBTPU_INIT_ARGS, read once when libtpu loads).
 
-Without them libtpu rewrites the collectives ZeRO-3 is built from into all-reduces whenever the device
-group spans more than one dimension of the torus (every fsdp axis larger than one ring: 16 chips of a
-v5e/v6e, 64 of a v5p), so each weight gather and gradient reduce-scatter moves twice the bytes:
+Without them libtpu turns ZeRO-3's all-gathers and reduce-scatters over groups spanning more than one torus
+dimension into all-reduces, twice the bytes. A flag the user already put in LIBTPU_INIT_ARGS keeps the user's
+value; `SPMD_TRAIN_TPU_FLAGS=0` leaves the variable untouched.
 
-- an all-gather becomes an all-reduce of a zero-padded full buffer unless async all-gathers are preferred
-  (`xla_tpu_prefer_async_allgather_to_allreduce` with async all-gathers enabled);
-- a reduce-scatter over such a group is split by the reduce-scatter decomposer into all-reduce + slice
-  unless reduce-scatters may run on the SparseCores, N-dimensional ones
-  (`xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter`) and the rest
-  (`xla_tpu_enable_sparse_core_collective_offload_reduce_scatter`: without it a gradient scattered on a
-  dimension the layout does not put first, such as a down projection's or an attention weight's model
-  dimension, still becomes an all-reduce on a v6e 4x4 or among the strided fsdp groups of fsdp x expert
-  on a v5p 4x4x4). Chips without SparseCores (v5e) compile the same collectives with them set.
-
-These are the settings large TPU recipes (MaxText's among them) run with. A flag the user already put in
-LIBTPU_INIT_ARGS keeps the user's value; `SPMD_TRAIN_TPU_FLAGS=0` leaves the variable untouched.
+Details: docs/describe.md#zero-3-on-large-slices-the-tpu-flags-and-the-zero-floor
 """
 
 from __future__ import annotations

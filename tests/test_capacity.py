@@ -13,7 +13,7 @@ from spmd_train.errors import ConfigError
 from spmd_train.train import memory_fit
 from spmd_train.train import trainer as trainer_module
 from spmd_train.train.memory_fit import GiB, activation_floor, check_compiled_fits, check_state_fits
-from tests.runs import cli
+from tests.runs import cli, main_in_process
 
 
 @pytest.mark.slow
@@ -51,12 +51,12 @@ def test_describe_for_a_tpu_slice_refuses_a_state_over_its_memory():
         Engine.build(cfg, tpu_topology_devices("v5e:2x4"))
 
 
-def test_a_batch_too_large_for_memory_exits_2_before_compiling_and_writes_nothing(tmp_path):
-    proc = cli("train", "configs/tiny.yaml", "train.global_batch_size=1048576", f"run.dir={tmp_path / 'run'}")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "train.global_batch_size=1048576 x train.seq_len=64 (train.grad_accum=1): one step needs at least" in \
-        proc.stderr
-    assert "valid: train.grad_accum=" in proc.stderr and "compiled" not in proc.stderr
+def test_a_batch_too_large_for_memory_exits_2_before_compiling_and_writes_nothing(tmp_path, capsys):
+    code, _, err = main_in_process("train", "configs/tiny.yaml", "train.global_batch_size=1048576",
+                                   f"run.dir={tmp_path / 'run'}", capsys=capsys)
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert "train.global_batch_size=1048576 x train.seq_len=64 (train.grad_accum=1): one step needs at least" in err
+    assert "valid: train.grad_accum=" in err and "compiled" not in err
     assert not (tmp_path / "run").exists()
 
 

@@ -22,7 +22,7 @@ from spmd_train.parallel.attention_dispatch import local_kernel
 from spmd_train.parallel.backends import Backends, resolve_backends
 from spmd_train.parallel.context import context_attention, kv_repeats
 from spmd_train.parallel.ring import zigzag_order
-from tests.runs import FP32, ROOT, TINY, cli, relative_error, run_steps, token_files
+from tests.runs import FP32, ROOT, TINY, main_in_process, relative_error, run_steps, token_files
 from tests.tiers import fast_cases
 
 
@@ -241,11 +241,11 @@ def test_layouts_context_parallelism_cannot_run_are_refused(devices, overrides, 
         Engine.build(cfg, devices)
 
 
-def test_the_cli_refuses_ulysses_heads_that_do_not_divide():
-    result = cli("train", "configs/tiny.yaml", "model.num_heads=4", "mesh.fsdp=1", "mesh.sequence=4",
-                 "parallel.context_parallel=ulysses", "train.steps=1")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "parallel.context_parallel=ulysses" in result.stderr and "context_parallel=ring" in result.stderr
+def test_the_cli_refuses_ulysses_heads_that_do_not_divide(capsys):
+    code, _, err = main_in_process("train", "configs/tiny.yaml", "model.num_heads=4", "mesh.fsdp=1", "mesh.sequence=4",
+                                   "parallel.context_parallel=ulysses", "train.steps=1", capsys=capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "parallel.context_parallel=ulysses" in err and "context_parallel=ring" in err
 
 
 def test_the_h100_preset_passes_the_gpu_checks_and_picks_fused_attention():

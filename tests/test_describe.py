@@ -121,10 +121,10 @@ def test_flops_count_every_layer(devices):
     assert eight.per_device["flops"] > 3 * two.per_device["flops"]
 
 
-def test_cli_json_has_the_public_keys():
-    proc = cli("describe", "configs/tiny.yaml", "--json")
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+def test_cli_json_has_the_public_keys(capsys):
+    code, out, err = main_in_process("describe", "configs/tiny.yaml", "--json", capsys=capsys)
+    assert code == 0, err
+    report = json.loads(out)
     assert {"mesh", "devices", "param_count", "per_device", "collectives"} <= set(report)
     assert report["mesh"]["fsdp"] == 4 and report["mesh"]["tensor"] == 2 and report["devices"] == 8
     assert {"param_bytes", "opt_state_bytes", "argument_bytes", "output_bytes", "temp_bytes", "flops"} <= set(

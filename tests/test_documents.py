@@ -13,9 +13,9 @@ from spmd_train.data import Batch, TokenFiles, make_source
 from spmd_train.data.batch import document_layout, document_layout_from_eot
 from spmd_train.errors import ConfigError
 from spmd_train.ops.attention import dot_product_attention
-from spmd_train.parallel.attention_dispatch import cudnn_attention
+from spmd_train.parallel.attention_backends.cudnn_backend import cudnn_attention
 from spmd_train.parallel.backends import resolve_backends
-from tests.runs import FP32, TINY, cli, relative_error, run_steps, token_files, write_corpus
+from tests.runs import FP32, TINY, main_in_process, relative_error, run_steps, token_files, write_corpus
 from tests.tiers import fast_cases
 
 
@@ -150,7 +150,7 @@ def test_documents_reach_the_batch_the_engine_compiles(corpus, devices):
             assert (got.shape, got.sharding) == (want.shape, want.sharding)
 
 
-def test_document_mask_without_documents_is_refused(tmp_path):
+def test_document_mask_without_documents_is_refused(tmp_path, capsys):
     raw = tmp_path / "raw.bin"
     np.arange(4000, dtype=np.uint16).tofile(raw)
     with pytest.raises(ConfigError, match=r"raw.bin marks no documents.*data\.eot_id"):
@@ -162,6 +162,7 @@ def test_document_mask_without_documents_is_refused(tmp_path):
     rows = source.global_batch_array(0)
     segments, _ = source.document_rows(0, np.arange(4))
     np.testing.assert_array_equal(segments[:, 1:] - segments[:, :-1], (rows[:, :-1] == 9).astype(int))
-    result = cli("train", "configs/tiny.yaml", "data.document_mask=true", "train.steps=1")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "data.document_mask=true" in result.stderr and "data.source=markov" in result.stderr
+    code, _, err = main_in_process("train", "configs/tiny.yaml", "data.document_mask=true", "train.steps=1",
+                                   f"run.dir={tmp_path / 'run'}", capsys=capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "data.document_mask=true" in err and "data.source=markov" in err

@@ -30,7 +30,7 @@ def reference(devices):
 
 @pytest.mark.parametrize(("layout", "grad_accum"), fast_cases(
     [(layout, accum) for accum in (1, 4) for layout in LAYOUTS],
-    fast=["data8-1", "fsdp8_zero3-4", "fsdp2_tensor4_sp-1", "data2_fsdp2_tensor2-1"],
+    fast=["data8-1", "fsdp8_zero3-4", "fsdp2_tensor4_sp-1"],
     ids=lambda case: f"{case[0]}-{case[1]}", several=True))
 def test_sharded_run_equals_single_device(reference, devices, layout, grad_accum):
     ref_losses, ref_params = reference

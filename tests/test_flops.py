@@ -21,6 +21,7 @@ def test_llama3_8b_flops_by_hand():
     assert flops_per_token(m, 8192) == 6 * (32 * per_layer + head) + attention == pytest.approx(5.15e10, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_mfu_uses_the_peak_override(tmp_path, devices):
     cfg = load_config(None, ["model.preset=tiny", "train.global_batch_size=16", "train.seq_len=16",
                              "train.steps=2", "run.peak_tflops=0.5", f"run.dir={tmp_path}"])

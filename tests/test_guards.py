@@ -110,6 +110,7 @@ def test_a_resumed_run_keeps_its_latest_window_when_the_window_size_changes():
     assert int(larger.accepted) == 5  # judging waits until 8 applied steps fill the new window
 
 
+@pytest.mark.slow
 def test_halt_stops_at_the_first_non_finite_step_and_saves_nothing_after_it(injected, tmp_path, devices):
     cfg = load_config(None, [*TINY, *FP32, "train.steps=6", "train.on_nonfinite=halt", "checkpoint.every=1",
                              f"run.dir={tmp_path}", "checkpoint.async_save=false"])
@@ -153,6 +154,7 @@ def test_a_diverging_run_exits_3_and_keeps_its_good_checkpoints(tmp_path):
         assert all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.floating))
 
 
+@pytest.mark.slow
 def test_resume_carries_the_guards_across_a_window_change_and_from_format_1(tmp_path, devices):
     run = lambda *o: Trainer(load_config(None, [*TINY, "train.steps=4", f"run.dir={tmp_path}",
                                                 "checkpoint.async_save=false", *o]), devices)

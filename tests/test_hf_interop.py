@@ -114,7 +114,8 @@ def _heads_transposed(pieces):
 def test_a_conversion_bug_fails_the_comparison(devices, monkeypatch, family, mutation, overrides):
     if mutation is not None:
         original = hf_names.pieces
-        monkeypatch.setattr("spmd_train.hf.import_params.pieces", lambda model: list(mutation(original(model))))
+        monkeypatch.setattr("spmd_train.hf.import_params.pieces",
+                            lambda model, family: list(mutation(original(model, family))))
     engine = _engine(family, devices[:1], *overrides)
     ref = np.load(REFERENCE / family / "reference.npz")
     assert _error(_logits(engine, load_hf_params(engine, REFERENCE / family), ref["input_ids"]), ref["logits"]) \
@@ -223,6 +224,7 @@ def test_unsupported_config_fields_are_named():
         model_section({**cfg, "attention_bias": True})
 
 
+@pytest.mark.slow
 def test_convert_round_trip_through_the_cli(tmp_path):
     run, out = tmp_path / "run", tmp_path / "out"
     result = cli("convert", "hf", str(REFERENCE / "qwen3"), "--to", str(run), "run.simulate_devices=8",
@@ -238,6 +240,7 @@ def test_convert_round_trip_through_the_cli(tmp_path):
     assert again.returncode == 2 and "already exists" in again.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_v"])
 def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tmp_path, schedule):
     # Interleaved 1F1B and ZB-V store the layer stack out of model order (engine.layer_order); files are in model order.

@@ -4,6 +4,7 @@ import jax
 import pytest
 
 from tests.runs import run_steps
+from tests.tiers import fast_cases
 
 
 def _bytes_on(device, tree) -> int:
@@ -13,7 +14,7 @@ def _bytes_on(device, tree) -> int:
     )
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", fast_cases([0, 1, 2, 3], fast=[3]))
 def test_zero_stage_memory_per_device(devices, stage):
     _, params_np, _engine, state = run_steps(["mesh.fsdp=8", f"parallel.zero_stage={stage}"], devices, steps=1)
     full_params = sum(x.nbytes for x in jax.tree.leaves(params_np))

@@ -44,6 +44,7 @@ def _wandb_run(tmp_path, devices, steps: int):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_wandb_offline_mirrors_every_step_and_a_resume_continues_the_same_run(tmp_path, devices):
     pytest.importorskip("wandb", reason="the wandb extra")  # in the dev extra, so CI runs this
     _wandb_run(tmp_path, devices, steps=2)

@@ -10,6 +10,7 @@ from spmd_train import load_config
 from spmd_train.models.transformer import Transformer
 from spmd_train.ops import cross_entropy, dot_product_attention
 from tests.runs import relative_error, run_steps
+from tests.tiers import fast_cases
 
 
 def _model(*overrides):
@@ -47,7 +48,7 @@ def test_logits_are_causal():
     assert not np.allclose(a[:, 7:], b[:, 7:])
 
 
-@pytest.mark.parametrize("policy", ["full", "save_matmuls", "save_matmuls_no_batch"])
+@pytest.mark.parametrize("policy", fast_cases(["full", "save_matmuls", "save_matmuls_no_batch"], fast=["full"]))
 def test_remat_policies_keep_loss_and_gradients(policy):
     model = _model()
     graphdef, params = nnx.split(model)
@@ -87,6 +88,7 @@ def test_preset_parameter_counts(preset, expected):
     assert count == pytest.approx(expected, rel=0.01)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_tracks_float32(devices):
     f32, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4"], devices)
     bf16, params, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4", "model.compute_dtype=bfloat16"], devices)

@@ -146,6 +146,7 @@ def test_layer_and_gradients_equal_the_dense_loop_when_nothing_drops(devices, me
         _assert_close(grads[name], grads_ref[name], what=f"d {name}")
 
 
+@pytest.mark.slow
 def test_shared_experts_add_a_dense_swiglu(devices):
     cfg, layout = _setup(devices, "model.moe.num_shared_experts=2", "model.moe.d_ff=32", "backends.capacity_factor=8.0",
                          "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2")

@@ -18,6 +18,7 @@ from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.data import make_source
 from spmd_train.ops.routing import capacity
 from tests.runs import ROOT, cli, relative_error
+from tests.tiers import fast_cases
 
 CONFIG = ROOT / "configs" / "moe.yaml"
 NO_DROPS = "backends.capacity_factor=8.0"  # >= num_experts / k: an expert can take every token of its group
@@ -67,7 +68,7 @@ def _assert_same_run(run, reference):
     assert relative_error(params, ref_params) < 1e-5
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("mesh", fast_cases(MESHES, fast=["expert2_fsdp2_tensor2"]))
 def test_sharded_steps_equal_one_device(devices, one_device, mesh):
     # Without grad accumulation the aux loss is the whole batch's on every mesh, replicas included.
     _assert_same_run(_train([NO_DROPS, *MESHES[mesh]], devices, 3), one_device)
@@ -93,6 +94,7 @@ def test_step_metrics_report_every_moe_layer_plausibly(one_device):
             assert h[f"expert_load.{i}"] > 1.0  # 4096 assignments never split exactly evenly here
 
 
+@pytest.mark.slow
 def test_trainer_writes_moe_metrics_to_metrics_jsonl(tmp_path, devices):
     cfg = load_config(CONFIG, ["train.steps=3", f"run.dir={tmp_path}", "checkpoint.every=0",
                                "checkpoint.async_save=false"])
@@ -130,7 +132,7 @@ STRUCTURE = {
 }
 
 
-@pytest.mark.parametrize("case", list(STRUCTURE))
+@pytest.mark.parametrize("case", fast_cases(STRUCTURE, fast=["expert2_fsdp2_tensor2"]))
 def test_train_step_has_four_all_to_alls_per_moe_layer_with_slot_bytes(devices, case):
     overrides, per_layer, accum = STRUCTURE[case]
     engine = Engine.build(load_config(CONFIG, overrides), devices)

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train import Engine, load_config
 from spmd_train.analysis import collectives_of
+from spmd_train.config.schedule_facts import names_where, schedule_facts
 from spmd_train.errors import ConfigError
 from spmd_train.parallel.pipeline import run_pipeline
 from spmd_train.parallel.pipeline_plan import build_plan
@@ -16,9 +17,11 @@ from spmd_train.parallel.schedule_simulator import simulate
 from spmd_train.parallel.schedules import build_schedule, placement_of
 from spmd_train.train.pipelined import layer_order
 from tests.runs import TINY, relative_error, run_steps
+from tests.tiers import fast_cases
 
-FUSED = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
-SPLIT = [("zb_h1", 1), ("zb_v", 2)]  # backward split into B and W
+# Every registered schedule at its fewest chunks per stage: gpipe, 1f1b, interleaved_1f1b (2); zb_h1, zb_v (2).
+FUSED = [(n, schedule_facts(n).min_virtual) for n in names_where(split_backward=False)]
+SPLIT = [(n, schedule_facts(n).min_virtual) for n in names_where(split_backward=True)]  # backward split into B and W
 SCHEDULES = FUSED + SPLIT
 GRID = [(p, m) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 DEEP = ["model.num_layers=8"]
@@ -51,7 +54,7 @@ def _head(head, y, target):
     return jnp.mean((y @ head - target) ** 2)
 
 
-@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("p,m", fast_cases(GRID, fast=["4-8"], ids=lambda c: f"{c[0]}-{c[1]}", several=True))
 @pytest.mark.parametrize("name,v", SCHEDULES)
 def test_executor_equals_autodiff_of_the_sequential_model(devices, name, v, p, m):
     # In float64: this proves the schedule's bookkeeping, which any slip breaks by O(1); in float32
@@ -105,7 +108,8 @@ def _check(reference, overrides, devices):
     return engine
 
 
-@pytest.mark.parametrize("name,v", SCHEDULES)
+@pytest.mark.parametrize("name,v", fast_cases(SCHEDULES, fast=["1f1b-1", "zb_v-2"], ids=lambda c: f"{c[0]}-{c[1]}",
+                                              several=True))
 def test_pipeline_fsdp_tensor_equals_one_device(reference, devices, name, v):
     engine = _check(reference, ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
                                 f"parallel.pipeline_schedule={name}", f"parallel.virtual_stages={v}"], devices)
@@ -129,9 +133,9 @@ def test_pipelined_model_equals_one_device(reference, devices, name, v, p, m):
 
 
 @pytest.mark.parametrize("extra", [
-    ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "train.grad_accum=2"],
-    ["mesh.fsdp=4", "parallel.zero_stage=2", "parallel.remat=full"],
-    ["mesh.fsdp=4", "parallel.zero_stage=1"],
+    pytest.param(["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "train.grad_accum=2"], marks=pytest.mark.slow),
+    pytest.param(["mesh.fsdp=4", "parallel.zero_stage=2", "parallel.remat=full"], marks=pytest.mark.slow),
+    pytest.param(["mesh.fsdp=4", "parallel.zero_stage=1"], marks=pytest.mark.slow),
 ], ids=["data_tensor_accum", "zero2_remat", "zero1"])
 def test_pipeline_with_other_parallelism(reference, devices, extra):
     _check(reference, ["mesh.pipeline=2", *extra], devices)
@@ -200,6 +204,7 @@ def test_interleaved_needs_microbatches_in_groups_of_stages(devices):
         Engine.build(cfg, devices)
 
 
+@pytest.mark.slow
 def test_bf16_compute_pipeline_trains_like_one_device(devices):
     # bf16 activations cross stages and the input gradients are summed over `pipeline`.
     common = [*DEEP, "model.compute_dtype=bfloat16"]

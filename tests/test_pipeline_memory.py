@@ -129,12 +129,14 @@ def test_describe_json_has_the_pipeline_section():
     assert pipe["balanced_layers"] == balanced_depths(cfg.model, cfg.train.seq_len, P)
 
 
+@pytest.mark.slow
 def test_describe_json_has_no_pipeline_section_without_a_pipeline():
     proc = cli("describe", "configs/tiny.yaml", "train.seq_len=16", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["pipeline"] is None
 
 
+@pytest.mark.slow
 def test_describe_tables_show_the_schedule():
     proc = cli(*DESCRIBE)
     assert proc.returncode == 0, proc.stderr
@@ -144,6 +146,7 @@ def test_describe_tables_show_the_schedule():
         assert needle in proc.stdout, needle
 
 
+@pytest.mark.slow
 def test_describe_counts_what_zb_h1_keeps_from_b_to_w(devices):
     # One layer per stage, m = p microbatches of one 32-token row, no remat: B hands W the per-matmul output
     # cotangents (about a third of a microbatch-chunk's stash, tests/test_split_backward.py), in slots of their own

@@ -16,6 +16,7 @@ from spmd_train.analysis.moe_report import moe_section
 from spmd_train.ops.routing import capacity
 from tests.runs import cli, relative_error
 from tests.test_moe_model import CONFIG, NO_DROPS, ONE_DEVICE, _compiled_collectives, _train
+from tests.tiers import fast_cases
 
 # 8 layers = 4 MoE groups (every 2nd layer is an MoE layer): 2 stages x 2 chunks hold one group each.
 BASE = [NO_DROPS, "model.num_layers=8", "train.seq_len=16", "train.global_batch_size=16"]
@@ -33,8 +34,8 @@ def accumulated(devices):
     return _train([*BASE, *ONE_DEVICE, f"train.grad_accum={MICROBATCHES}"], devices[:1], 3)
 
 
-@pytest.mark.parametrize("name,v,layers", SCHEDULES, ids=[f"{n}-{v}" + ("-uneven" if u else "")
-                                                           for n, v, u in SCHEDULES])
+@pytest.mark.parametrize("name,v,layers", fast_cases(SCHEDULES, fast=["1f1b-1-uneven"], several=True,
+                                                     ids=lambda c: f"{c[0]}-{c[1]}" + ("-uneven" if c[2] else "")))
 def test_pipeline_expert_fsdp_equals_one_device(devices, accumulated, name, v, layers):
     uneven = [] if layers is None else [f"parallel.pipeline_layers={layers}"]
     history, params, engine = _train([*BASE, *PIPELINED, f"parallel.pipeline_schedule={name}",
@@ -49,6 +50,7 @@ def test_pipeline_expert_fsdp_equals_one_device(devices, accumulated, name, v, l
     assert relative_error(engine.model_params(params), ref_params) < 1e-5
 
 
+@pytest.mark.slow
 def test_expert_dispatch_nests_in_the_pipeline_with_one_microbatch_groups(devices):
     # Default capacity factor: the slot buffer is sized by a group = the tokens one device holds of one pipeline
     # microbatch, and each exchange moves exactly that buffer over `expert`.

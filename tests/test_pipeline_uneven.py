@@ -18,6 +18,7 @@ from spmd_train.models.flops import balanced_depths
 from spmd_train.sharding.arithmetic import rows_per_device
 from spmd_train.train.pipelined import chunk_depths, stash_bytes_per_microbatch
 from tests.runs import TINY, cli, relative_error, run_steps
+from tests.tiers import fast_cases
 
 DEEP = ["model.num_layers=8"]
 
@@ -40,7 +41,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", fast_cases(CASES, fast=["interleaved_p2_v2"]))
 def test_uneven_stages_equal_one_device(reference, devices, case):
     ref_losses, ref_params, ref_engine = reference
     losses, params, engine, state = run_steps([*DEEP, *CASES[case]], devices)

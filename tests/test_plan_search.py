@@ -7,7 +7,6 @@ import json
 import math
 import random
 import types
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -34,13 +33,13 @@ from spmd_train.analysis.plan.timing import (
     ties,
 )
 from spmd_train.cli.main import main
-from spmd_train.config.validity import SCHEDULES
+from spmd_train.config.schedule_facts import schedule_names
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import KINDS, hardware
 from spmd_train.parallel.schedule_simulator import simulate
 from spmd_train.parallel.schedules import build_schedule
 from spmd_train.train.trainer import Trainer
-from tests.runs import cli
+from tests.runs import cli, main_in_process
 
 GB = 1e9
 TINY = "configs/tiny.yaml"
@@ -96,7 +95,7 @@ def test_megatrons_bubble_and_the_simulators_bubble_fraction(schedule, p, m, v):
 
 def test_schedule_stats_are_what_the_simulator_measures():
     # The planner counts ticks, bubble and stash on the tick table instead of simulating it: the same figures.
-    for name in SCHEDULES:
+    for name in schedule_names():
         for p in (1, 2, 4, 8):
             for m in (p, 2 * p, 3 * p, 8 * p):
                 for v in (2, 4) if name == "interleaved_1f1b" else (2,) if name == "zb_v" else (1,):
@@ -255,6 +254,7 @@ def test_ranking_is_deterministic_and_labels_read_back(odd):
 # --- the command ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compile_2_replaces_the_estimates_of_the_best_two_with_compiled_figures(tmp_path):
     done = cli("plan", TINY, *H100x8, "--compile", "2", "--top", "4", "--json")
     assert done.returncode == 0, done.stderr
@@ -330,7 +330,7 @@ def test_write_config_round_trips_into_a_trainer(tmp_path, devices):
     Trainer(cfg, devices)  # the checks a run makes before its first step
 
 
-def test_bad_input_exits_2_with_one_paragraph_and_writes_nothing(tmp_path):
+def test_bad_input_exits_2_with_one_paragraph_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "never.yaml"
     cases = [
         (["--devices", "0", "--hardware", "h100"], ["--devices 0", "at least one device"]),
@@ -345,11 +345,10 @@ def test_bad_input_exits_2_with_one_paragraph_and_writes_nothing(tmp_path):
     runs = [(TINY, *args, "--write-config", str(out)) for args, _ in cases]
     runs.append(("configs/llama3-8b_v5p-512.yaml", "--devices", "1", "--hardware", "h100", "--write-config", str(out)))
     cases.append(([], ["fits nowhere", "needs", "GiB", "ZeRO-3", "remat", "more devices (about"]))
-    with ThreadPoolExecutor(2) as pool:
-        done = list(pool.map(lambda a: cli("plan", *a), runs))
-    for (args, needles), result in zip(cases, done, strict=True):
-        assert result.returncode == 2, (args, result.stdout, result.stderr)
-        err = result.stderr.strip()
+    done = [main_in_process("plan", *a, capsys=capsys) for a in runs]
+    for (args, needles), (code, out_text, err) in zip(cases, done, strict=True):
+        assert code == 2, (args, out_text, err)
+        err = err.strip()
         assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("spmd-train: error: "), err
         for needle in needles:
             assert needle in err, (args, needle, err)

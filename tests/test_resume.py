@@ -16,7 +16,7 @@ from spmd_train import Trainer, load_config
 from spmd_train.errors import ConfigError
 from spmd_train.train.metrics import read_history
 from spmd_train.train.run_record import record_config
-from tests.runs import cli, cli_env, main_in_process
+from tests.runs import cli_env, main_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["train", "configs/tiny.yaml", "train.steps=120", "checkpoint.every=10", "run.log_every=1000"]
@@ -139,14 +139,15 @@ def test_sigterm_saves_exits_cleanly_and_resumes_identically(straight, cache, tm
     assert _losses(tmp_path) == _losses(straight)
 
 
-def test_restoring_another_architecture_exits_2_and_leaves_the_run_intact(tmp_path):
-    first = cli("train", "configs/tiny.yaml", "train.steps=5", f"run.dir={tmp_path}")
-    assert first.returncode == 0, first.stderr
+def test_restoring_another_architecture_exits_2_and_leaves_the_run_intact(tmp_path, capsys):
+    code, _, err = main_in_process("train", "configs/tiny.yaml", "train.steps=5", f"run.dir={tmp_path}", capsys=capsys)
+    assert code == 0, err
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     metrics = (tmp_path / "metrics.jsonl").read_text()
-    proc = cli("train", "configs/tiny.yaml", "train.steps=10", "model.num_layers=3", f"run.dir={tmp_path}")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "model.num_layers: checkpoint 2, this run 3" in proc.stderr
+    code, _, err = main_in_process("train", "configs/tiny.yaml", "train.steps=10", "model.num_layers=3",
+                                   f"run.dir={tmp_path}", capsys=capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "model.num_layers: checkpoint 2, this run 3" in err
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
 

@@ -3,6 +3,7 @@
 import re
 
 import jax
+import pytest
 
 from spmd_train import Engine, load_config
 
@@ -16,6 +17,7 @@ def _compiled_text(devices, layers):
     return engine.train_step.lower(state, tokens).compile().as_text()
 
 
+@pytest.mark.slow
 def test_program_size_is_independent_of_depth(devices):
     shallow, deep = _compiled_text(devices, 2), _compiled_text(devices, 12)
     count = lambda text: len(re.findall(r"^\s+\S+ = ", text, re.M))

@@ -1,26 +1,10 @@
 """The context-parallel section of `spmd-train describe`: how attention joins the `sequence` chunks, by formula.
 
-Computed from the config, the mesh and the layout; nothing is compiled. `describe` puts the
-compiled program's collectives over `sequence` beside these, and tests/test_context.py holds
-the two equal. Per attention layer and microbatch, with r rows per device, L = train.seq_len,
-N = mesh.sequence, kvh and h the K/V and query heads per device (after `tensor`), d the head
-dimension and B the compute dtype's bytes (docs/context.md derives each):
+Per attention layer and microbatch, the collectives over `sequence` each scheme (allgather, ulysses, ring) runs
+and the bytes each device sends, computed from the config, the mesh and the layout (nothing is compiled).
+`describe` puts the compiled program's collectives beside them, and tests/test_context.py holds the two equal.
 
-- allgather: forward 2 all-gathers of r·L·kvh·d·B·(N-1)/N (K, V); backward 2 reduce-scatters of
-  the same;
-- ulysses: forward 2 all-to-alls, r·(L/N)·(h + 2·kvh')·d·B·(N-1)/N (q, k, v; kvh' = lcm(kvh, N))
-  and r·(L/N)·h·d·B·(N-1)/N (the output); backward the same;
-- ring: forward 2·(N-1) collective-permutes of a K block r·(L/N)·kvh·d·B; backward 2·(N-1) again,
-  2·(N-1) of fp32 dK/dV blocks r·(L/N)·kvh·d·4 and the 2 hops home in the compute dtype.
-
-With documents, the int32 ids are exchanged once per microbatch, not per layer (the same for
-every layer, XLA hoists them out of the layer loop and the backward reuses them): one all-gather
-of r·L·4·(N-1)/N (allgather, ulysses) or N-1 permutes of r·(L/N)·4 (ring). Full remat runs the
-forward all-gathers and all-to-alls a second time in the backward pass; the ring's recomputed
-forward hops are the backward ring's own (the same blocks to the same neighbours; XLA keeps one of
-each), so they add nothing. Measured on the compiled program (tests/test_context.py). Under the
-save_* policies XLA decides what it recomputes, so the prediction is marked inexact there (and
-inside pipeline stages, whose per-tick branches a static count cannot resolve).
+Derivation: docs/context.md#how-describe-predicts-the-bytes
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console, RenderableType
 from rich.table import Table
 
-from spmd_train.config.validity import SPLIT_BACKWARD
+from spmd_train.config.schedule_facts import names_where, schedule_facts, spoken
 from spmd_train.parallel import Backends
 
 PIPELINE_FLOPS_NOTE = (
@@ -194,8 +194,8 @@ def _stage_balance(pipe) -> str:
         return line + "; no split of whole layers is more even"
     return (line + f"; the most even split, {', '.join(map(str, pipe.balanced_layers))} layers, would make it "
             f"{max(pipe.balanced_flops) / mean:.3f}x (parallel.pipeline_layers=balanced"
-            + (", under a fused schedule: zb_h1 and zb_v run equal chunks)" if pipe.schedule in SPLIT_BACKWARD
-               else ")"))
+            + (f", under a fused schedule: {spoken(names_where(split_backward=True))} run equal chunks)"
+               if schedule_facts(pipe.schedule).split_backward else ")"))
 
 
 def moe_renderables(moe: dict) -> list[RenderableType]:
@@ -252,9 +252,9 @@ def context_renderables(context: dict) -> list[RenderableType]:
 
 def _bubble_formula(schedule: str) -> str:
     """How `bubble_fraction_formula` was computed: split-backward schedules run F, B and W per microbatch-chunk."""
-    if schedule == "zb_v":
-        return "lower bound (p-1)/(3*v*m+p-1)"
-    return "closed form (p-1)/(3*v*m+p-1)" if schedule == "zb_h1" else "closed form (p-1)/(v*m+p-1)"
+    facts = schedule_facts(schedule)
+    kind = "closed form" if facts.bubble_exact else "lower bound"
+    return f"{kind} (p-1)/(3*v*m+p-1)" if facts.split_backward else f"{kind} (p-1)/(v*m+p-1)"
 
 
 def _receive_buffers(pipe) -> str:

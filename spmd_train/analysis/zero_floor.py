@@ -1,28 +1,10 @@
 """The ZeRO floor: the fewest bytes per device per step that data parallelism and ZeRO must move for a run's weights.
 
-Only the parameter traffic of the algorithm is counted (what a step must send whatever the compiler does),
-per parameter and per set of mesh axes, with the bandwidth-optimal costs `CollectiveOp.bytes_per_execution`
-uses, for a parameter slice of S bytes in the layout it computes in, over a group of N devices:
+Only the parameter traffic of the algorithm (weight gathers, gradient reduce-scatters and all-reduces, the
+post-update parameter gather), per parameter and per set of mesh axes, with the bandwidth-optimal costs
+`CollectiveOp.bytes_per_execution` uses.
 
-- weight gathers (axes the stored parameter is split over but its compute layout is not, i.e. `fsdp` at
-  ZeRO-3): S (N-1)/N per gather, in the compute dtype (the cast comes before the gather); two per
-  microbatch, forward and backward (our `dense` gathers again instead of keeping the whole weight
-  alive, as FSDP does), one for a table that is only looked up (an untied embedding: the gradient of
-  a lookup needs no table);
-- gradient reduce-scatter (axes the gradient stays split over: `fsdp` from ZeRO-2): S (N-1)/N per
-  microbatch, in the compute dtype, the dtype the weight-gradient matmul produces (reducing in fp32
-  would need fp32 matmul outputs and double these bytes);
-- gradient all-reduce over the replica axes (the other batch axes the weight is not split over:
-  `data`, `expert` for non-expert weights, `fsdp` below ZeRO-2): 2 (M-1)/M of the (already scattered)
-  gradient, once per step, in the parameter dtype (the gradient is summed over microbatches first);
-- parameter all-gather after the update at ZeRO-1/2 (optimizer state split, parameters not):
-  (N-1)/N of the parameter in its own dtype, once per step.
-
-The compiled program can come in a little under the floor where XLA keeps a gathered weight alive
-instead of gathering it again (the LM head, outside the layer loop), trading memory for bytes.
-Every parameter is counted in these dtypes, norm scales and the router included (they compute in
-fp32; they are well under 0.1% of the bytes). Pipeline-parallel traffic and activations (tensor,
-expert all-to-all) are not part of the floor.
+Derivation: docs/describe.md#zero-3-on-large-slices-the-tpu-flags-and-the-zero-floor
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from spmd_train.cli.bench_collectives import add_bench_parser, run_bench
 from spmd_train.cli.convert import add_convert_parser, run_convert
 from spmd_train.cli.generate import add_generate_parser, run_generate
 from spmd_train.cli.plan import add_plan_parser, run_plan
-from spmd_train.cli.schedule import schedule_report
+from spmd_train.cli.schedule import schedule_help, schedule_report, virtual_help
 from spmd_train.config import load_config
 from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.data import prepare_data
@@ -221,10 +221,8 @@ def _parser() -> argparse.ArgumentParser:
                            "schedule, and its bubble fraction, peak in-flight activations and transfers.")
     sched.add_argument("--stages", type=int, required=True, metavar="P", help="pipeline stages (mesh.pipeline)")
     sched.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches per step")
-    sched.add_argument("--schedule", required=True, metavar="NAME",
-                       help="gpipe, 1f1b, interleaved_1f1b, or zb_h1 / zb_v (zero-bubble: split backward)")
-    sched.add_argument("--virtual", type=int, metavar="V",
-                       help="model chunks per stage (default: 2 for interleaved_1f1b and zb_v, else 1)")
+    sched.add_argument("--schedule", required=True, metavar="NAME", help=schedule_help())
+    sched.add_argument("--virtual", type=int, metavar="V", help=virtual_help())
     return parser
 
 

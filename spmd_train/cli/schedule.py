@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from spmd_train.config.schedule_facts import names_where, schedule_facts, schedule_names, spoken
 from spmd_train.errors import ConfigError
 from spmd_train.parallel.schedule_simulator import ScheduleStats, render_timeline, simulate
 from spmd_train.parallel.schedules import build_schedule
@@ -12,13 +13,12 @@ MAX_CHUNKS = 16384
 """stages x microbatches x virtual this command draws: about 200 KB of timeline and a few seconds (the
 simulator's cost grows with it; 4x that took minutes)."""
 
-_V_DEFAULT = {"interleaved_1f1b": 2, "zb_v": 2}
-
 
 def schedule_report(name: str, stages: int, microbatches: int, virtual: int | None = None) -> str:
-    """The timeline of schedule `name` and its figures; `virtual=None`: 2 for interleaved_1f1b and zb_v, else 1."""
+    """The timeline of schedule `name` and its figures; `virtual=None`: the fewest chunks it runs
+    (`ScheduleFacts.min_virtual`: 2 for interleaved_1f1b and zb_v, else 1)."""
     if virtual is None:
-        virtual = _V_DEFAULT.get(name, 1)
+        virtual = schedule_facts(name).min_virtual
     if stages * microbatches * virtual > MAX_CHUNKS:
         raise ConfigError(f"--stages {stages} x --microbatches {microbatches} x --virtual {virtual} = "
                           f"{stages * microbatches * virtual:,} microbatch-chunks is more than this command draws "
@@ -53,12 +53,29 @@ def schedule_report(name: str, stages: int, microbatches: int, virtual: int | No
     return "\n".join(lines)
 
 
+def schedule_help() -> str:
+    """--schedule's help: the registered schedules, the split-backward ones apart."""
+    return (f"{', '.join(names_where(split_backward=False))}, or {' / '.join(names_where(split_backward=True))} "
+            "(zero-bubble: split backward)")
+
+
+def virtual_help() -> str:
+    """--virtual's help: the default chunks per stage of each schedule that runs several."""
+    several: dict[int, list[str]] = {}
+    for name in schedule_names():
+        if (low := schedule_facts(name).min_virtual) > 1:
+            several.setdefault(low, []).append(name)
+    defaults = "".join(f"{k} for {spoken(tuple(names))}, " for k, names in several.items())
+    return f"model chunks per stage (default: {defaults}else 1)"
+
+
 def _tick_formula(name: str, p: int, m: int, v: int) -> str:
-    if name == "zb_h1":  # 3m ops per stage, p-1 idle ticks
-        ideal = Fraction(p - 1, 3 * m + p - 1)
-        return f" (formula (p-1)/(3m+p-1) = {ideal} = {float(ideal):.4f})"
-    if name == "zb_v":
+    facts = schedule_facts(name)
+    if not facts.bubble_exact:
         return ""
+    if facts.split_backward:  # 3*v*m ops per stage, p-1 idle ticks
+        ideal = Fraction(p - 1, 3 * v * m + p - 1)
+        return f" (formula (p-1)/(3{'' if v == 1 else '*v*'}m+p-1) = {ideal} = {float(ideal):.4f})"
     # The bubble every fused schedule should reach: p-1 idle ticks before the first backward and
     # after it on each stage, against v*m ticks of forwards and as many of backwards.
     ideal = Fraction(p - 1, v * m + p - 1)
@@ -67,9 +84,8 @@ def _tick_formula(name: str, p: int, m: int, v: int) -> str:
 
 def _unit_lines(name: str, p: int, stats: ScheduleStats, split: bool) -> list[str]:
     costs = "F = B = W = 1" if split else "F = 1, B = 2 (input and weight gradients)"
-    formula = {"1f1b": f"; formula 3(p-1) = {3 * (p - 1)}", "gpipe": f"; formula 3(p-1) = {3 * (p - 1)}",
-               "zb_h1": f"; formula (p-1) = {p - 1}, 1F1B's is 3(p-1) = {3 * (p - 1)}",
-               "zb_v": f"; lower bound (p-1) = {p - 1}"}.get(name, "")
+    note = schedule_facts(name).unit_bubble.format(p1=p - 1, p3=3 * (p - 1))
+    formula = f"; {note}" if note else ""
     return [
         f"time units:      {costs} (a unit: one chunk's forward)",
         f"async:           {stats.makespan_units} units; bubble per stage {_per_stage(stats.bubble_units)}{formula}",

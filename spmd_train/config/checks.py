@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from spmd_train.config.attention_facts import attention_facts, attention_names
 from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.config.validity import (
+    attention_merges_no_blocks,
     axes_divide_tokens,
     batch_axes_divide_batch,
-    cudnn_merges_no_blocks,
     divisors,
     expert_divides_experts,
     refuse,
@@ -128,26 +129,18 @@ def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
         raise ConfigError(f"mesh.rules.activations.length={list(length)} with mesh.sequence={n}: context-parallel "
                           "attention needs the tokens split over sequence alone (valid: [sequence])")
     refuse(ulysses_whole_heads(how, m.num_heads, sizes["tensor"], n))
-    refuse(cudnn_merges_no_blocks(how, cfg.backends.attention, n))
+    refuse(attention_merges_no_blocks(how, cfg.backends.attention, n))
     refuse(ring_outside_pipeline(how, n, sizes["pipeline"]))
     refuse(ring_zigzag_chunks(how, cfg.train.seq_len, n))
 
 
 def check_attention(cfg: Config, platform: str) -> None:
-    """backends.attention=pallas on a GPU: the Mosaic GPU kernels' limits, before anything is traced."""
-    m, be = cfg.model, cfg.backends
-    if be.attention != "pallas" or platform != "gpu":
-        return
-    if m.compute_dtype != "bfloat16":
-        raise ConfigError(f"backends.attention=pallas on GPU needs model.compute_dtype=bfloat16 (the kernels feed "
-                          f"wgmma bfloat16 operands); got {m.compute_dtype}: set it, or use "
-                          "backends.attention=cudnn or xla")
-    if m.resolved_head_dim % 64:
-        raise ConfigError(f"backends.attention=pallas on GPU needs a head_dim that is a multiple of 64; got "
-                          f"{m.resolved_head_dim}: use backends.attention=cudnn or xla")
-    if be.attention_blocks is not None and any(b % 64 or b > 256 for b in be.attention_blocks):
-        raise ConfigError(f"backends.attention_blocks={list(be.attention_blocks)} does not suit the GPU kernels: "
-                          "each must be 64, 128, 192 or 256 (64-row warpgroups, at most 4 per program)")
+    """backends.attention against the model on `platform` (e.g. the Mosaic GPU kernels' limits), before anything is
+    traced: the implementation's own `AttentionFacts.check`."""
+    name = cfg.backends.attention
+    check = attention_facts(name).check if name in attention_names() else None  # auto picks one that fits
+    if check is not None:
+        check(cfg.model, cfg.backends, platform)
 
 
 def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:

@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` <-> our `model` section, for the Llama, Mistral, Qwen2, Qwen3 and Mixtral families.
+"""Hugging Face `config.json` <-> our `model` section, for the families `config.families` registers (Llama, Mistral,
+Qwen2, Qwen3, Mixtral).
 
 Both layouts of `config.json` are read: the one most published checkpoints use (top-level `rope_theta`,
 `rope_scaling`, `torch_dtype`) and the one current `transformers` writes (`rope_parameters`, `dtype`).
@@ -14,12 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from spmd_train.config.families import Family, families, family_named, refuse_field
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.errors import ConfigError
 
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
-"""model_type -> the `transformers` class its checkpoints load into."""
 HF_PREFIX = "hf:"
 """checkpoint.load_from=hf:DIR names a Hugging Face checkpoint directory."""
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
@@ -53,15 +52,16 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
     return data
 
 
-def family(hf: Mapping[str, Any]) -> str:
-    """The checkpoint's model_type, checked against the supported families."""
+def family(hf: Mapping[str, Any]) -> Family:
+    """The registered family of the checkpoint's model_type (ConfigError naming the supported ones for any other)."""
     kind = hf.get("model_type")
-    if kind not in FAMILIES:
+    found = family_named(kind)
+    if found is None:
         arch = hf.get("architectures") or []
         named = f"model_type={kind!r}" + (f" (architectures {arch})" if arch else "")
         raise ConfigError(f"unsupported architecture: {named} (supported model_type: "
-                          f"{', '.join(f'{k} ({v})' for k, v in FAMILIES.items())})")
-    return kind
+                          f"{', '.join(f'{f.model_type} ({f.architecture})' for f in families())})")
+    return found
 
 
 def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -89,38 +89,24 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
                       "llama3)")
 
 
-def _refuse(hf: Mapping[str, Any], key: str, allowed: Any, why: str) -> None:
-    value = hf.get(key, allowed)
-    if value != allowed:
-        raise ConfigError(f"config.json: {key}={value!r} is not supported ({why}; valid: {allowed!r})")
-
-
-def _sliding_window(hf: Mapping[str, Any], kind: str) -> int | None:
-    if kind in ("qwen2", "qwen3"):
-        types = hf.get("layer_types") or []
-        uses = hf.get("use_sliding_window", False) or "sliding_attention" in types
-        return int(hf["sliding_window"]) if uses and hf.get("sliding_window") else None
-    window = hf.get("sliding_window")
-    return int(window) if window else None
-
-
 def model_section(hf: Mapping[str, Any]) -> dict[str, Any]:
     """Our `model` section (a dict, as in a YAML file) for a Hugging Face config.json."""
-    kind = family(hf)
+    fam = family(hf)
     try:
-        return _model_section(hf, kind)
+        return _model_section(hf, fam)
     except KeyError as err:
-        raise ConfigError(f"config.json of a {kind} model lacks {err.args[0]!r}") from None
+        raise ConfigError(f"config.json of a {fam.model_type} model lacks {err.args[0]!r}") from None
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"config.json of a {kind} model has a value of the wrong type: {err}") from None
+        raise ConfigError(f"config.json of a {fam.model_type} model has a value of the wrong type: {err}") from None
 
 
-def _model_section(hf: Mapping[str, Any], kind: str) -> dict[str, Any]:
-    _refuse(hf, "hidden_act", "silu", "the MLP is SwiGLU")
-    _refuse(hf, "mlp_bias", False, "the MLP has no biases")
-    _refuse(hf, "pretraining_tp", 1, "the projections are not split")
-    if kind != "qwen2":
-        _refuse(hf, "attention_bias", False, "only Qwen2's Q/K/V biases are implemented")
+def _model_section(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    refuse_field(hf, "hidden_act", "silu", "the MLP is SwiGLU")
+    refuse_field(hf, "mlp_bias", False, "the MLP has no biases")
+    refuse_field(hf, "pretraining_tp", 1, "the projections are not split")
+    if not fam.qkv_bias:
+        biased = " and ".join(f.title for f in families() if f.qkv_bias)
+        refuse_field(hf, "attention_bias", False, f"only {biased}'s Q/K/V biases are implemented")
     heads = int(hf["num_attention_heads"])
     theta, scaling = _rope(hf)
     dtype = hf.get("dtype", hf.get("torch_dtype")) or "float32"
@@ -131,54 +117,41 @@ def _model_section(hf: Mapping[str, Any], kind: str) -> dict[str, Any]:
         "num_kv_heads": int(hf.get("num_key_value_heads") or heads), "d_ff": int(hf["intermediate_size"]),
         "vocab_size": int(hf["vocab_size"]), "rope_theta": theta, "rope_scaling": scaling,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3", "sliding_window": _sliding_window(hf, kind),
+        "qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm, "sliding_window": fam.window(hf),
         "compute_dtype": _DTYPES[dtype], "param_dtype": "float32",
     }
     head_dim = hf.get("head_dim")
     if head_dim and int(head_dim) != model["d_model"] // heads:
         model["head_dim"] = int(head_dim)
-    if kind == "mixtral":
-        _refuse(hf, "router_jitter_noise", 0.0, "routing is deterministic")
-        # Mixtral's recipe has the load-balancing loss at router_aux_loss_coef and no router z-loss.
-        model["moe"] = {"every": 1, "num_experts": int(hf["num_local_experts"]),
-                        "experts_per_token": int(hf["num_experts_per_tok"]), "d_ff": int(hf["intermediate_size"]),
-                        "router_score": "softmax", "router_aux_weight": float(hf.get("router_aux_loss_coef", 0.02)),
-                        "router_z_weight": 0.0}
+    fam.read(hf, model)
     return model
 
 
-def infer_family(model: ModelConfig) -> str:
-    """The Hugging Face family a model of ours exports as, or ConfigError naming what none of them has."""
-    if model.moe is not None:
-        if model.moe.every != 1 or model.moe.num_shared_experts or model.moe.router_score != "softmax":
-            raise ConfigError("a mixture-of-experts model exports as Mixtral, which has an MoE layer in every layer, "
-                              f"no shared experts and softmax routing (this one: model.moe.every={model.moe.every}, "
-                              f"num_shared_experts={model.moe.num_shared_experts}, "
-                              f"router_score={model.moe.router_score})")
-        if model.qkv_bias or model.qk_norm:
-            raise ConfigError("Mixtral has neither Q/K/V biases nor Q/K norms (model.qkv_bias and model.qk_norm "
-                              "must be false to export a mixture-of-experts model)")
-        return "mixtral"
-    if model.qkv_bias and model.qk_norm:
-        raise ConfigError("no supported family has both Q/K/V biases (Qwen2) and Q/K norms (Qwen3)")
-    if model.qkv_bias:
-        return "qwen2"
-    if model.qk_norm:
-        return "qwen3"
-    return "mistral" if model.sliding_window else "llama"
+def infer_family(model: ModelConfig) -> Family:
+    """The Hugging Face family a model of ours exports as: the first registered one that claims it (`Family.claims`)
+    and can hold it (`Family.refusal`); ConfigError with the first claimant's refusal, or naming what none has."""
+    claimants = [fam for fam in families() if fam.claims(model)]
+    for fam in claimants:
+        if fam.refusal(model) is None:
+            return fam
+    if claimants:
+        raise ConfigError(claimants[0].refusal(model))
+    raise ConfigError(f"no supported family (model_type {', '.join(f.model_type for f in families())}) has this "
+                      f"model's features (model.qkv_bias={model.qkv_bias}, qk_norm={model.qk_norm}, "
+                      f"sliding_window={model.sliding_window}, moe={'set' if model.moe else 'null'})")
 
 
 def hf_config(model: ModelConfig, base: Mapping[str, Any] | None = None, *, dtype: str) -> dict[str, Any]:
     """The config.json of `model` saved in `dtype`: `base` (the imported checkpoint's, when there was one)
     with every architecture field rewritten, in the layout `base` used (legacy when there is none)."""
-    kind = family(base) if base else infer_family(model)
-    if (kind == "mixtral" and model.moe is None) or (kind != "mixtral" and model.moe is not None):
-        kind = infer_family(model)
+    fam = family(base) if base else infer_family(model)
+    if fam.moe != (model.moe is not None):  # the imported family cannot hold this model's MLPs
+        fam = infer_family(model)
     out = dict(base or {})
     legacy = not base or "rope_parameters" not in base
     for key in ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype", "head_dim"):
         out.pop(key, None)
-    out.update({"architectures": [FAMILIES[kind]], "model_type": kind, "hidden_act": "silu",
+    out.update({"architectures": [fam.architecture], "model_type": fam.model_type, "hidden_act": "silu",
                 "num_hidden_layers": model.num_layers, "hidden_size": model.d_model,
                 "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
                 "head_dim": model.resolved_head_dim, "intermediate_size": model.d_ff,
@@ -196,21 +169,7 @@ def hf_config(model: ModelConfig, base: Mapping[str, Any] | None = None, *, dtyp
     else:
         out.update({"rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta, **(scaling or {})},
                     "dtype": dtype})
-    if kind == "mixtral":
-        out.update({"num_local_experts": model.moe.num_experts, "num_experts_per_tok": model.moe.experts_per_token,
-                    "intermediate_size": model.resolved_moe_d_ff,
-                    "router_aux_loss_coef": model.moe.router_aux_weight})
-    if kind in ("qwen2", "qwen3"):
-        out["use_sliding_window"] = model.sliding_window is not None
-        if model.sliding_window is not None:
-            out["sliding_window"] = model.sliding_window
-        types = out.get("layer_types") or []
-        if len(types) != model.num_layers or (model.sliding_window is None and set(types) != {"full_attention"}):
-            out.pop("layer_types", None)  # per-layer attention kinds no longer describe this model
-    elif kind in ("mistral", "mixtral"):
-        out["sliding_window"] = model.sliding_window
-    if kind in ("llama", "qwen3"):  # the families whose config has the field
-        out["attention_bias"] = False
+    fam.write(model, out)
     return out
 
 

@@ -8,12 +8,15 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator
 
 from spmd_train.config.field_types import STRICT, PositiveInt
+from spmd_train.config.schedule_facts import schedule_names
 
 MESH_AXES = ("data", "pipeline", "fsdp", "sequence", "expert", "tensor")
 """Public mesh axis names, outermost first: the fastest links go to the last axes."""
 
 MeshAxis = Literal[MESH_AXES]
 RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch"]
+ScheduleName = Literal[schedule_names()]
+"""parallel.pipeline_schedule's values: the schedules `config.schedule_facts` registers."""
 
 LOGICAL_AXES = ("batch", "length", "norm_length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts",
                 "expert_mlp", "router_experts", "layers", "sublayers")
@@ -110,7 +113,7 @@ class ParallelConfig:
     context_parallel: Literal["allgather", "ring", "ulysses"] = "allgather"
     """How attention sees the other devices' tokens when mesh.sequence > 1 (docs/context.md)."""
     remat: RematPolicy = "none"
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"] = "1f1b"
+    pipeline_schedule: ScheduleName = "1f1b"
     """Microbatch schedule of the pipeline stages (used when mesh.pipeline > 1)."""
     pipeline_microbatches: PositiveInt | None = None
     """Microbatches per pipeline flush; default 4 x mesh.pipeline (fewer if the batch does not divide)."""

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator
 
+from spmd_train.config.attention_facts import attention_names
 from spmd_train.config.field_types import (
     STRICT,
     DType,
@@ -16,7 +17,8 @@ from spmd_train.config.field_types import (
     PositiveInt,
 )
 
-AttentionImpl = Literal["auto", "pallas", "cudnn", "xla"]
+AttentionImpl = Literal[("auto", *attention_names())]
+"""backends.attention's values: auto and the implementations `config.attention_facts` registers."""
 MoEImpl = Literal["capacity", "dropless"]
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from spmd_train.config.schedule_facts import schedule_facts
 from spmd_train.config.schema import Config
 from spmd_train.config.validity import (
-    SPLIT_BACKWARD,
     chunks_divide_layers,
     chunks_hold_moe_groups,
     microbatches_divide_rows,
@@ -42,7 +42,8 @@ def equal_stages(cfg: Config) -> bool:
     """Whether every stage chunk holds the same layers: parallel.pipeline_layers null, or "balanced" under a
     split-backward schedule (B and W cannot split a padded chunk's backward, `train.pipelined.chunk_depths`)."""
     layers = cfg.parallel.pipeline_layers
-    return layers is None or (layers == "balanced" and cfg.parallel.pipeline_schedule in SPLIT_BACKWARD)
+    split = schedule_facts(cfg.parallel.pipeline_schedule).split_backward
+    return layers is None or (layers == "balanced" and split)
 
 
 def _check_pipeline_layers(cfg: Config, p: int, v: int) -> None:

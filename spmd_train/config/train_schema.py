@@ -17,6 +17,7 @@ from spmd_train.config.field_types import (
     PositiveFloat,
     PositiveInt,
 )
+from spmd_train.config.optimizer_facts import optimizer_names
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class TrainConfig:
     """Stop the run (exit code 3) after this many skipped steps in a row."""
 
 
-OptimizerName = Literal["adamw", "adafactor", "lion"]
+OptimizerName = Literal[optimizer_names()]
+"""optim.name's values: the optimizers `config.optimizer_facts` registers."""
 LRSchedule = Literal["cosine", "wsd", "linear", "constant", "inverse_sqrt"]
 
 

@@ -13,12 +13,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spmd_train.config.attention_facts import attention_facts, attention_names
+from spmd_train.config.schedule_facts import schedule_facts, schedule_names, spoken
 from spmd_train.errors import ConfigError
-
-SPLIT_BACKWARD = ("zb_h1", "zb_v")
-"""Schedules with the backward split into B and W (the executor runs them with `pipeline_split`)."""
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", *SPLIT_BACKWARD)
-"""The schedules training runs (parallel.pipeline_schedule)."""
 
 
 @dataclass(frozen=True)
@@ -140,55 +137,53 @@ def ulysses_whole_heads(context_parallel: str, num_heads: int, tensor: int, sequ
                      "such limit")
 
 
-def cudnn_merges_no_blocks(context_parallel: str, attention: str, sequence: int) -> Violation | None:
-    """backends.attention=cudnn only under ulysses: the other schemes merge blocks by log-sum-exp, which cuDNN lacks."""
-    if context_parallel not in ("allgather", "ring") or attention != "cudnn" or sequence == 1:
+def attention_merges_no_blocks(context_parallel: str, attention: str, sequence: int) -> Violation | None:
+    """allgather and ring merge blocks by log-sum-exp: an attention implementation that returns none runs only
+    under ulysses (`AttentionFacts.returns_lse`)."""
+    facts = attention_facts(attention) if attention in attention_names() else None  # "auto" resolves to one that can
+    if context_parallel not in ("allgather", "ring") or facts is None or facts.returns_lse or sequence == 1:
         return None
-    return Violation("backends.attention=cudnn cannot merge context-parallel blocks", f"cp={context_parallel}",
-                     f"backends.attention=cudnn with parallel.context_parallel={context_parallel}: the blocks' results "
-                     "are merged by log-sum-exp, which cuDNN through jax does not return (valid: "
-                     "backends.attention=pallas, xla or auto, or parallel.context_parallel=ulysses)")
+    merging = tuple(n for n in attention_names() if attention_facts(n).returns_lse)
+    return Violation(f"backends.attention={attention} cannot merge context-parallel blocks", f"cp={context_parallel}",
+                     f"backends.attention={attention} with parallel.context_parallel={context_parallel}: the blocks' "
+                     f"results are merged by log-sum-exp, which {facts.label} does not return (valid: "
+                     f"backends.attention={', '.join(merging)} or auto, or parallel.context_parallel=ulysses)")
 
 
 # --- pipeline stages (mesh.pipeline > 1) ----------------------------------------------------------------------------
 
 
 def virtual_stages_fit(schedule: str, virtual: int) -> Violation | None:
-    """parallel.virtual_stages suits the schedule: >= 2 for interleaved_1f1b, exactly 2 for zb_v, else 1."""
-    if schedule == "interleaved_1f1b" and virtual < 2:
-        return Violation("interleaved_1f1b needs virtual_stages >= 2", f"virtual={virtual}",
-                         f"parallel.virtual_stages={virtual} is invalid with parallel.pipeline_schedule="
-                         "interleaved_1f1b, which gives each stage several chunks of layers (valid: >= 2, or "
-                         "parallel.pipeline_schedule=1f1b or gpipe)")
-    if schedule == "zb_v" and virtual != 2:
-        return Violation("zb_v needs virtual_stages=2", f"virtual={virtual}",
-                         f"parallel.virtual_stages={virtual} is invalid with parallel.pipeline_schedule=zb_v: a V "
-                         "schedule runs exactly 2 chunks per stage (valid: 2), so set parallel.virtual_stages=2")
-    if schedule not in ("interleaved_1f1b", "zb_v") and virtual != 1:
+    """parallel.virtual_stages suits the schedule (`ScheduleFacts.min_virtual`/`max_virtual`): >= 2 for
+    interleaved_1f1b, exactly 2 for zb_v, else 1."""
+    facts = schedule_facts(schedule)
+    low, high = facts.min_virtual, facts.max_virtual
+    if low <= virtual and (high is None or virtual <= high):
+        return None
+    if high == 1:
+        several = spoken(tuple(n for n in schedule_names() if schedule_facts(n).max_virtual != 1))
         return Violation(f"{schedule} runs one chunk per stage", f"virtual={virtual}",
                          f"parallel.virtual_stages={virtual} is invalid for parallel.pipeline_schedule={schedule}: "
-                         "only interleaved_1f1b and zb_v run several chunks per stage (valid: 1)")
-    return None
-
-
-_FILL = {"1f1b": "1F1B needs at least as many microbatches as stages",
-         "zb_h1": "ZB-H1 (1F1B's warm-up) needs at least as many microbatches as stages",
-         "zb_v": "ZB-V needs at least as many microbatches as stages to fill the V before its first backward"}
-"""Schedules whose warm-up needs microbatches >= stages, and why."""
+                         f"only {several} run several chunks per stage (valid: 1)")
+    valid = f"={low}" if high == low else f" >= {low}" if high is None else f" in {low}..{high}"
+    why = facts.virtual_refusal or f" (valid: parallel.virtual_stages{valid})"
+    return Violation(f"{schedule} needs virtual_stages{valid}", f"virtual={virtual}",
+                     f"parallel.virtual_stages={virtual} is invalid with parallel.pipeline_schedule={schedule}{why}")
 
 
 def microbatches_fit(schedule: str, stages: int, microbatches: int) -> Violation | None:
-    """parallel.pipeline_microbatches suits the schedule: >= stages to fill 1F1B-like warm-ups, groups of stages when
-    interleaved."""
-    if schedule in _FILL and microbatches < stages:
+    """parallel.pipeline_microbatches suits the schedule: >= stages to fill 1F1B-like warm-ups (`ScheduleFacts.fill`),
+    groups of stages when interleaved (`ScheduleFacts.groups`)."""
+    facts = schedule_facts(schedule)
+    if facts.fill and microbatches < stages:
         return Violation(f"{schedule} needs microbatches >= pipeline", f"m={microbatches}, pipeline={stages}",
                          f"parallel.pipeline_microbatches={microbatches} is invalid for parallel.pipeline_schedule="
-                         f"{schedule} with mesh.pipeline={stages}: {_FILL[schedule]} (valid: >= {stages})")
-    if schedule == "interleaved_1f1b" and microbatches % stages:
-        return Violation("interleaved_1f1b needs microbatches in groups of pipeline",
+                         f"{schedule} with mesh.pipeline={stages}: {facts.fill} (valid: >= {stages})")
+    if facts.groups and microbatches % stages:
+        return Violation(f"{schedule} needs microbatches in groups of pipeline",
                          f"m={microbatches}, pipeline={stages}",
                          f"parallel.pipeline_microbatches={microbatches} is not divisible by mesh.pipeline={stages}: "
-                         f"interleaved_1f1b runs microbatches in groups of {stages} (valid: a multiple of {stages})")
+                         f"{schedule} runs microbatches in groups of {stages} (valid: a multiple of {stages})")
     return None
 
 
@@ -199,10 +194,10 @@ _COUNTS = {"mesh.pipeline": "pipeline stages", "parallel.pipeline_microbatches":
 def schedule_request(name: str, stages: object, microbatches: object, virtual: object) -> Violation | None:
     """A schedule the builder can lay out: a known name, counts that are integers >= 1, and the chunks and
     microbatches that schedule needs (`virtual_stages_fit`, `microbatches_fit`)."""
-    if name not in SCHEDULES:
+    if name not in schedule_names():
         return Violation("not a pipeline schedule", f"schedule={name!r}",
                          f"parallel.pipeline_schedule={name!r} is not a pipeline schedule "
-                         f"(valid: {', '.join(SCHEDULES)})")
+                         f"(valid: {', '.join(schedule_names())})")
     for key, value in (("mesh.pipeline", stages), ("parallel.pipeline_microbatches", microbatches),
                        ("parallel.virtual_stages", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -1,19 +1,11 @@
 """Token streams read from disk: memory-mapped `.bin` token files, or UTF-8 text read as bytes.
 
-`.bin` files are flat arrays of uint16 or uint32 token ids, the layout nanoGPT's and
-Megatron-style preprocessors write. `spmd-train prepare-data` also writes a JSON sidecar
-(`NAME.json`: dtype, vocab size, tokenizer) and document starts (`NAME.docs.npy`); without a
-sidecar the dtype comes from `data.token_dtype`. Training windows of seq_len + 1 tokens are
-drawn at random offsets from the first (1 - val_fraction) of each file, the held-out split
-from the rest. With packing (the default) a window may span documents, so documents shorter
-than seq_len are packed together; without it every window lies inside one document.
+`.bin` files are flat arrays of uint16 or uint32 token ids (the layout nanoGPT's and Megatron-style preprocessors
+write), with the sidecar (`NAME.json`) and document starts (`NAME.docs.npy`) `spmd-train prepare-data` writes.
+Training windows of seq_len + 1 tokens come from the first (1 - val_fraction) of each file, held-out ones from
+the rest; with document masking each row also carries its documents' segments and positions.
 
-Where documents begin: `NAME.docs.npy` when present (prepare-data writes the offset of every
-document, exact for every tokenizer, also for files that `byte` wrote before it had an
-end-of-text id, vocab 256); otherwise after each end-of-document token (`eot_id` of the
-sidecar, or `data.eot_id` for files written by other tools, e.g. 50256 for GPT-2 tokens);
-otherwise the file is one document. With document masking each row also carries its
-documents' segments and positions.
+Details (packing, document masking, where documents begin): docs/data.md#where-documents-begin
 """
 
 from __future__ import annotations

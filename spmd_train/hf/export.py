@@ -25,6 +25,7 @@ from flax import traverse_util
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
+from spmd_train.config.families import family_named
 from spmd_train.config.hf_config import hf_config
 from spmd_train.errors import ConfigError
 from spmd_train.hf.files import INDEX
@@ -59,7 +60,7 @@ def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mappin
                           "nothing was written)")
     model = engine.cfg.model
     config = hf_config(model, base_config, dtype=dtype)
-    plan = list(pieces(model))
+    plan = list(pieces(model, family_named(config["model_type"])))
     flat = traverse_util.flatten_dict(params, sep=".")
     row = engine.stored_row_of_model  # the stored row of each model row (stack order and padding may differ)
     np_dtype = np.dtype(dtype)

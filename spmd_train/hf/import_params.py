@@ -36,13 +36,13 @@ def load_hf_params(engine, directory: str | Path) -> Any:
     ConfigError before anything is read when a tensor is missing, unexpected, or of another shape.
     """
     directory = Path(directory)
-    family(read_hf_config(directory))
+    fam = family(read_hf_config(directory))
     files = SafetensorsDir(directory)
     model = engine.cfg.model
-    plan = list(pieces(model))
+    plan = list(pieces(model, fam))
     shapes = traverse_util.flatten_dict(engine.param_shapes, sep=".")
     shardings = traverse_util.flatten_dict(engine.state_shardings.params, sep=".")
-    _check(plan, files, shapes, directory)
+    _check(plan, files, shapes, directory, fam.tensors.lm_head)
     row = engine.stored_row_of_model  # the stored row of each model row (stack order and padding may differ)
     params: dict[str, jax.Array] = {}
     for path, struct in shapes.items():
@@ -60,7 +60,7 @@ def load_hf_params(engine, directory: str | Path) -> Any:
     return traverse_util.unflatten_dict(params, sep=".")
 
 
-def _check(plan, files: SafetensorsDir, shapes: dict, directory: Path) -> None:
+def _check(plan, files: SafetensorsDir, shapes: dict, directory: Path, lm_head: str) -> None:
     wanted = {p.hf_name for p in plan}
     missing = [p.hf_name for p in plan if p.hf_name not in files.shapes]
     if missing:
@@ -68,7 +68,7 @@ def _check(plan, files: SafetensorsDir, shapes: dict, directory: Path) -> None:
         raise ConfigError(f"{directory} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:5])}{more}"
                           f" (does config.json describe these weights?)")
     extra = sorted(k for k in files.shapes if k not in wanted and not k.endswith(IGNORED_SUFFIXES))
-    tied_copy = [k for k in extra if k == "lm_head.weight"]  # some tied checkpoints also save the shared table
+    tied_copy = [k for k in extra if k == lm_head]  # some tied checkpoints also save the shared table
     extra = [k for k in extra if k not in tied_copy]
     if extra:
         kinds = " and ".join(sorted(_families(plan)))
@@ -85,7 +85,7 @@ def _check(plan, files: SafetensorsDir, shapes: dict, directory: Path) -> None:
 
 
 def _families(plan) -> set[str]:
-    return {"MoE" if "block_sparse_moe" in p.hf_name else "dense" for p in plan if ".layers." in p.hf_name}
+    return {"MoE" if len(p.index) > 1 or p.path == "blocks.mlp.router" else "dense" for p in plan if p.index}
 
 
 def _collapse(names: list[str]) -> list[str]:

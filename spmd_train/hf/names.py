@@ -3,7 +3,7 @@
 `transformers` stores a linear layer's weight as [out, in] and each layer's tensors apart; we store
 [in, out] with heads split out, each kind of tensor stacked over layers (and experts). Its rotary
 layout (rotate-half, what its Llama converter permutes Meta's weights into) is ours, so no
-permutation is needed here.
+permutation is needed here. Each family's names are its `Family.tensors` (`config.families`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd_train.config.families import Family
 from spmd_train.config.model_schema import ModelConfig
 
 
@@ -77,50 +78,31 @@ class Piece:
 
 
 SAME, T = Layout("same"), Layout("transpose")
-_LAYER = {  # our path under blocks. -> (Hugging Face name under model.layers.{i}., layout)
-    "attn_norm.scale": ("input_layernorm.weight", SAME),
-    "mlp_norm.scale": ("post_attention_layernorm.weight", SAME),
-    "attn.wq": ("self_attn.q_proj.weight", Layout("heads_in")),
-    "attn.wk": ("self_attn.k_proj.weight", Layout("heads_in")),
-    "attn.wv": ("self_attn.v_proj.weight", Layout("heads_in")),
-    "attn.wo": ("self_attn.o_proj.weight", Layout("heads_out")),
-}
-_QKV_BIAS = {"attn.bq": ("self_attn.q_proj.bias", Layout("heads")),
-             "attn.bk": ("self_attn.k_proj.bias", Layout("heads")),
-             "attn.bv": ("self_attn.v_proj.bias", Layout("heads"))}
-_QK_NORM = {"attn.q_norm.scale": ("self_attn.q_norm.weight", SAME),
-            "attn.k_norm.scale": ("self_attn.k_norm.weight", SAME)}
-_MLP = {"mlp.w_gate": ("mlp.gate_proj.weight", T), "mlp.w_up": ("mlp.up_proj.weight", T),
-        "mlp.w_down": ("mlp.down_proj.weight", T)}
-_EXPERTS = {"mlp.w_gate": "w1", "mlp.w_up": "w3", "mlp.w_down": "w2"}
-"""Mixtral's per-expert names: w1 is the gate, w3 the up projection, w2 the down projection."""
 
 
-def pieces(model: ModelConfig) -> Iterator[Piece]:
-    """Every Hugging Face tensor of a checkpoint of `model`, in file order (embedding, layers, norm, head)."""
+def pieces(model: ModelConfig, family: Family) -> Iterator[Piece]:
+    """Every Hugging Face tensor of a checkpoint of `model` in `family`'s names (`Family.tensors`), in file order
+    (embedding, layers, norm, head)."""
     if model.moe is not None and model.moe.every != 1:
         raise ValueError("Hugging Face checkpoints have an MoE layer in every layer or none (model.moe.every=1)")
-    yield Piece("model.embed_tokens.weight", "embedding", (), SAME)
-    per_layer = dict(_LAYER)
-    if model.qkv_bias:
-        per_layer.update(_QKV_BIAS)
-    if model.qk_norm:
-        per_layer.update(_QK_NORM)
+    names = family.tensors
+    yield Piece(names.embedding, "embedding", (), SAME)
+    per_layer = [*names.layer, *(names.qkv_bias if model.qkv_bias else ()), *(names.qk_norm if model.qk_norm else ())]
     for i in range(model.num_layers):
-        at = f"model.layers.{i}."
-        for path, (name, layout) in per_layer.items():
-            yield Piece(at + name, f"blocks.{path}", (i,), layout)
+        at = names.layer_prefix.format(i=i)
+        for path, name, kind in per_layer:
+            yield Piece(at + name, f"blocks.{path}", (i,), Layout(kind))
         if model.moe is None:
-            for path, (name, layout) in _MLP.items():
-                yield Piece(at + name, f"blocks.{path}", (i,), layout)
+            for path, name, kind in names.mlp:
+                yield Piece(at + name, f"blocks.{path}", (i,), Layout(kind))
             continue
-        yield Piece(at + "block_sparse_moe.gate.weight", "blocks.mlp.router", (i,), T)
+        yield Piece(at + names.router, "blocks.mlp.router", (i,), T)
         for e in range(model.moe.num_experts):
-            for path, w in _EXPERTS.items():
-                yield Piece(f"{at}block_sparse_moe.experts.{e}.{w}.weight", f"blocks.{path}", (i, e), T)
-    yield Piece("model.norm.weight", "final_norm.scale", (), SAME)
+            for path, w in names.expert_weights:
+                yield Piece(at + names.expert.format(e=e, w=w), f"blocks.{path}", (i, e), T)
+    yield Piece(names.final_norm, "final_norm.scale", (), SAME)
     if not model.tie_embeddings:
-        yield Piece("lm_head.weight", "lm_head", (), T)
+        yield Piece(names.lm_head, "lm_head", (), T)
 
 
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

@@ -1,22 +1,10 @@
 """Text generation with a KV cache: a prefill over the prompts, then one token per step.
 
-The model's own modules and parameters run the layers (`Attention.project` / `output`, the norms,
-the MLP or MoE layer); only attention differs from training: queries attend to a cache of keys
-and values instead of to their own sequence.
+The model's own modules and parameters run the layers; only attention differs from training: queries attend to
+a cache of keys and values (static length, left-padded prompts) instead of to their own sequence. Everything here
+speaks logical axis names (`constrain`); the caller sets the layout.
 
-- The cache: keys and values of every layer, [layers, batch, max_len, kv_heads, head_dim] in the
-  compute dtype, carried through the `lax.scan` over layers (and over an `MoEGroup`'s dense
-  sublayers) and written one slice at a time. max_len = padded prompt length + max_new_tokens is
-  static, so a whole generation compiles once.
-- Prompts of different lengths are LEFT-padded to one length P: every row's newest token sits
-  in the same cache slot, so a step writes one slot for the whole batch. Row b's first `pads[b]`
-  slots are padding: no query attends to them, and RoPE's position of slot s is s - pads[b], so
-  each row computes what it would alone (its prompt at positions 0, 1, ...).
-- Attention is `ops.attention.dot_product_attention`'s math (grouped query heads, fp32 scores and
-  softmax, masked scores at the most negative finite fp32, which softmax turns into exact zeros),
-  with the mask "key slot <= query slot and key slot >= pads[b]".
-
-Everything here speaks logical axis names (`constrain`); the caller sets the layout.
+Details: docs/generate.md#how-it-works
 """
 
 from __future__ import annotations

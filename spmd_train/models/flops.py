@@ -1,26 +1,10 @@
 """Model FLOPs of a training step, by the convention every MFU number in this project uses.
 
-Per token: 6 x N, with N the parameters that take part in matmuls (all parameters except
-the input embedding table, whose lookup does no arithmetic; the LM head counts, tied or
-not; norm scales are negligible and left out), plus attention: QK^T and PV are
-2 x 2 x seq x heads x head_dim FLOPs per token per layer forward, halved for causal
-masking, times 3 for forward + backward, so 6 x layers x seq x heads x head_dim.
-Rematerialisation is not counted (it is overhead, not model work).
+Per token: 6 x the parameters that take part in matmuls (MoE: those a token is active in) plus causal
+attention, 6 x layers x seq x heads x head_dim; remat and MoE dispatch overhead are not counted. Also split
+per layer (`layer_flops_per_token`) for pipeline stages, and `balanced_depths`, the cheapest contiguous split.
 
-Mixture of experts: N counts the parameters a token is *active* in, not all of them. An
-MoE layer's MLP contributes its router (d_model x num_experts, every token scores every
-expert), the k = moe.experts_per_token experts the token is routed to (3 x d_model x moe.d_ff
-each, SwiGLU) and the shared experts every token goes through (3 x d_model x moe.d_ff x
-moe.num_shared_experts); the other E - k experts do no work for that token. Dense layers count
-as before. Work the implementation adds on top is overhead, like remat, and not counted:
-empty capacity slots (backends.moe=capacity computes every slot, filled or not), dispatch and
-combine, and the all-to-alls. Dropped assignments are counted as if they ran (the model
-FLOPs are those of the routing the model asked for).
-
-Per layer (`layer_flops_per_token`), the same count splits by where a pipelined step runs it: each
-layer on the stage chunk that holds it, the LM head (6 x d_model x vocab per token) on the last chunk;
-the embedding's lookup counts nothing. `balanced_depths` is the contiguous split of the layers into
-chunks whose costliest chunk costs least.
+Derivation: docs/explanation/flops-and-mfu.md
 """
 
 from __future__ import annotations

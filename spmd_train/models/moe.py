@@ -1,17 +1,10 @@
 """Mixture-of-experts feed-forward layer (NNX): a router, E SwiGLU experts, optional shared experts.
 
-Each token goes to its top-k experts (`routing.route`); their outputs are summed with the
-renormalised gates. Where the experts run and how tokens reach them is the parallel
-layer's business (`parallel.expert_dispatch`); this module speaks logical axis names only:
+Each token goes to its top-k experts (`routing.route`); their outputs are summed with the renormalised gates.
+Where the experts run and how tokens reach them is `parallel.expert_dispatch`'s business; this module speaks
+logical axis names only. Capacity is counted per group: the tokens one device holds of the batch.
 
-- router [embed, router_experts]: small, kept whole on every expert device (no rule maps
-  `router_experts`), fp32 compute;
-- w_gate, w_up [experts, embed, expert_mlp], w_down [experts, expert_mlp, embed]: rules put
-  `experts` on the expert axis, `expert_mlp` on tensor, params' `embed` on fsdp;
-- shared experts [embed, mlp] / [mlp, embed]: a dense SwiGLU every token goes through.
-
-Capacity (backends.moe=capacity) is counted per group: the tokens one device holds of the
-batch (see `parallel.expert_dispatch`); with no layout active, the whole batch.
+Details: docs/moe.md#expert-parallelism-the-capacity-path
 """
 
 from __future__ import annotations

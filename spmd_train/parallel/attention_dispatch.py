@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
-from spmd_train.ops.attention import dot_product_attention
+from spmd_train.parallel.attention_backends import attention_backend
+from spmd_train.parallel.attention_registry import Kernel
 from spmd_train.parallel.backends import Backends
 from spmd_train.parallel.context import AXIS, context_attention
 from spmd_train.sharding.arithmetic import entry_axes, manual_axes, without_axes
@@ -27,40 +27,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backends: Backends,
     with `sequence` > 1 which context-parallel scheme joins the devices' chunks of the sequence.
     `segments` [b, l]: each token's document; a query sees only keys of its own document."""
     layout = active_layout()
-    local = local_kernel(backends)
+    backend = attention_backend(backends.attention)
+    local = backend.kernel(backends)
     if backends.context is not None and layout is not None:
         def kernel(*args):
             q, k, v, *seg = args
             return context_attention(q, k, v, seg[0] if seg else None, how=backends.context,
                                      ways=backends.sequence, kernel=local)
         return _per_device(kernel, q, k, v, segments, layout, length=(AXIS,))
-    if backends.attention == "xla":
-        return dot_product_attention(q, k, v, causal=True, segment_ids=segments)
+    if backend.partitioned:  # XLA splits it as the activations' rules say: no region needed
+        return local(q, k, v, segments, True, False)
     kernel = lambda q, k, v, seg=None: local(q, k, v, seg, True, False)
     if layout is None:
         return kernel(q, k, v) if segments is None else kernel(q, k, v, segments)
     return _per_device(kernel, q, k, v, segments, layout, length=())
 
 
-def local_kernel(backends: Backends):
-    """kernel(q, k, v, segments, causal, return_lse) for one device's arrays, by implementation."""
-    if backends.attention == "xla":
-        return lambda q, k, v, seg, causal, lse: dot_product_attention(q, k, v, causal=causal, segment_ids=seg,
-                                                                       return_lse=lse)
-    if backends.attention == "pallas":
-        blocks = BlockSizes(*backends.blocks)
-        return lambda q, k, v, seg, causal, lse: flash_attention(
-            q, k, v, causal=causal, segment_ids=seg, block_sizes=blocks, return_lse=lse,
-            interpret=backends.interpret, backend=backends.kernels)
-    if backends.attention == "cudnn":
-        def cudnn(q, k, v, seg, causal, lse):
-            if lse or not causal or isinstance(seg, tuple):
-                raise ValueError("cuDNN through jax.nn.dot_product_attention returns no log-sum-exp: "
-                                 "parallel.context_parallel=allgather or ring needs backends.attention="
-                                 "pallas or xla (or use ulysses)")
-            return cudnn_attention(q, k, v, seg)
-        return cudnn
-    raise ValueError(f"attention implementation {backends.attention!r} is not one of: pallas, cudnn, xla")
+def local_kernel(backends: Backends) -> Kernel:
+    """kernel(q, k, v, segments, causal, return_lse) for one device's arrays: the registered implementation's."""
+    return attention_backend(backends.attention).kernel(backends)
 
 
 def _per_device(kernel, q, k, v, segments, layout, *, length: tuple[str, ...]) -> jax.Array:
@@ -86,14 +71,3 @@ def _per_device(kernel, q, k, v, segments, layout, *, length: tuple[str, ...]) -
     return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=q_spec, axis_names=axes,
                          check_vma=False)(*args)
 
-
-def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None, *,
-                    implementation: str = "cudnn") -> jax.Array:
-    """cuDNN's fused attention through `jax.nn.dot_product_attention`, causal, documents as a dense mask.
-
-    That API takes no segment ids, so documents become a [b, 1, l, l] boolean mask (memory
-    quadratic in length): `backends.attention=auto` picks our Pallas kernels on GPU when
-    documents are masked. `implementation="xla"` runs the same call anywhere (for tests).
-    """
-    mask = None if segments is None else segments[:, None, :, None] == segments[:, None, None, :]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)

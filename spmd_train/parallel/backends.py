@@ -14,6 +14,7 @@ from typing import get_args
 
 import jax.numpy as jnp
 
+from spmd_train.config.attention_facts import attention_facts, valid_on
 from spmd_train.config.model_schema import AttentionImpl, BackendsConfig, ModelConfig, MoEImpl
 from spmd_train.errors import ConfigError
 from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
@@ -115,9 +116,9 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
             reason = f"auto: {impl} on {platform}"
             if impl == "cudnn" and documents:
                 reason += " (documents as a dense mask: our kernels need bfloat16 and head_dim a multiple of 64)"
-    if impl == "cudnn" and platform != "gpu":
-        raise ConfigError(f"backends.attention=cudnn needs NVIDIA GPUs (cuDNN's fused attention); this run's devices "
-                          f"are {platform} (valid here: auto, xla, pallas)")
+    if platform not in attention_facts(impl).platforms:
+        raise ConfigError(f"backends.attention={impl} needs {attention_facts(impl).needs}; this run's devices are "
+                          f"{platform} (valid here: {', '.join(valid_on(platform))})")
     if impl != "pallas":
         return Backends(platform=platform, attention=impl, reason=reason, **experts)
     return Backends(platform=platform, attention="pallas", kernels=kernels, interpret=interpret,

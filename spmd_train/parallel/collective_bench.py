@@ -1,17 +1,10 @@
 """Timing the collectives the planner models, over one mesh axis at a time, and a matmul throughput probe.
 
 `bench-collectives` calibrates the planner's α-β model with these figures (`analysis.plan.profile`). Each
-collective runs inside a `shard_map` over every mesh axis, reducing or exchanging over one of them, so the
-timed program is the real collective XLA emits for that axis (the same NCCL/ICI/gloo path a train step uses).
+collective runs in a `shard_map` over every mesh axis, exchanging over one of them; message sizes follow
+NCCL-tests' "size" (the larger of the op's per-device buffers), in float32 on every platform.
 
-Message size, in bytes per device, follows NCCL-tests' "size": the larger of the op's per-device buffers, so
-the size a collective moves is comparable across ops and bounded by the memory it needs:
-- all-reduce (psum): the buffer reduced, in and out;
-- all-gather: the gathered output (each device contributes size / n);
-- reduce-scatter (psum_scatter): the input (each device keeps size / n);
-- all-to-all: the buffer each device splits into n chunks, one per peer;
-- collective-permute (ppermute, a ring shift by one): the buffer each device sends to its neighbour.
-Buffers are float32 on every platform: gradient reductions run in fp32, and bytes, not the dtype, set the time.
+Details: docs/explanation/planner-model.md#calibrating-from-a-measured-profile
 """
 
 from __future__ import annotations
@@ -45,7 +38,7 @@ class Timed:
     group: int
     """Devices in one group of the collective (the axis's size)."""
     bytes: int
-    """Message size per device (the module docstring defines it per op)."""
+    """Message size per device (NCCL-tests' "size", per op: docs/explanation/planner-model.md)."""
     seconds: float
     """Median of `repeats` runs, each blocked until its output is ready."""
     repeats: int
@@ -126,7 +119,7 @@ def median_seconds(fn: Callable[[], jax.Array], repeats: int, warmup: int = 1) -
 
 
 def time_collective(mesh: Mesh, op: str, axis: str, nbytes: int, repeats: int) -> Timed:
-    """Median time of `op` over `axis` with `nbytes` per device (the module docstring defines the size)."""
+    """Median time of `op` over `axis` with `nbytes` per device (the size per op: docs/explanation/planner-model.md)."""
     group = mesh.shape[axis]
     inputs, outputs = message_elements(op, nbytes, group)
     fn, x = collective(mesh, op, axis), placed_input(mesh, inputs)

@@ -1,27 +1,10 @@
 """Context parallelism: attention when the tokens of every activation are split over `sequence`.
 
-Outside attention each device holds 1/N of every sequence's tokens (the rules put `length` and
-`norm_length` on `sequence`) and nothing crosses devices; attention needs the other devices'
-keys. These run per device, inside the attention region (manual over every mesh axis), with
-q [b, L/N, h, d], k/v [b, L/N, kvh, d] and segments [b, L/N] of the device's tokens: one
-contiguous chunk, or for `ring` the zigzag pair of chunks i and 2N-1-i (`parallel.ring`):
+Outside attention nothing crosses devices; attention needs the other devices' keys. Three schemes run per device
+inside the attention region: `ring` (K/V blocks round a ppermute ring, `parallel.ring`), `allgather` (K/V
+gathered, merged chunk by chunk by log-sum-exp) and `ulysses` (two all-to-alls between length- and head-split).
 
-- `ring`: K/V blocks travel a ppermute ring, results merged by log-sum-exp, explicit backward
-  (see `parallel.ring`); memory for two K/V blocks, every device the same causal work.
-- `allgather`: K, V and the keys' documents are all-gathered over `sequence`; each device attends
-  its query chunk to the whole sequence chunk by chunk with the kernel's log-sum-exp, merging the
-  partial results exactly; chunks wholly in its future are skipped (`lax.switch`), the diagonal
-  chunk is causal and the past ones are unmasked. Autodiff transposes the all-gathers into one
-  reduce-scatter each of dK and dV. Bytes per layer: 2 x (N-1)/N of the K/V activation forward
-  and the same backward; under grouped-query attention that is kvh/h of the query's.
-  Contiguous chunks leave the causal work uneven: device i computes i full chunks and one
-  causal one, (2i + 1) halves against N for the average.
-- `ulysses`: one `all_to_all` takes q, k and v together from length-split to head-split,
-  full-length causal attention runs over h/N of the heads, one `all_to_all` brings the output
-  back; the documents are all-gathered (int32, no gradient). K/V heads are repeated to
-  lcm(kvh, N) when a device has fewer than N (query groups stay aligned). Bytes per layer:
-  (N-1)/N of q + k + v and of the output forward, the same backward (two all-to-alls each way).
-  Needs the query heads on a device to divide by N.
+Derivation (collectives, bytes, load balance): docs/context.md#allgather-default and the sections after it
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Expert parallelism: send each token to its experts' devices, run them, bring the results back.
 
-Outside MoE layers `expert` is one more batch axis, so each device of the `expert` axis
-holds a different shard of tokens; inside, each holds num_experts / mesh.expert experts.
-Two implementations:
+Two implementations: capacity (default; fixed slots per expert, two `all_to_all`s over `expert`, overflow
+dropped) and dropless (`ragged_all_to_all` and `ragged_dot`, nothing dropped). With mesh.expert > 1 both run in a
+`shard_map` manual over every mesh axis (`_in_region` says why). A group, the unit capacity is counted over, is
+the tokens one device holds of the batch.
 
-- capacity (default): per group, every expert gets C = `capacity(...)` slots; tokens are
-  scattered into [E, C, d] slots, exchanged with one `all_to_all` over `expert`, run through
-  the local experts as one batched matmul, returned with a second `all_to_all` and combined
-  with the gates. Overflowing assignments are dropped (their contribution is 0).
-- dropless: assignments sorted by expert travel with `ragged_all_to_all` (exact sizes, no
-  drops) into a worst-case buffer and meet the experts through `ragged_dot`. XLA:CPU has no
-  ragged all-to-all: on CPU only the form without exchange (mesh.expert=1) runs.
-
-With mesh.expert > 1 both run in a `shard_map` manual over every mesh axis: tokens split
-over the batch axes (`expert` among them), expert weights over `expert` and, for the hidden
-width, `tensor`; see `_in_region` for why not `expert` alone. With mesh.expert = 1 there
-is no exchange: capacity runs without a region (the compiler splits the groups like any
-batch dimension), dropless in the same region minus the all-to-alls (the compiler would
-gather every token to sort them).
-
-A group (the unit capacity is counted over) is the tokens one device holds of the batch:
-batch_size / (product of the mesh axes `batch` is split over) rows, times the length it
-holds (length / mesh.sequence under context parallelism: the tokens of a row split over
-`sequence` are routed from where they are, never gathered). Without an active layout the
-group is the whole batch.
+Details: docs/moe.md#expert-parallelism-the-capacity-path and docs/moe.md#the-dropless-path
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Loss and gradients of one global batch, with one gradient reduction per step per replica axis.
 
-The forward and backward passes run inside a `shard_map` that is manual over the axes the
-gradients are replicated on (`data`, `expert` unless MoE experts are split over it, and
-`fsdp` below ZeRO stage 2, those of size > 1). Each device sums its own gradient over all
-microbatches and the reduction over those axes is a single explicit psum per step.
-Everything else stays compiler-partitioned: `tensor`, and `fsdp` from stage 2, where each
-weight's gradient is pinned to its shard (`sharding.stored_param`) so it is reduce-scattered
-per layer as the backward pass makes it.
+Forward and backward run in a `shard_map` manual over the axes the gradients are replicated on; each device
+sums its own gradient over all microbatches and one explicit psum per step reduces it. `tensor`, and `fsdp`
+from ZeRO stage 2, stay compiler-partitioned (deliberately: see the docs).
 
-Keeping `fsdp` automatic at stages 2-3 is deliberate: gathering by hand inside a region
-that is manual over `fsdp` but automatic over `tensor` makes XLA replicate the tensor-split
-weights first (an extra all-gather over `tensor` per weight; measured with
-`spmd-train describe`).
+Details: docs/architecture.md#the-gradient-region
 """
 
 from __future__ import annotations

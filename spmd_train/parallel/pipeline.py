@@ -1,28 +1,11 @@
 """The pipeline executor: a schedule table run as one SPMD program over the `pipeline` axis.
 
-`run_pipeline` is a `shard_map` that is manual over `pipeline` only; every other mesh axis
-stays compiler-partitioned inside a stage, so data, FSDP and tensor parallelism keep working
-through the sharding rules. Each tick every stage reads its row of the plan and does one of:
-nothing, the forward of one (microbatch, chunk), or its backward. Forward outputs move to the
-next stage and input-gradients to the previous one with `lax.ppermute`, every tick, into
-receive slots the plan chose.
+`run_pipeline` is a `shard_map` manual over `pipeline` only; each tick every stage runs nothing, one forward or
+one backward, and `lax.ppermute` moves outputs and input gradients to the neighbouring stages. Each backward
+rebuilds its microbatch's VJP from a stash slot, so a stage holds exactly the residuals the schedule keeps in
+flight. This module knows mesh axis names and pure functions; what a stage computes is the caller's.
 
-The backward is explicit and per microbatch: a forward keeps the residuals of its own
-`jax.vjp` (only those; the stage's weights are re-read at backward time, not copied) in a
-stash slot, and the matching backward rebuilds the VJP from them. So a stage holds exactly
-the residuals of the microbatches the schedule keeps in flight: at most p - s under 1F1B,
-m under GPipe, whatever `parallel.remat` leaves in them. Idle ticks run no stage code at all
-(`lax.switch`), so a bubble can never put garbage into anything that reaches a gradient.
-
-A stage may also return a loss term of its own and statistics (`extras=True`: MoE layers' router
-losses and routing counts): the term joins its microbatch's loss, so each backward starts from the
-pair (d loss / d y, 1 / microbatches); the statistics, summed over microbatches per chunk, leave the
-pipeline as means beside the gradients.
-
-Split-backward schedules (zb_h1, zb_v) run their own tick loop, `pipeline_split.run_split_ticks`, inside the
-same shard_map: B and W ops, a saved slot per B..W pair, V-placed chunks.
-
-This module knows mesh axis names and pure functions; what a stage computes is the caller's.
+Derivation: docs/explanation/pipeline-executor.md#the-executor
 """
 
 from __future__ import annotations

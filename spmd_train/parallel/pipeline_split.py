@@ -1,16 +1,10 @@
 """The pipeline executor's tick loop for split-backward schedules (zb_h1, zb_v): ops F, B and W.
 
-B(mb, c) rebuilds the chunk's VJP from its stash and runs only the input-gradient half of the
-backward (`split_backward.split_vjp`), storing what the weight-gradient half needs in a "saved"
-slot; W(mb, c), at a later tick the schedule chose, rebuilds the same VJP and turns the saved values
-into the chunk's weight gradients. The stash slot lives from F until W.
+B(mb, c) runs only the input-gradient half of the chunk's backward and saves what the weight-gradient half
+needs; W(mb, c), at a later tick, turns those saved values into the chunk's weight gradients. Each op's output
+goes around both rings and the plan picks the real copy per receiving stage.
 
-Values move like this each tick (the plan's SPLIT_FIELDS): the op's one output goes around both
-rings (`ppermute` i -> i+1 and i -> i-1, the same two collectives per tick as the fused executor;
-one when there are 2 stages, whose two rings coincide) and into a local slot; the plan picks which
-copy is real, per receiving stage, and sends the others to the spare slot. Under the V placement
-that is how the chunk p-1 -> p hand-off (and B's gradient back from p to p-1) stays on its device,
-and how the second leg's activations travel up the ring.
+Derivation: docs/explanation/pipeline-executor.md#the-split-backward-tick-loop
 """
 
 from __future__ import annotations

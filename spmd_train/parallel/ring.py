@@ -1,23 +1,10 @@
 """Ring attention: K/V blocks travel a `ppermute` ring over `sequence`, with zigzag load balance.
 
-Each device holds two chunks of every sequence, i and 2N-1-i of 2N (`zigzag_order` lays the
-tokens out so), so under the causal mask every device does the same work: at ring step 0 its
-own pair (causal, local order is true order), and at each later step exactly two chunk pairs
-of unmasked attention: all its queries against the arriving block's first chunk when that block
-comes from an earlier device, or its second query chunk against the whole block when it comes
-from a later one. Blocks' results are merged by log-sum-exp (`blockwise`).
+Each device holds chunks i and 2N-1-i of 2N, so under the causal mask every device does the same work. The
+backward is explicit (`jax.custom_vjp`): K/V go round again with fp32 dK/dV accumulators, and each block's
+gradient is the kernel's own VJP. No device ever holds more than two K/V blocks.
 
-The backward is explicit (`jax.custom_vjp`): K/V go round the ring again, each device adds its
-dK/dV contribution to accumulators (fp32) that travel with the block, and one more hop brings the
-accumulators home (in K/V's dtype). Each block's gradient is the kernel's own VJP given cotangents on its output
-and its log-sum-exp derived from the merged result, so any kernel that returns its lse works;
-the block's forward is recomputed for that VJP. No device ever holds more than two K/V blocks
-(the one it computes on and the one arriving). Every send is issued before the compute it may
-overlap with.
-
-Collectives per layer, N = `sequence`: forward N-1 collective-permutes of each of K and V (and
-the document ids); backward N-1 of each again and N of each of dK and dV (fp32, the last hop in
-K/V's dtype).
+Derivation: docs/context.md#ring
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """A stage's backward split into B (the input gradient) and W (the weight gradients), for zero-bubble schedules.
 
-Zero-bubble schedules run B(mb, c) when the previous stage waits for its input gradient and defer
-W(mb, c) into idle ticks. That only pays if B + W cost what the fused backward costs: B must skip
-the weight-gradient contractions (dW = x^T dy per matmul) and W must reuse the output cotangents B
-computed instead of running the backward chain again. So the split is done once, on the jaxpr of
-the fused backward (residuals, dy) -> (weight gradients, dx), not by calling the VJP twice:
+The split is done once, on the jaxpr of the fused backward: B is every equation the input gradient needs, W the
+rest, and the values W reads from B are saved. So B + W cost what the fused backward costs, and their results
+equal the VJP's bit for bit on the same backend.
 
-- B-set: every equation the dx output needs (its backward slice); W-set: what the weight
-  gradients need beyond it. "saved" are the values the W-set reads that B (or dy) defines:
-  mostly the per-matmul output cotangents, which B hands to W.
-- The layer stack is a `lax.scan`; its transpose is one reverse `scan` whose carry is the dx
-  chain and whose ys are the per-layer weight gradients. That equation is split recursively: a
-  B-scan runs the carries the dx chain needs (closed under the body's dependencies) and emits
-  the per-iteration values W reads as extra stacked ys; a W-scan takes those as xs next to the
-  original residual xs and produces the weight-gradient ys and any weight-gradient carries.
-- Call-like equations (`jit`, `checkpoint`/remat, `closed_call`) are inlined first, so a matmul's
-  fused (dx, dW) pair inside `layers.dense`'s checkpoint splits too. Inlining a checkpoint in a
-  backward-only program drops nothing that matters: its recompute is needed either way, and
-  the barrier it may carry only keeps XLA from merging that recompute with a forward pass which
-  this program does not contain.
-- Fallback: any other equation whose outputs both sides need (`cond`, `while`, a custom call, a
-  `jit` with explicit shardings) runs whole in B, and W reads its outputs as saved values.
-  Correct, only less work moves to W.
-
-The split is exact: B and W evaluate the very equations of the fused backward, so their results
-equal the VJP's bit for bit on the same backend (up to XLA's fusion choices).
+Derivation: docs/explanation/pipeline-executor.md#splitting-a-backward-into-b-and-w
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """`generate`: new tokens for a batch of prompts from an engine's parameters, under the engine's mesh and layout.
 
-Two programs, each compiled once per (rows, padded prompt length, max_new_tokens, greedy or sampled):
-the prefill (all prompts at once, filling the KV cache) and the decode loop (one token per
-step in a `fori_loop`); see `models.decode`. Both run under the run's layout, with two changes
-for generation:
+Two programs, each compiled once per (rows, padded prompt length, max_new_tokens, greedy or sampled): the
+prefill and the decode loop (`models.decode`). The token length is never split, MoE layers drop nothing, and
+with mesh.pipeline > 1 `generate` refuses.
 
-- the tokens' length is never split (`length` and `norm_length` map to no mesh axis): a decode
-  step holds one token per row. Rows go over the batch axes, heads over `tensor`, as in training;
-- an MoE layer drops nothing (capacity = every token of a group): with capacity dropping, a
-  row's tokens would depend on the other rows and on the padding.
-
-The pipeline schedule is not used: with mesh.pipeline > 1 `generate` refuses (the run's
-checkpoint can be generated from on a mesh without pipeline stages: restoring reshards).
+Details: docs/generate.md#how-it-works
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Step guards: a non-finite or spiking step is not applied, decided on device inside the jitted step.
 
-The step computes its update as always, then keeps the old parameters and optimizer state
-with `jnp.where` when the guard rejects it: no host round trip, no recompilation, and a
-skipped step is bitwise the step that was never taken (the optimizer's own step count,
-which drives the learning-rate schedule, does not advance either). The data does advance:
-the rejected batch is consumed and the next step reads the next one.
+A rejected step keeps the old parameters and optimizer state (`jnp.where`: no host round trip, no
+recompilation), bitwise the step never taken; the batch is consumed. A spike is judged against the last
+`train.spike_window` accepted steps: value > mean + `train.spike_sigma` x max(std, 1% of |mean|).
 
-A spike is judged against the last `train.spike_window` accepted steps (a ring buffer of
-their loss and gradient norm, so the statistics are exact over the window, not an
-exponential average): value > mean + `train.spike_sigma` x max(std, 1% of |mean|). The 1%
-floor keeps a converged run, whose loss varies by a fraction of a percent, from calling an
-ordinary batch a spike. Judging starts once the window is full.
+Details: docs/reliability.md#step-guards-inside-the-jitted-step
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The optimizer (AdamW, Adafactor or Lion) with a warmup-then-decay learning rate and global-norm clipping (optax).
+"""The optimizer (`train.optimizers`: AdamW, Adafactor or Lion) with a warmup-then-decay learning rate and
+global-norm clipping (optax).
 
 Schedules are functions of the optimizer's count t of applied steps (0-based: the first update uses lr(0)).
 Below W = optim.warmup_steps, T = train.steps, lr = optim.lr and lr_min = lr * optim.min_lr_ratio. Every
@@ -17,9 +18,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.config.optimizer_facts import MOMENT_KEYS, optimizer_facts
 from spmd_train.config.train_schema import OptimConfig
 from spmd_train.errors import ConfigError
 from spmd_train.models.layers import STACKING_AXES
+from spmd_train.train.optimizers import optimizer_named
 
 
 def _decay_steps(cfg: OptimConfig, total: int) -> int:
@@ -79,28 +82,19 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 
-_DEFAULTS: dict[str, dict[str, float | None]] = {
-    "adamw": {"b1": 0.9, "b2": 0.95, "eps": 1e-8},
-    "lion": {"b1": 0.9, "b2": 0.99},  # Chen et al. 2023 (optax's defaults)
-    "adafactor": {"b1": None},  # Shazeer & Stern 2018: no first moment, the memory-saving form
-}
-_NOT_APPLICABLE = {
-    ("lion", "eps"): "Lion's update is the sign of a momentum; it divides by nothing",
-    ("adafactor", "b2"): "Adafactor's second-moment decay is 1 - t^-0.8, set by the step",
-    ("adafactor", "eps"): "Adafactor's epsilon (1e-30) is added to the squared gradient, another quantity",
-}
-
-
 def hyperparameters(cfg: OptimConfig) -> dict[str, float | None]:
-    """b1/b2/eps for `cfg.name`: as set, else the optimizer's default; a value set where none applies is refused."""
+    """b1/b2/eps for `cfg.name`: as set, else the optimizer's default; a value set where none applies is refused
+    (`config.optimizer_facts.OptimizerFacts.defaults` and `not_applicable`)."""
+    facts = optimizer_facts(cfg.name)
+    defaults, why = dict(facts.defaults), dict(facts.not_applicable)
     out = {}
-    for key in ("b1", "b2", "eps"):
+    for key in MOMENT_KEYS:
         value = getattr(cfg, key)
-        if key in _DEFAULTS[cfg.name]:
-            out[key] = _DEFAULTS[cfg.name][key] if value is None else value
+        if key in defaults:
+            out[key] = defaults[key] if value is None else value
         elif value is not None:  # ignoring it would run something other than what the user asked for
             raise ConfigError(f"optim.{key}={value} does not apply to optim.name={cfg.name}: "
-                              f"{_NOT_APPLICABLE[cfg.name, key]} (valid: optim.{key}=null)")
+                              f"{why[key]} (valid: optim.{key}=null)")
     return out
 
 
@@ -114,16 +108,9 @@ def decay_mask(logical_tree: Any) -> Any:
 
 
 def _core(cfg: OptimConfig, lr: optax.Schedule, mask: Any) -> optax.GradientTransformation:
-    """The optimizer itself, with decoupled weight decay lr_t * weight_decay * p on the masked parameters."""
-    h = hyperparameters(cfg)
-    if cfg.name == "adamw":
-        return optax.adamw(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=cfg.weight_decay, mask=mask)
-    if cfg.name == "lion":
-        return optax.lion(lr, b1=h["b1"], b2=h["b2"], weight_decay=cfg.weight_decay, mask=mask)
-    # optax.adafactor adds its decay after the learning rate has scaled the update: scaling the rate by the
-    # schedule makes it AdamW's. A callable rate also keeps the state's structure whatever weight_decay is.
-    return optax.adafactor(lr, momentum=h["b1"], weight_decay_rate=lambda t: cfg.weight_decay * lr(t),
-                           weight_decay_mask=mask)
+    """The optimizer itself (`train.optimizers`), with decoupled weight decay lr_t * weight_decay * p on the masked
+    parameters."""
+    return optimizer_named(cfg.name).build(cfg, lr, mask, hyperparameters(cfg))
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any) -> optax.GradientTransformation:
@@ -153,7 +140,7 @@ def state_differences(saved: dict, cfg: OptimConfig) -> list[str]:
     name = saved.get("name", "adamw")  # checkpoints from before optim.name were AdamW's
     if name != cfg.name:
         return [f"optim.name: checkpoint {name!r}, this run {cfg.name!r}"]
-    if name == "adafactor" and (saved.get("b1") is None) != (cfg.b1 is None):
-        return [f"optim.b1: checkpoint {saved.get('b1')}, this run {cfg.b1} (adafactor keeps a momentum "
+    if optimizer_facts(name).b1_adds_state and (saved.get("b1") is None) != (cfg.b1 is None):
+        return [f"optim.b1: checkpoint {saved.get('b1')}, this run {cfg.b1} ({name} keeps a momentum "
                 "only when optim.b1 is set)"]
     return []

@@ -1,25 +1,10 @@
 """The model's loss and gradients computed by a pipeline schedule instead of one autodiff pass.
 
-Where each part runs, so the loss equals the non-pipelined one exactly (the mean over the
-global batch; microbatches have equal sizes, so the mean of their means):
-- the embedding, before the pipeline, on every stage (a lookup; its backward is a scatter-add
-  of the input gradients the first stage returns);
-- the layer stack, split over `pipeline` into stages (and chunks for interleaved 1F1B);
-- the final norm, LM head and cross-entropy, on the last chunk's stage right after each microbatch's
-  forward, whose cotangent then starts that microbatch's backward.
+The embedding runs before the pipeline on every stage, the layer stack over `pipeline`, and the final norm, LM
+head and loss on the last chunk's stage right after each microbatch's forward, so the loss equals the
+non-pipelined one exactly. MoE router losses are per microbatch, as with grad accumulation.
 
-With interleaved 1F1B device d holds chunks d, d+p, d+2p, ... (with zb_v chunks d and 2p-1-d) while
-parameters are stored as one stack split in contiguous blocks over `pipeline`; `layer_order` says
-which model layer each stored row is, and the engine stores parameters in that order (and records it).
-The loss lives on the stage of the last chunk: stage p-1, or stage 0 under zb_v.
-
-MoE layers run inside the stages (their expert dispatch nests its own shard_map in the pipeline's).
-A microbatch's objective is what the model's is with train.grad_accum microbatches: its cross-entropy
-plus the weighted router losses of its own tokens (each chunk adds its layers' share as the stage's loss
-term). That is exact, and it is the only exact choice: the whole batch's aux loss weighs each
-microbatch's router probabilities by routing fractions that depend on microbatches whose forward has
-not run when an earlier one's backward must (1F1B and every schedule after it). The router statistics
-are averaged over microbatches per layer, as gradient accumulation averages them.
+Derivation: docs/explanation/pipeline-executor.md#the-pipelined-loss
 """
 
 from __future__ import annotations
@@ -33,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from spmd_train.config.pipeline_keys import equal_stages, resolved_microbatches
+from spmd_train.config.schedule_facts import names_where, schedule_facts, spoken
 from spmd_train.config.schema import Config
-from spmd_train.config.validity import SPLIT_BACKWARD
 from spmd_train.errors import ConfigError
 from spmd_train.models.flops import balanced_depths
 from spmd_train.models.transformer import RESIDUAL, apply_blocks
@@ -65,12 +50,12 @@ def chunk_depths(cfg: Config, stages: int) -> list[int]:
         return [m.stack_rows // chunks] * chunks
     layers = (balanced_depths(m, cfg.train.seq_len, chunks) if par.pipeline_layers == "balanced"
               else list(par.pipeline_layers))
-    if len(set(layers)) > 1 and par.pipeline_schedule in SPLIT_BACKWARD:
+    if len(set(layers)) > 1 and schedule_facts(par.pipeline_schedule).split_backward:
         raise ConfigError(
             f"parallel.pipeline_layers=[{', '.join(map(str, layers))}] gives uneven stage chunks, which "
             f"parallel.pipeline_schedule={par.pipeline_schedule} cannot run: a padded chunk's backward would not split "
-            "into B and W (valid: a fused schedule, gpipe, 1f1b or interleaved_1f1b, or parallel.pipeline_layers=null "
-            "or balanced for equal chunks)")
+            f"into B and W (valid: a fused schedule, {spoken(names_where(split_backward=False), 'or')}, or "
+            "parallel.pipeline_layers=null or balanced for equal chunks)")
     return [n // unit for n in layers]
 
 

@@ -1,23 +1,10 @@
 """A layout to estimate (`Candidate`), the work it runs (`Workload`), and where each parameter tree lives.
 
-The mesh axes are the six of DESIGN.md (`config.mesh_schema.MESH_AXES`): `data` (replicas), `pipeline`
-(stages: the layer stack's `layers` axis), `fsdp` (ZeRO sharding), `sequence` (context
-parallelism; outside attention it splits tokens, and ZeRO shards over it too), `expert` (the
-experts of MoE layers; outside them one more batch axis) and `tensor` (Megatron; with
-sequence parallelism the residual stream's length too).
+The layout arithmetic mirrors `sharding.layout.Layout` under the default rules (`Candidate.from_config` refuses
+other presets). Also here, what follows from a candidate and a workload alone: rows per device, pipeline
+microbatches, MoE capacity slots and a schedule's ticks, bubble and stash slots (cached per schedule).
 
-The layout arithmetic mirrors `sharding.layout.Layout` under the default rules
-(`meshes/rules/default.yaml` plus the rules `config.resolved_rules.resolve_rules` adds): a parameter's
-stored layout maps each logical axis through `PARAM_RULES`, dropping the ZeRO axes (`fsdp`,
-`sequence`: `sharding.layout.ZERO_AXES`) from a tree the stage does not shard (parameters at
-stage 3, gradients from stage 2, optimizer state from stage 1); its compute layout maps the
-axes through `ACTIVATION_RULES`, the stacking axes keeping their stored split. Size-1 axes split
-nothing. Other rule presets are outside this model (`Candidate.from_config` refuses them).
-
-Also here, what follows from a candidate and a workload alone: rows per device, pipeline
-microbatches (`config.pipeline_keys.resolved_microbatches`), MoE capacity slots
-(`ops.routing.capacity`) and a pipeline schedule's ticks, bubble and stash slots, counted on its tick
-table and cached per (schedule, stages, microbatches, virtual stages).
+Derivation: docs/explanation/planner-model.md#candidates-and-workloads
 """
 
 from __future__ import annotations
@@ -29,11 +16,13 @@ from dataclasses import dataclass
 from typing import get_args
 
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.config.attention_facts import attention_facts, attention_names, fallback_attention
 from spmd_train.config.mesh_schema import MESH_AXES, RematPolicy
+from spmd_train.config.optimizer_facts import optimizer_facts, optimizer_names
 from spmd_train.config.pipeline_keys import default_microbatches
 from spmd_train.config.resolved_rules import resolve_rules
+from spmd_train.config.schedule_facts import schedule_names
 from spmd_train.config.schema import Config
-from spmd_train.config.validity import SCHEDULES
 from spmd_train.errors import ConfigError
 from spmd_train.parallel.schedule_simulator import occupancy
 from spmd_train.parallel.schedules import build_schedule
@@ -52,7 +41,6 @@ PARAM_RULES: dict[str, tuple[str, ...]] = {**ACTIVATION_RULES, "embed": ("fsdp",
 BATCH_AXES = ACTIVATION_RULES["batch"]
 REMAT_POLICIES = get_args(RematPolicy)
 CONTEXT_SCHEMES = ("allgather", "ring", "ulysses")
-OPTIMIZERS = ("adamw", "adafactor", "lion")
 
 Spec = tuple[tuple[str, ...], ...]
 """Per dimension of an array, the mesh axes (of size > 1) splitting it."""
@@ -88,7 +76,7 @@ class Candidate:
                 raise ConfigError(f"dcn names {sorted(unknown)}, not mesh axes (valid: {', '.join(MESH_AXES)})")
             object.__setattr__(self, "dcn", tuple(self.dcn.get(a, 1) for a in MESH_AXES))
         for key, value, valid in (("remat", self.remat, REMAT_POLICIES),
-                                  ("pipeline_schedule", self.pipeline_schedule, SCHEDULES),
+                                  ("pipeline_schedule", self.pipeline_schedule, schedule_names()),
                                   ("context_parallel", self.context_parallel, CONTEXT_SCHEMES),
                                   ("zero_stage", self.zero_stage, (0, 1, 2, 3))):
             if value not in valid:
@@ -149,7 +137,7 @@ class Workload:
     seq_len: int
     optimizer: str = "adamw"
     momentum: bool = False
-    """Adafactor with optim.b1 set keeps a (fp32) momentum."""
+    """optim.b1 is set and adds a (fp32) momentum (`OptimizerFacts.b1_adds_state`: Adafactor)."""
     attention: str = "flash"
     """"flash": a fused kernel (Pallas, cuDNN) keeps no [length, length] scores; "xla": the reference attention."""
     moe_impl: str = "capacity"
@@ -162,7 +150,7 @@ class Workload:
     otherwise (`comm.zero_terms`)."""
 
     def __post_init__(self):
-        for key, value, valid in (("optimizer", self.optimizer, OPTIMIZERS), ("attention", self.attention,
+        for key, value, valid in (("optimizer", self.optimizer, optimizer_names()), ("attention", self.attention,
                                   ("flash", "xla")), ("moe_impl", self.moe_impl, ("capacity", "dropless"))):
             if value not in valid:
                 raise ConfigError(f"{key}={value!r} is not one of {', '.join(valid)}")
@@ -172,9 +160,11 @@ class Workload:
         """The workload of `cfg` on `platform` (cpu, gpu, tpu): `attention=auto` is XLA on CPU, a kernel elsewhere;
         XLA:CPU partitions the parameter traffic its own way (`xla_cpu`)."""
         impl = cfg.backends.attention
-        attention = "xla" if impl == "xla" or (impl == "auto" and platform == "cpu") else "flash"
+        impl = fallback_attention() if impl == "auto" and platform == "cpu" else impl
+        keeps = impl in attention_names() and attention_facts(impl).keeps_scores
+        momentum = optimizer_facts(cfg.optim.name).b1_adds_state and cfg.optim.b1 is not None
         return cls(global_batch=cfg.train.global_batch_size, seq_len=cfg.train.seq_len, optimizer=cfg.optim.name,
-                   momentum=cfg.optim.name == "adafactor" and cfg.optim.b1 is not None, attention=attention,
+                   momentum=momentum, attention="xla" if keeps else "flash",
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
                    documents=cfg.data.masks_documents, xla_cpu=platform == "cpu")
 

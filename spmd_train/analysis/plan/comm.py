@@ -1,46 +1,10 @@
 """Collective bytes each device sends per step, per operation and mesh axes: a list of `CommTerm`s.
 
-Bytes are the bandwidth-optimal ring costs `analysis.collectives` counts for an array of S bytes
-over a group of N devices: all-gather and reduce-scatter S·(N-1)/N, all-reduce 2·S·(N-1)/N
-(reduce-scatter + all-gather), all-to-all S·(N-1)/N, a collective-permute S.
+Bytes are the bandwidth-optimal ring costs `analysis.collectives` counts. One function per form of parallelism:
+`zero_terms` (data parallelism and ZeRO, with the ways an accelerator's compiler departs from XLA:CPU's
+partitioning), `tensor_terms`, `pipeline_terms`, `expert_terms` and `context_terms`.
 
-- Data parallelism and ZeRO (`zero_terms`): the terms of `analysis.zero_floor`, parameter by
-  parameter with the same rules: at ZeRO-3 two gathers of the compute-dtype weight per microbatch
-  (one for an untied table) and one gradient reduce-scatter, i.e. the ZeRO paper's 3Ψ(N-1)/N
-  (Rajbhandari et al. 2020, §7.2.2); from ZeRO-2 the per-microbatch reduce-scatter; below it the
-  gradient all-reduce 2Ψ(N-1)/N once per step over the replica axes, in the parameter dtype; at
-  ZeRO-1/2 the updated parameters gathered once per step (Ψ(N-1)/N). That is how XLA:CPU partitions
-  it (`Workload.xla_cpu`). An accelerator's compiler departs from it in five ways, each seen in
-  libtpu's programs (2 layers on v5p:2x2x2 and 8x8x8; tests/test_plan_accuracy.py pins the figures):
-  a weight outside the layer stack (LM head, tied table, final norm) is gathered once per
-  microbatch, its forward and backward being adjacent; a lookup table split on its width over
-  `fsdp` is first re-split by rows where they divide evenly (an all-to-all of the stored shard over
-  `fsdp`: once in the compute dtype when tied, twice in the parameter dtype when untied); when the
-  batch is split over two or more axes, the gradient of a weight outside the stack is all-reduced
-  over its shard's axes, whole, instead of reduce-scattered; an MoE model's non-expert gradients
-  are reduce-scattered over their shard's axes and `expert` together (`parallel.gradients` cannot
-  reduce over `expert` by hand, as it does `data`), then gathered over `expert` in the parameter
-  dtype; and below ZeRO-2, without accumulation, the replica all-reduce of a weight outside the
-  stack runs in the compute dtype. Not modelled: at fsdp 512 (llama3-8b, remat none, 8192 tokens)
-  libtpu all-reduces nearly every gradient instead of reduce-scattering it (5.6 GB against 3.0).
-- Tensor parallelism (`tensor_terms`, Korthikanti et al. 2022 §4.2.2; Shoeybi et al. 2019 §3): per
-  layer and microbatch two all-reduces of the b·s·h activation forward and two backward (the
-  transposes); under sequence parallelism each is a reduce-scatter + all-gather pair, the same
-  bytes: 4 all-reduce-equivalents, 4·2·b·s·h·c·(T-1)/T bytes. Full remat reruns the attention's
-  forward reduction only (5, not Megatron's 6: the recomputed MLP output feeds nothing the backward
-  reads and XLA drops it; seen in libtpu's HLO of llama3-8b fsdp 64 x tensor 8). Under sequence
-  parallelism a sublayer gathers its split input a third time, for its weight gradients (or in the
-  recompute): 6 gathers and 4 (5) scatters a layer. An MoE layer's MLP reduces its slot buffer instead of
-  the token block. The vocabulary-parallel embedding and LM head add one each per microbatch (the
-  lookup's partial sums, the head's input gradient).
-- Pipeline (`pipeline_terms`): our executor (`parallel.pipeline`) sends one microbatch's residual
-  stream forward and one cotangent backward every tick, bubble ticks included: 2·ticks
-  collective-permutes of b·s·h·c (the useful part is Megatron's 2·b·s·h per microbatch per stage
-  boundary); then the head gradients (fp32, as the gradients are stored: split over fsdp at ZeRO-2/3) and
-  the input gradients (in the compute dtype: the executor's fp32 sum is dropped by an accelerator's XLA,
-  kept by XLA:CPU) are summed over the stages (libtpu's HLO of llama-1b pipeline 4 x fsdp 2).
-- Expert parallelism (`expert_terms`): `analysis.moe_report`'s count and bytes.
-- Context parallelism (`context_terms`): `analysis.context_report`'s per-scheme bytes.
+Derivation: docs/explanation/planner-model.md#collective-bytes
 """
 
 from __future__ import annotations
@@ -91,7 +55,8 @@ def _fraction(n: int) -> float:
 
 def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False) -> list[CommTerm]:
     """Parameter traffic of data parallelism and ZeRO, parameter by parameter: as an accelerator's compiler
-    partitions it, or with `xla_cpu` as XLA:CPU does, which is `analysis.zero_floor`'s count (module docstring)."""
+    partitions it, or with `xla_cpu` as XLA:CPU does, which is `analysis.zero_floor`'s count
+    (docs/explanation/planner-model.md#collective-bytes)."""
     out = []
     accumulates = c.grad_accum > 1 or c.pipeline > 1
     for (op, axes, purpose), (per_micro, launches, once, once_launches) in _zero_terms(m, c.sizes, c.zero_stage,

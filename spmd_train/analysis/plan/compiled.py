@@ -1,19 +1,10 @@
 """A candidate's compiled figures in place of its estimates (`rescore`), with both kept to show the error.
 
-What replaces what:
-- memory: the compiled program's peak (argument + output + temp - alias, `analysis.step_report.describe`).
-  Where the program compiled is not the target's (a GPU target compiled by XLA:CPU, whose attention
-  is XLA's, not a fused kernel), the model's own estimate of the difference between the two programs
-  (`reference` against the target's estimate) is added, and the note says so;
-- collective bytes: per set of mesh axes, the compiled bytes, shared over the estimate's terms on those
-  axes in proportion to their estimated bytes (so each keeps its overlap rule); compiled traffic on axes
-  the model has no term for becomes a term of its own, on the critical path;
-- step time: the timing model again, with those bytes (launch counts stay the model's).
-Where the compiled collectives are upper bounds (a pipelined
-program counts a stage's collectives on every tick, for each branch of its per-tick switch), the estimated
-bytes time the step.
-A candidate the compiler refused for memory (libtpu's RESOURCE_EXHAUSTED) has no compiled peak and
+Memory becomes the compiled peak, collective bytes the compiled bytes per set of mesh axes (shared over the
+estimate's terms on them), and the step is timed again with those; a candidate the compiler refused for memory
 does not fit.
+
+Derivation: docs/explanation/planner-model.md#compiled-figures-in-place-of-estimates
 """
 
 from __future__ import annotations
@@ -107,7 +98,7 @@ def rescore(model: ModelShape, work: Workload, hw: Hardware, estimate: Estimate,
 
 def _with_peak(estimate: Estimate, reference: Estimate, hw: Hardware, platform: str, seconds: float,
                peak_compiled: float | None, nbytes: dict, timing: Timing, notes: tuple[str, ...]) -> Compiled:
-    """The `Compiled` record, its target peak from the compiled one (see the module docstring)."""
+    """The `Compiled` record, its target peak from the compiled one (docs/explanation/planner-model.md)."""
     peak = None
     if peak_compiled is not None:
         peak = peak_compiled + estimate.memory.peak - reference.memory.peak

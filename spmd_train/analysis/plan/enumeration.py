@@ -1,21 +1,9 @@
 """The enumeration of `search`: every layout of a config on a target, pruned by divisibility and memory.
 
-Enumerated outermost first, so a refusal at one level skips everything below it; each refusal is
-recorded once, at the scope it was decided (`labels.Scope`):
-1. mesh: every factorization of the device count over the six axes, refused by the rules
-   `rejections.mesh_reason` mirrors from the config checks, or when the outer axes cannot take the
-   slow-link factors (`target.slow_placements`);
-2. structure: sequence parallelism (tensor > 1), the context scheme (sequence > 1), the pipeline
-   schedule (1f1b, gpipe, interleaved with 2 or 4 virtual stages) with p, 2p, 4p or 8p microbatches;
-   gpipe is recorded as dominated by 1f1b with the same microbatches (the same ticks, so the same
-   bubble and sends, and a stash of all microbatches instead of at most p);
-3. ZeRO stage 0-3 (one program when no axis is a ZeRO axis), refused when the state alone overflows;
-4. remat policy x grad accumulation (the divisors of a device's rows): the peak falls as accumulation
-   grows from 2 on, so the smallest accumulation that fits is found by bisection, the smaller ones
-   recorded as not fitting and the larger ones as dominated: they change no FLOPs and only add
-   collective launches (ZeRO-3 gathers per microbatch), so the model never finds them faster
-   (tests/test_plan_search.py checks both claims on samples). The peaks come from parts memoized by the fields
-   each reads (`memory.MemoryModel`), and candidates that differ in nothing memory reads share their fits.
+Enumerated outermost first (mesh, structure, ZeRO stage, remat policy x grad accumulation), so a refusal at one
+level skips everything below it; each refusal is recorded once, at the scope it was decided (`labels.Scope`).
+
+Derivation: docs/explanation/planner-model.md#the-enumeration
 """
 
 from __future__ import annotations

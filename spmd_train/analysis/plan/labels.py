@@ -1,17 +1,10 @@
 """A candidate's canonical short label (and back), and the config that runs it.
 
-A label has up to three parts joined by " | ": the mesh axes of size > 1 in mesh order, the options,
-and the slow-link factors when some axis crosses it:
+A label has up to three parts joined by " | ": the mesh axes of size > 1 in mesh order, the options, and the
+slow-link factors, e.g. `fsdp=32 tensor=8 | zero3 remat=full sp | dcn fsdp=32`. Two candidates that run the same
+program have the same label.
 
-    fsdp=32 tensor=8 | zero3 remat=full sp | dcn fsdp=32
-    pipeline=4 fsdp=8 tensor=8 | zero1 remat=none sp pp=interleaved_1f1b v=2 m=16 accum=2
-
-Options, in this order: `zeroN`, `remat=POLICY`, `sp` (sequence parallelism), `cp=SCHEME` (with
-sequence > 1), `pp=SCHEDULE v=V m=M` (with pipeline > 1; v only when > 1), `accum=N` (when > 1).
-Settings that do nothing on a mesh (a schedule without stages, a context scheme without `sequence`)
-are not written: two candidates that run the same program have the same label. A rejection is
-labelled at the scope where it was decided (`Scope`): a mesh refused for divisibility has only its
-mesh part.
+Format: docs/explanation/planner-model.md#labels
 """
 
 from __future__ import annotations
@@ -23,8 +16,8 @@ from typing import Any
 from spmd_train.analysis.plan.candidate import CONTEXT_SCHEMES, REMAT_POLICIES, Candidate
 from spmd_train.config.checks import check_config
 from spmd_train.config.mesh_schema import MESH_AXES, AxisFactors
+from spmd_train.config.schedule_facts import schedule_names
 from spmd_train.config.schema import Config
-from spmd_train.config.validity import SCHEDULES
 from spmd_train.errors import ConfigError
 
 
@@ -111,8 +104,9 @@ def parse_label(text: str) -> Candidate:
             except ValueError:
                 raise ConfigError(f"--explain {text!r}: {token!r} is not part of a layout label (valid tokens: "
                                   f"AXIS=N for {', '.join(MESH_AXES)}, zero0-3, remat={'|'.join(REMAT_POLICIES)}, sp, "
-                                  f"cp={'|'.join(CONTEXT_SCHEMES)}, pp={'|'.join(SCHEDULES)}, v=N, m=N, accum=N, "
-                                  f"and '| dcn AXIS=N ...'; e.g. 'fsdp=32 tensor=8 | zero3 remat=full')") from None
+                                  f"cp={'|'.join(CONTEXT_SCHEMES)}, pp={'|'.join(schedule_names())}, v=N, m=N, "
+                                  "accum=N, and '| dcn AXIS=N ...'; e.g. 'fsdp=32 tensor=8 | zero3 remat=full')"
+                                  ) from None
     sizes.pop("devices", None)
     return canonical(Candidate(**sizes, **fields, dcn=dcn))
 
@@ -129,7 +123,7 @@ def _read(token: str, key: str, value: str, sizes: dict, fields: dict) -> None:
         fields["remat"] = value
     elif key == "cp" and value in CONTEXT_SCHEMES:
         fields["context_parallel"] = value
-    elif key == "pp" and value in SCHEDULES:
+    elif key == "pp" and value in schedule_names():
         fields["pipeline_schedule"] = value
     elif key in ("v", "m", "accum") and value.isdigit() and int(value) > 0:
         fields[{"v": "virtual_stages", "m": "pipeline_microbatches", "accum": "grad_accum"}[key]] = int(value)

@@ -1,39 +1,11 @@
 """Bytes per device of a training step: model state by ZeRO stage and optimizer, activations by remat policy,
 the pipeline stash, MoE dispatch buffers, the logits and a workspace allowance.
 
-Model state (ZeRO: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models", §5): the paper's mixed-precision AdamW keeps 2Ψ + 2Ψ + 12Ψ bytes (fp16
-parameters and gradients; fp32 master copy, momentum and variance); stage 1 divides the 12Ψ, stage
-2 also the gradients, stage 3 everything by the N devices (`zero_paper_bytes`). We keep no master
-copy: parameters, gradients and optax's moments are all in model.param_dtype (`train/optimizer.py`:
-optax.adamw/lion with mu_dtype None), so per parameter p + p + 2p bytes for AdamW (fp32: 4Ψ + 4Ψ +
-8Ψ), p + p + p for Lion (one moment), and for Adafactor p + p + the factored second moment (a row
-and a column vector per matrix whose two largest dimensions are >= 128, else a full one; optax's
-`_factored_dims`) + 4 bytes per parameter of fp32 momentum when optim.b1 is set. Each tree is
-divided per parameter by the axes its layout splits it over (`candidate.group_layout`): the ZeRO
-axes for the trees the stage shards, `tensor`/`expert`/`pipeline` where they split the weights,
-which is exactly what `Engine.state_bytes_per_device` counts.
+Model state follows the ZeRO paper (Rajbhandari et al. 2020, §5) in the dtypes our optimizers keep; activations
+follow Korthikanti et al. 2022, §4, adapted to our layer. The estimate is what is live at once, as XLA's
+live-range analysis counts it, not the heap XLA assigns.
 
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", §4: s·b·h·(34 + 5·a·s/h) bytes per layer for GPT in 16-bit, `korthikanti_layer_bytes`),
-adapted to our layer: what autodiff keeps of one layer (`layer_activation_bytes`, per token,
-c = compute bytes; the term-by-term list is there). A flash kernel (Pallas, cuDNN) keeps no
-[length, length] scores, so that term is dropped unless the workload runs XLA's attention.
-Full remat keeps each layer's input only (c·h per token and layer) and rebuilds one layer's
-residuals during that layer's backward.
-
-Peak = state + a gradient accumulator + the pipeline's input buffers + the larger of: the saved
-activations (or the pipeline stash) with the larger of two transient phases on top (the loss:
-the logits and the gathered LM head; a layer's backward: its gathered weights, its rebuilt
-residuals under full remat, the MoE all-to-all buffers), and the tables' gradients once the
-layers' backward has consumed the activations (the vocabulary tables' gradient buffers and the
-logits' cotangent) + a workspace allowance.
-
-What this estimates is what is live at once, as XLA's live-range analysis of the compiled program
-counts it (benchmarks/plan_accuracy.py's "live" column). The heap XLA assigns for those buffers
-can be larger: its packing leaves gaps (libtpu's 2-layer programs: 1.1x to 2.4x their live peak,
-around the table-sized buffers; XLA:CPU's tiny ones about 1.2x). The planner's compile stage
-reports the heap.
+Derivation: docs/explanation/planner-model.md#memory-per-device
 """
 
 from __future__ import annotations
@@ -60,12 +32,11 @@ from spmd_train.analysis.plan.candidate import (
 )
 from spmd_train.analysis.plan.shape import ModelShape, ParamGroup
 from spmd_train.config.mesh_schema import MESH_AXES
+from spmd_train.config.optimizer_facts import optimizer_facts
 
 WORKSPACE_FRACTION = 0.05
 """XLA's temporaries this model does not name (fusion outputs, collective staging, kernel scratch), as a
 fraction of the rest. An allowance, not a measurement: the compile stage of the planner replaces it."""
-FACTOR_MIN_DIM = 128
-"""optax.adafactor's min_dim_size_to_factor (its default; `train/optimizer.py` does not change it)."""
 
 
 @dataclass(frozen=True)
@@ -143,28 +114,10 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, tensor: int = 1, 
 
 
 def optimizer_bytes(g: ParamGroup, spec: Spec, shape: dict[str, int], param_bytes: int, w: Workload) -> float:
-    """Optimizer-state bytes one device holds for parameter `g` stored with `spec` (`train/optimizer.py`, optax)."""
-    local = g.numel / spec_ways(spec, shape)
-    if w.optimizer == "adamw":
-        return 2 * local * param_bytes
-    if w.optimizer == "lion":
-        return local * param_bytes
-    momentum = 4 * local if w.momentum else 0.0
-    dims = sorted(range(len(g.shape)), key=lambda i: g.shape[i])  # optax: np.argsort of the shape
-    if len(g.shape) < 2 or g.shape[dims[-2]] < FACTOR_MIN_DIM:
-        return (local + 3) * param_bytes + momentum  # v, and (1,) placeholders for update, v_row, v_col
-    factored = 0.0
-    for drop in (dims[-1], dims[-2]):  # v_row drops the largest dimension, v_col the second largest
-        kept = g.shape[:drop] + g.shape[drop + 1:]
-        # `train.optimizer.state_sharding` does not know which dimension was reduced: it drops the split of the
-        # last dimension whose removal gives this shape (for two equal dimensions, maybe not the reduced one).
-        gone = max(i for i in range(len(g.shape)) if g.shape[:i] + g.shape[i + 1:] == kept)
-        factored += math.prod(n // _dim_ways(spec, i, shape) for i, n in enumerate(g.shape) if i != gone)
-    return (factored + 2) * param_bytes + momentum  # (1,) placeholders for update and v
-
-
-def _dim_ways(spec: Spec, dim: int, shape: dict[str, int]) -> int:
-    return math.prod(shape[a] for a in spec[dim])
+    """Optimizer-state bytes one device holds for parameter `g` stored with `spec`: the optimizer's own figure
+    (`config.optimizer_facts.OptimizerFacts.state_bytes`, optax's state)."""
+    ways = tuple(math.prod(shape[a] for a in axes) for axes in spec)
+    return optimizer_facts(w.optimizer).state_bytes(g.shape, ways, param_bytes, w.momentum)
 
 
 def state_bytes(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float, float]:
@@ -191,7 +144,7 @@ def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context
                            scheme: str | None = None, ways: int = 1) -> float:
     """Bytes one layer keeps for its backward on one device, for `tokens` tokens of `context` keys each
     (`scheme`, `ways`: the context-parallel scheme and the `sequence` size; attention's share is
-    `attention_memory.attention_residual_bytes`, whose docstring lists it by scheme).
+    `attention_memory.attention_residual_bytes`; docs/explanation/planner-model.md lists it by scheme).
 
     Per token, with c = compute bytes, h = d_model, H/KV query/K-V heads of width hd, f = d_ff, t = tensor
     (heads, d_ff and the vocabulary split over it; the residual-stream terms R too under sequence parallelism):

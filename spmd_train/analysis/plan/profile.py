@@ -1,19 +1,10 @@
 """A measured hardware profile (`spmd-train bench-collectives`) and the `Hardware` the planner uses from it.
 
-The fit is the planner's own α-β model (`timing.collective_seconds`) read backwards. For one collective over
-a group of n devices with a message of `size` bytes per device (NCCL-tests' "size": the larger of the op's
-per-device buffers, `parallel.collective_bench`), the model's time is
+The fit is the planner's own α-β model (`timing.collective_seconds`) read backwards: per collective, a
+least-squares line of time against size·factor has slope β and intercept hops·α. Pure Python (no jax): the
+planner reads profiles before jax starts.
 
-    t = hops(op, n)·α + size·factor(op, n)·β
-
-with the ring algorithm's hops and traffic factor: all-reduce 2(n-1) hops and 2(n-1)/n, all-gather,
-reduce-scatter and all-to-all n-1 hops and (n-1)/n, collective-permute (one ring shift) 1 hop and 1. So a
-least-squares line of t against size·factor has slope β (s/byte) and intercept hops·α.
-
-Bus bandwidth follows NCCL-tests (`doc/PERFORMANCE.md`): algbw = size / t, busbw = algbw·factor(op, n), i.e.
-algbw·2(n-1)/n for all-reduce, algbw·(n-1)/n for all-gather, reduce-scatter and all-to-all, algbw for a
-permute. busbw is what one device's link carries, so at large sizes it tends to 1/β, which is what
-`Link.bandwidth` means in `hardware.py`. Pure Python (no jax): the planner reads profiles before jax starts.
+Derivation: docs/explanation/planner-model.md#calibrating-from-a-measured-profile
 """
 
 from __future__ import annotations

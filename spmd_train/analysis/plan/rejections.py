@@ -25,11 +25,11 @@ from spmd_train.config.pipeline_keys import check_pipeline
 from spmd_train.config.schema import Config
 from spmd_train.config.validity import (
     Violation,
+    attention_merges_no_blocks,
     axes_divide_tokens,
     batch_axes_divide_batch,
     chunks_divide_layers,
     chunks_hold_moe_groups,
-    cudnn_merges_no_blocks,
     expert_divides_experts,
     microbatches_divide_rows,
     ring_outside_pipeline,
@@ -128,7 +128,7 @@ def structure_reason(cfg: Config, shape: ModelShape, c: Candidate) -> Rejection 
              or ring_outside_pipeline(cp, c.sequence, c.pipeline)
              or ring_zigzag_chunks(cp, t.seq_len, c.sequence)
              or ulysses_whole_heads(cp, m.num_heads, c.tensor, c.sequence)
-             or cudnn_merges_no_blocks(cp, cfg.backends.attention, c.sequence))
+             or attention_merges_no_blocks(cp, cfg.backends.attention, c.sequence))
     if found is None and c.pipeline > 1:
         rows = t.global_batch_size // c.batch_ways
         found = (virtual_stages_fit(c.pipeline_schedule, c.virtual_stages)

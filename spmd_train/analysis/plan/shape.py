@@ -1,23 +1,10 @@
 """The model as the planner sees it: every parameter's shape and logical axes, and the FLOPs per token.
 
-`ModelShape.from_config` lists the parameters `models/transformer.py` creates, one `ParamGroup`
-per stacked array with the same path, shape and logical axes (`models/layers.py` `param`:
-layers stacked on a leading `layers` axis, `sublayers` when model.moe.every > 1), so the
-sharding arithmetic over these groups is the engine's (tests/test_plan_model.py compares them
-with `Engine.param_shapes`):
+`ModelShape.from_config` lists the parameters `models/transformer.py` creates, one `ParamGroup` per stacked
+array, so the sharding arithmetic over them is the engine's (tests/test_plan_model.py compares them with
+`Engine.param_shapes`). FLOPs per token are `models.flops.flops_per_token`, not derived again.
 
-- embedding [vocab, embed]; an untied table is only looked up (its gradient needs no table);
-- per layer: two RMSNorm scales [embed]; attention wq [embed, heads, head_dim], wk and wv
-  [embed, kv_heads, head_dim] (grouped-query), wo [heads, head_dim, embed]; the SwiGLU MLP
-  w_gate and w_up [embed, mlp], w_down [mlp, embed];
-- MoE layers (every model.moe.every-th layer) instead of the MLP: router [embed, router_experts],
-  E experts' w_gate and w_up [experts, embed, expert_mlp] and w_down [experts, expert_mlp, embed]
-  (`ops/experts.py` GATE_UP_AXES, DOWN_AXES), shared experts as one dense SwiGLU of width
-  num_shared_experts x moe.d_ff;
-- the final norm scale [embed] and, untied, lm_head [embed, vocab].
-
-FLOPs per token are `models.flops.flops_per_token` (6 x matmul parameters + causal attention),
-taken from that module rather than derived again.
+Derivation: docs/explanation/planner-model.md#the-models-shape
 """
 
 from __future__ import annotations

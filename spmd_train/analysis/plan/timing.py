@@ -1,31 +1,7 @@
 """Step time of a candidate: compute at an achievable fraction of peak, each collective by the α-β model, the
 pipeline bubble, and an overlap rule; then tokens/s, MFU and each axis's communication-to-computation ratio.
 
-- Compute: the step's FLOPs per device over peak x `ACHIEVABLE_FRACTION`. Model FLOPs follow
-  `models.flops` (6·N per token with N the matmul parameters, plus causal attention 6·L·s·H·hd; MFU is
-  model FLOPs / (step time x peak x devices), that convention). The device runs more than that:
-  rematerialisation reruns forward work (full: each layer's forward, 2·N_layers + attention's forward,
-  so the layers cost 8/6 = 4/3 of 6·N_layers; save_matmuls with a flash kernel, and save_matmuls_no_batch,
-  attention's forward and, no_batch, the experts' matmuls, which are batched over experts), capacity MoE
-  computes every slot (E·C rows, not k·tokens), and context-parallel `allgather` leaves the last device
-  (2N-1)/N of the average causal attention work (contiguous chunks; `parallel.context`).
-- Collectives (α-β, Hockney): a ring over P devices costs (P-1)·α + (P-1)/P·n·β per all-gather or
-  reduce-scatter, twice that per all-reduce (`ring_allreduce_seconds`); `comm.CommTerm.bytes` already holds the
-  (P-1)/P factors. β = 1 / (link bandwidth x `LINK_EFFICIENCY`). A group over several axes, part of it over
-  the slow link (`Candidate.dcn`), runs hierarchically: of its bytes, a share (n_s-1)/(N-1) crosses the slow
-  link and n_s·(n_f-1)/(N-1) stays on the fast one (n_f devices per fast domain, n_s domains, N = n_f·n_s).
-  An all-to-all sends (N - n_f)/(N-1) of its bytes over the slow link; a permute crossing it is timed on it.
-- Pipeline bubble: (ticks - 2·m·v) / ticks from the schedule simulator (`parallel.schedule_simulator.simulate`),
-  which is (p-1)/(m+p-1) for GPipe and 1F1B and right for interleaved schedules; compute / (1 - bubble).
-- Overlap: ZeRO-3's weight gathers, the per-layer gradient reduce-scatters and ring attention's permutes run
-  while other layers (or blocks) compute, so they hide behind compute up to the compute time. Exposed in
-  full: the replica all-reduce and the post-update parameter gather (our `parallel.gradients` reduces once,
-  after the last microbatch's backward, and the update comes after it), tensor-parallel collectives (the next
-  matmul waits for them), expert all-to-alls (dispatch waits), allgather/ulysses attention collectives and the
-  pipeline's per-tick sends (each tick ends with them).
-- Simulated CPU devices (`Hardware.simulated`): they share the host's cores, so nothing overlaps (XLA:CPU runs
-  collectives in line with compute) and the bubble costs no time (an idle device's cores serve the others; the
-  fraction is still reported).
+Derivation: docs/explanation/planner-model.md#step-time
 """
 
 from __future__ import annotations
@@ -49,7 +25,7 @@ ACHIEVABLE_FRACTION = 0.6
 and Megatron runs report, so 0.6 for compute alone (communication and the bubble are counted apart)."""
 LINK_EFFICIENCY = 0.9
 """Fraction of a link's nominal bandwidth a collective reaches: the scaling-book plans ICI at 9e10 of a 1e11 link
-(hw.md §4); applied to every link until `bench-collectives` measures it."""
+(https://jax-ml.github.io/scaling-book/tpus/); applied to every link until `bench-collectives` measures it."""
 OVERLAPPED = frozenset({"weights", "grad-scatter"})
 """CommTerm purposes that hide behind compute (ring context-parallel permutes too)."""
 

@@ -1,22 +1,11 @@
 """Flash attention for Hopper GPUs as Mosaic GPU Pallas kernels: forward, dq and dk/dv.
 
-Why Mosaic GPU rather than Pallas' Triton lowering: jax 0.11 makes Mosaic GPU the default
-Pallas GPU backend and deprecates the Triton one (we run on jax 0.10 and 0.11 without
-deprecated APIs), and Mosaic GPU exposes what a flash-attention kernel needs on Hopper to
-approach cuDNN: TMA bulk copies into swizzled shared memory, warpgroup matmuls (wgmma) and
-warp specialisation with register reallocation. Each program is `wgs + 1` warpgroups: a
-producer warpgroup streams the other side's tiles through a multi-stage shared-memory ring
-(`emit_pipeline_warp_specialized`) while `wgs` compute warpgroups each own 64 rows and keep
-their accumulators and softmax statistics in registers.
+Mosaic GPU rather than Pallas' Triton lowering, for TMA copies, warpgroup matmuls and warp specialisation: each
+program is a producer warpgroup streaming the other side's tiles plus `wgs` compute warpgroups of 64 rows each.
+Same layout and masking rules as the TPU kernels (`kernel.py`); softmax runs in base 2, the saved log-sum-exp is
+natural-log.
 
-Same layout and masking rules as the TPU kernels (`kernel.py`): [batch, heads, length,
-head_dim] with lengths padded to whole blocks, padded keys carry segment id -1, masked scores
-take a large finite negative value and masked probabilities are zeroed explicitly, so rows with
-nothing to attend to give zeros and never NaN. Softmax runs in base 2 (exp2 is the hardware
-instruction); the saved log-sum-exp is natural-log, as the TPU kernels save it. Under
-causality the pipelines' trip counts are dynamic: tiles wholly above the diagonal of a
-program's rows are never streamed, and a compute warpgroup skips the matmuls of a tile that
-is fully masked for its own 64 rows.
+Design: docs/attention.md#the-gpu-kernels-hopper
 """
 
 from __future__ import annotations

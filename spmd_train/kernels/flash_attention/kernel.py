@@ -1,16 +1,10 @@
 """Pallas flash-attention kernels: forward (online softmax) and backward (dq, dk/dv).
 
-Layout inside the kernels: [batch, heads, length, head_dim], lengths padded to whole blocks.
-Both sides are tiled over the grid: a program sees one block of rows and one block of the
-other side, and the innermost grid dimensions walk over the other side's blocks while fp32
-accumulators (softmax statistics, partial outputs or gradients) stay in scratch memory. So
-on-chip memory depends on the block sizes only, never on the sequence length. Causal
-programs skip blocks that are entirely masked, and their index maps repeat the last useful
-block so the skipped ones are never even copied in. Masked scores use a large finite
-negative value and masked probabilities are zeroed explicitly, so a row with nothing to
-attend to yields zeros (and a very negative log-sum-exp), never NaN.
+Both sides are tiled over the grid with fp32 accumulators in scratch memory, so on-chip memory depends on the
+block sizes only, never on the sequence length; causal programs skip fully masked blocks. Kernels know nothing of
+meshes: callers wrap them in `shard_map` (see `spmd_train.parallel`).
 
-Kernels know nothing of meshes: callers wrap them in `shard_map` (see `spmd_train.parallel`).
+Design: docs/attention.md#the-pallas-kernels
 """
 
 from __future__ import annotations

@@ -1,50 +1,21 @@
-"""Zero-bubble pipeline schedules: per-stage op orders with the backward split into B and W (pure Python).
+"""ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024; ZB paper Sec. 6): device d holds chunks d
+and 2p-1-d (the "v" placement), backward split into B and W.
 
-B(mb, c) is the gradient w.r.t. the chunk's input (the previous chunk waits for it); W(mb, c) the
-gradient w.r.t. the chunk's weights (nothing waits for it), so W can be deferred into idle time.
-The orders here are list-scheduled by `schedules.build_schedule` like every other schedule.
-
-- ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 3.1 and Fig. 3): 1F1B's
-  warm-up, then B, W, F per steady step with stage s's W trailing its B by s microbatches, and the
-  s+1 deferred W's filling the cooldown. Bubble (p-1)(T_F+T_B-T_W) per stage against 1F1B's
-  (p-1)(T_F+T_B+T_W): with T_F = T_B = T_W, (p-1) units against 3(p-1).
-- ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024; ZB paper Sec. 6): device d
-  holds chunks d and 2p-1-d; its order comes from a greedy tick-by-tick run under 1F1B's activation
-  budget (2p chunk-activations, i.e. p whole-stage microbatches): an input gradient B when one is
-  ready, else a forward (the second leg first) within the budget, else a deferred W.
+Its order comes from a greedy tick-by-tick run under 1F1B's activation budget (2p chunk-activations, i.e. p
+whole-stage microbatches): an input gradient B when one is ready, else a forward (the second leg first) within the
+budget, else a deferred W.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-OpTuple = tuple[str, int, int]  # (kind, microbatch, chunk): equal to and hashed like schedules.Op
-Inputs = Callable[[OpTuple], Iterable[OpTuple]]
-
-
-def zb_h1_orders(p: int, m: int) -> list[list[OpTuple]]:
-    """ZB-H1's op order for each of p stages and m >= p microbatches."""
-    return [_zb_h1_order(s, p, m) for s in range(p)]
+from spmd_train.parallel.schedule_registry import Inputs, OpTuple, ScheduleOrder, register_schedule
 
 
-def _zb_h1_order(s: int, p: int, m: int) -> list[OpTuple]:
-    # 1F1B's p-s-1 warm-up forwards plus its first steady one: stage s holds p-s activations whole.
-    warm = min(p - s, m)
-    order: list[OpTuple] = [("F", i, s) for i in range(warm)]
-    for i in range(m):
-        order.append(("B", i, s))
-        # W trails B by s microbatches: the last stage must finish its B's s+1 W's early so that every
-        # stage above it can end on B, W at the same time (the cooldown that 1F1B leaves idle).
-        if i >= s:
-            order.append(("W", i - s, s))
-        if i + warm < m:
-            order.append(("F", i + warm, s))
-    return order + [("W", i, s) for i in range(max(m - s, 0), m)]
-
-
-def zb_v_orders(p: int, m: int, inputs: Inputs) -> list[list[OpTuple]]:
-    """ZB-V's op order for each of p devices (chunks d and 2p-1-d), from a greedy run under 1F1B's memory."""
+def zb_v_orders(p: int, m: int, v: int, inputs: Inputs) -> list[list[OpTuple]]:
+    """ZB-V's op order for each of p devices (chunks d and 2p-1-d, v = 2), from a greedy run under 1F1B's memory."""
     devices = [_VDevice(d, p, m) for d in range(p)]
     done: dict[OpTuple, int] = {}
     tick = 0
@@ -109,3 +80,6 @@ class _VDevice:
             self.held += 1
         else:
             self.deferred.append(("W", op[1], chunk))
+
+
+register_schedule(ScheduleOrder("zb_v", zb_v_orders))

@@ -1,0 +1,96 @@
+"""What the config checks and the planner know of each attention implementation before jax starts.
+
+An implementation is two registrations under one name. Its facts, here: where it runs, whether it returns the
+log-sum-exp that context-parallel schemes merge blocks by, whether it keeps the [length, length] scores for the
+backward, and the limits a config must meet. `backends.attention`'s values are these names plus `auto`. Its
+kernel, the code: `parallel.attention_backends` (one module per implementation, registered by the same name).
+tests/test_registries.py checks that the two registries name the same implementations
+(docs/howto/add-an-attention-backend.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from spmd_train.errors import ConfigError
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclass(frozen=True)
+class AttentionFacts:
+    """An attention implementation's facts (no code)."""
+
+    name: str
+    """backends.attention's value, and the name its kernel is registered under."""
+    label: str
+    """How refusals name it (e.g. "cuDNN through jax")."""
+    platforms: tuple[str, ...] = PLATFORMS
+    """Where it runs (Pallas on "cpu": interpreted, for tests)."""
+    needs: str = ""
+    """What it needs, for the refusal on another platform (e.g. "NVIDIA GPUs (cuDNN's fused attention)")."""
+    returns_lse: bool = True
+    """It can return the log-sum-exp, so parallel.context_parallel=allgather and ring can merge its blocks."""
+    keeps_scores: bool = False
+    """It keeps the [length, length] scores for the backward (the planner's activation memory), as XLA's does."""
+    fallback: bool = False
+    """The implementation that runs on every platform and that `auto` falls back to (exactly one)."""
+    check: Callable[[Any, Any, str], None] | None = None
+    """check(model, backends, platform): ConfigError when this run's ModelConfig or BackendsConfig does not suit it
+    on `platform`, before anything is traced."""
+
+
+_FACTS: dict[str, AttentionFacts] = {}
+
+
+def register_attention_facts(facts: AttentionFacts) -> AttentionFacts:
+    """Add an implementation's facts (ValueError for a name already taken, or `auto`)."""
+    if facts.name in _FACTS or facts.name == "auto":
+        raise ValueError(f"attention implementation {facts.name!r} is registered twice or reserved")
+    _FACTS[facts.name] = facts
+    return facts
+
+
+def attention_facts(name: str) -> AttentionFacts:
+    """The facts of implementation `name` (KeyError for `auto` or an unknown name)."""
+    return _FACTS[name]
+
+
+def attention_names() -> tuple[str, ...]:
+    """Every registered implementation, in registration order (the order the schema and messages list them in)."""
+    return tuple(_FACTS)
+
+
+def fallback_attention() -> str:
+    """The implementation that runs everywhere (XLA's), which `auto` picks where nothing faster applies."""
+    return next(n for n, f in _FACTS.items() if f.fallback)
+
+
+def valid_on(platform: str) -> tuple[str, ...]:
+    """backends.attention values that run on `platform`: auto, the fallback, then the rest in registration order."""
+    runs = [f for f in _FACTS.values() if platform in f.platforms]
+    return ("auto", *(f.name for f in sorted(runs, key=lambda f: not f.fallback)))
+
+
+def _pallas_on_gpu(model: Any, backends: Any, platform: str) -> None:
+    """backends.attention=pallas on a GPU: the Mosaic GPU kernels' limits."""
+    if platform != "gpu":
+        return
+    if model.compute_dtype != "bfloat16":
+        raise ConfigError(f"backends.attention=pallas on GPU needs model.compute_dtype=bfloat16 (the kernels feed "
+                          f"wgmma bfloat16 operands); got {model.compute_dtype}: set it, or use "
+                          "backends.attention=cudnn or xla")
+    if model.resolved_head_dim % 64:
+        raise ConfigError(f"backends.attention=pallas on GPU needs a head_dim that is a multiple of 64; got "
+                          f"{model.resolved_head_dim}: use backends.attention=cudnn or xla")
+    if backends.attention_blocks is not None and any(b % 64 or b > 256 for b in backends.attention_blocks):
+        raise ConfigError(f"backends.attention_blocks={list(backends.attention_blocks)} does not suit the GPU "
+                          "kernels: each must be 64, 128, 192 or 256 (64-row warpgroups, at most 4 per program)")
+
+
+register_attention_facts(AttentionFacts("pallas", label="our Pallas kernels", check=_pallas_on_gpu))
+register_attention_facts(AttentionFacts("cudnn", label="cuDNN through jax", platforms=("gpu",),
+                                        needs="NVIDIA GPUs (cuDNN's fused attention)", returns_lse=False))
+register_attention_facts(AttentionFacts("xla", label="XLA's attention", keeps_scores=True, fallback=True))

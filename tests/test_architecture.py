@@ -16,6 +16,7 @@ PACKAGE = ROOT / "spmd_train"
 # The longest matching prefix decides (config.schema sits below the rest of config).
 LAYERS = {
     "spmd_train.errors": 0,
+    "spmd_train.registry": 0,
     "spmd_train.config": 0,
     "spmd_train.hardware": 0,
     "spmd_train.output_dir": 0,
@@ -35,7 +36,7 @@ LAYERS = {
     "spmd_train.__main__": 7,
     "spmd_train": 7,
 }
-NO_JAX = ("spmd_train.errors", "spmd_train.config")
+NO_JAX = ("spmd_train.errors", "spmd_train.config", "spmd_train.registry")
 """Layers that must import no jax: the CLI reads configs before jax starts."""
 MESH_FREE = ("spmd_train.kernels", "spmd_train.ops")
 """Layers that know nothing of meshes or shardings."""

@@ -65,7 +65,8 @@ def _packed_rows(lengths_per_row, vocab, seed=0):
     return Batch(*(jnp.asarray(np.stack(a), jnp.int32) for a in (tokens, segments, positions)))
 
 
-@pytest.mark.parametrize("attention", fast_cases(["xla", "pallas"], fast=["pallas"]))
+@pytest.mark.slow  # the fast tier checks documents through the sharded runs below
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
 def test_packed_loss_is_the_loss_of_each_document_alone(devices, attention):
     # Larger weights than the default init: attention far from uniform, so crossing documents shows.
     cfg = load_config(None, [*TINY, *FP32, "mesh.fsdp=1", "model.init_std=0.3", f"backends.attention={attention}"])

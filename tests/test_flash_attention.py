@@ -158,7 +158,7 @@ def test_inside_the_model_pallas_matches_xla(devices):
 
 
 def test_model_attention_blocks_reach_the_kernels(devices, monkeypatch):
-    module = importlib.import_module("spmd_train.parallel.attention_dispatch")
+    module = importlib.import_module("spmd_train.parallel.attention_backends.pallas_backend")
     from tests.runs import run_steps
 
     seen = []

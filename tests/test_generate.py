@@ -133,6 +133,16 @@ def markov_run(devices, tmp_path_factory):
     trainer.close()
 
 
+@pytest.fixture(scope="module")
+def short_run(devices, tmp_path_factory):
+    """The Markov run's setup trained 3 steps (run dir with its final checkpoint): what the CLI tests read."""
+    run_dir = tmp_path_factory.mktemp("short")
+    trainer = Trainer(load_config(None, [*MARKOV, "train.steps=3", f"run.dir={run_dir}"]), devices[:1])
+    trainer.run()
+    yield trainer, run_dir
+    trainer.close()
+
+
 def _transition_tv(sequences: np.ndarray, transitions: np.ndarray) -> float:
     """Total-variation distance between the empirical next-token distribution of each state and the chain's row,
     averaged over states weighted by how often the sequences leave them."""
@@ -190,8 +200,8 @@ def test_trained_on_a_markov_chain_it_generates_that_chain(markov_run):
     (["--prompt-ids", ""], ["--prompt-ids '' is empty"]),
     (["--prompt", "hello"], ["no tokenizer", "data.source=markov", "--prompt-ids"]),
 ])
-def test_cli_bad_input_exits_2_with_a_message(markov_run, capsys, args, needles):
-    _, _, run_dir = markov_run
+def test_cli_bad_input_exits_2_with_a_message(short_run, capsys, args, needles):
+    _, run_dir = short_run
     assert main(["generate", str(run_dir), *args]) == 2
     err = capsys.readouterr().err
     assert all(n in err for n in needles), err
@@ -206,8 +216,8 @@ def test_cli_refuses_a_directory_without_a_run(tmp_path, capsys):
     assert "has no checkpoint" in capsys.readouterr().err
 
 
-def test_cli_generates_from_the_latest_checkpoint(markov_run, capsys):
-    trainer, _, run_dir = markov_run
+def test_cli_generates_from_the_latest_checkpoint(short_run, capsys):
+    trainer, run_dir = short_run
     # All 8 devices (fsdp 8): the checkpoint of a 1-device run is resharded; greedy tokens as the Trainer's.
     assert main(["generate", str(run_dir), "--prompt-ids", "1,2,3", "--prompt-ids", "7", "--max-new-tokens", "5",
                  "--json"]) == 0

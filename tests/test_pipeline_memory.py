@@ -94,6 +94,7 @@ DESCRIBE = ["describe", "configs/tiny.yaml", "run.simulate_devices=8", f"mesh.pi
             f"parallel.pipeline_microbatches={M}", "train.global_batch_size=64", "train.seq_len=32"]
 
 
+@pytest.mark.slow
 def test_describe_json_has_the_pipeline_section():
     proc = cli(*DESCRIBE, "--json")
     assert proc.returncode == 0, proc.stderr

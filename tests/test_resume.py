@@ -125,6 +125,32 @@ def test_ten_kills_anywhere_then_resume_equal_the_uninterrupted_run_bitwise(stra
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_run_stopped_and_resumed_equals_the_uninterrupted_run_bitwise(tmp_path, devices):
+    # In process: a run stopped after its step-3 checkpoint, then resumed by a new Trainer in the same run.dir,
+    # gives each step's loss and the final state bit for bit (the kill and SIGTERM variants are `faults`).
+    overrides = ["train.steps=6", "checkpoint.every=3", "checkpoint.async_save=false", "run.log_every=1000"]
+
+    def trainer(run_dir):
+        return Trainer(load_config(ROOT / "configs/tiny.yaml", [*overrides, f"run.dir={run_dir}"]), devices)
+
+    straight = trainer(tmp_path / "straight")
+    straight.run()
+    straight.close()
+    first = trainer(tmp_path / "resumed")
+    first.run(3)
+    first.close()
+    again = trainer(tmp_path / "resumed")
+    again.init()
+    assert again.step_count == 3
+    again.run()
+    again.close()
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    for a, b in zip(jax.tree.leaves(jax.device_get(again.state)), jax.tree.leaves(jax.device_get(straight.state)),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.faults
 def test_sigterm_saves_exits_cleanly_and_resumes_identically(straight, cache, tmp_path):
     proc = _start_and_interrupt(tmp_path, cache, signal.SIGTERM, after_steps=random.Random(1).randint(15, 70))
     out, err = proc.communicate()

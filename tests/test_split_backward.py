@@ -129,6 +129,7 @@ def test_transformer_chunk_with_documents():
     assert both <= 1.05 and b <= 0.6, (both, b)
 
 
+@pytest.mark.slow
 def test_transformer_chunk_under_full_remat():
     # The scanned layer is a checkpoint: its body (the layer's forward recomputed, then its backward) is inlined into
     # the B-scan's body, so the recompute runs in B, which therefore costs ~0.69 of the fused backward, not 0.5.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmd_train.errors import ConfigError
+from spmd_train.registry import Registry
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -42,15 +43,9 @@ class AttentionFacts:
     on `platform`, before anything is traced."""
 
 
-_FACTS: dict[str, AttentionFacts] = {}
-
-
-def register_attention_facts(facts: AttentionFacts) -> AttentionFacts:
-    """Add an implementation's facts (ValueError for a name already taken, or `auto`)."""
-    if facts.name in _FACTS or facts.name == "auto":
-        raise ValueError(f"attention implementation {facts.name!r} is registered twice or reserved")
-    _FACTS[facts.name] = facts
-    return facts
+_FACTS: Registry[AttentionFacts] = Registry("attention implementation", reserved=("auto",))
+register_attention_facts = _FACTS.add
+"""Add an implementation's facts (ValueError for a name already taken, or `auto`)."""
 
 
 def attention_facts(name: str) -> AttentionFacts:
@@ -60,17 +55,17 @@ def attention_facts(name: str) -> AttentionFacts:
 
 def attention_names() -> tuple[str, ...]:
     """Every registered implementation, in registration order (the order the schema and messages list them in)."""
-    return tuple(_FACTS)
+    return _FACTS.names()
 
 
 def fallback_attention() -> str:
     """The implementation that runs everywhere (XLA's), which `auto` picks where nothing faster applies."""
-    return next(n for n, f in _FACTS.items() if f.fallback)
+    return next(f.name for f in _FACTS if f.fallback)
 
 
 def valid_on(platform: str) -> tuple[str, ...]:
     """backends.attention values that run on `platform`: auto, the fallback, then the rest in registration order."""
-    runs = [f for f in _FACTS.values() if platform in f.platforms]
+    runs = [f for f in _FACTS if platform in f.platforms]
     return ("auto", *(f.name for f in sorted(runs, key=lambda f: not f.fallback)))
 
 

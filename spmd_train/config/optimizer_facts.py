@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from spmd_train.registry import Registry
+
 MOMENT_KEYS = ("b1", "b2", "eps")
 """optim keys whose meaning and default depend on the optimizer."""
 FACTOR_MIN_DIM = 128
@@ -41,19 +43,16 @@ class OptimizerFacts:
     """Setting optim.b1 adds a momentum to its state (a run resumes only with b1 set or unset as it started)."""
 
 
-_FACTS: dict[str, OptimizerFacts] = {}
+_FACTS: Registry[OptimizerFacts] = Registry("optimizer")
 
 
 def register_optimizer_facts(facts: OptimizerFacts) -> OptimizerFacts:
     """Add an optimizer's facts (ValueError for a name already taken, or moment keys not accounted for)."""
-    if facts.name in _FACTS:
-        raise ValueError(f"optimizer {facts.name!r} is registered twice")
     named = [k for k, _ in facts.defaults] + [k for k, _ in facts.not_applicable]
     if sorted(named) != sorted(MOMENT_KEYS):
         raise ValueError(f"optimizer {facts.name!r}: defaults and not_applicable name {named}, not each of "
                          f"{MOMENT_KEYS} once")
-    _FACTS[facts.name] = facts
-    return facts
+    return _FACTS.add(facts)
 
 
 def optimizer_facts(name: str) -> OptimizerFacts:
@@ -63,7 +62,7 @@ def optimizer_facts(name: str) -> OptimizerFacts:
 
 def optimizer_names() -> tuple[str, ...]:
     """Every registered optimizer, in registration order (the order the schema and messages list them in)."""
-    return tuple(_FACTS)
+    return _FACTS.names()
 
 
 def _moments(count: int) -> StateBytes:

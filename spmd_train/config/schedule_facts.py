@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spmd_train.registry import Registry
+
 PLACEMENTS = ("loop", "v")
 """Where chunk c runs: "loop" on stage c % stages; "v" on stage c for c < stages, else 2 * stages - 1 - c."""
 
@@ -46,15 +48,9 @@ class ScheduleFacts:
             raise ValueError(f"schedule {self.name!r}: placement {self.placement!r} is not one of {PLACEMENTS}")
 
 
-_FACTS: dict[str, ScheduleFacts] = {}
-
-
-def register_schedule_facts(facts: ScheduleFacts) -> ScheduleFacts:
-    """Add a schedule's facts (ValueError for a name already taken)."""
-    if facts.name in _FACTS:
-        raise ValueError(f"pipeline schedule {facts.name!r} is registered twice")
-    _FACTS[facts.name] = facts
-    return facts
+_FACTS: Registry[ScheduleFacts] = Registry("pipeline schedule")
+register_schedule_facts = _FACTS.add
+"""Add a schedule's facts (ValueError for a name already taken)."""
 
 
 def schedule_facts(name: str) -> ScheduleFacts:
@@ -64,12 +60,12 @@ def schedule_facts(name: str) -> ScheduleFacts:
 
 def schedule_names() -> tuple[str, ...]:
     """Every registered schedule, in registration order (the order messages list them in)."""
-    return tuple(_FACTS)
+    return _FACTS.names()
 
 
 def names_where(**facts: object) -> tuple[str, ...]:
     """The registered schedules whose facts have these values, e.g. names_where(split_backward=True)."""
-    return tuple(n for n, f in _FACTS.items() if all(getattr(f, k) == v for k, v in facts.items()))
+    return tuple(f.name for f in _FACTS if all(getattr(f, k) == v for k, v in facts.items()))
 
 
 def spoken(names: tuple[str, ...], last: str = "and") -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmd_train.parallel.backends import Backends
+from spmd_train.registry import Registry
 
 Kernel = Callable[..., Any]
 """kernel(q, k, v, segments, causal, return_lse) -> out [b, lq, h, d], or (out, lse [b, h, lq]) with return_lse;
@@ -32,24 +33,18 @@ class AttentionBackend:
     region. Kernels XLA cannot partition (Pallas, cuDNN) run per device in one."""
 
 
-_BACKENDS: dict[str, AttentionBackend] = {}
-
-
-def register_attention(backend: AttentionBackend) -> AttentionBackend:
-    """Add an implementation's kernel (ValueError for a name already taken)."""
-    if backend.name in _BACKENDS:
-        raise ValueError(f"attention implementation {backend.name!r} is registered twice")
-    _BACKENDS[backend.name] = backend
-    return backend
+_BACKENDS: Registry[AttentionBackend] = Registry("attention implementation")
+register_attention = _BACKENDS.add
+"""Add an implementation's kernel (ValueError for a name already taken)."""
 
 
 def attention_backend(name: str) -> AttentionBackend:
     """The implementation registered as `name`; ValueError naming the registered ones for any other."""
     if name not in _BACKENDS:
-        raise ValueError(f"attention implementation {name!r} is not one of: {', '.join(_BACKENDS)}")
+        raise ValueError(f"attention implementation {name!r} is not one of: {', '.join(_BACKENDS.names())}")
     return _BACKENDS[name]
 
 
 def registered_attention() -> tuple[str, ...]:
     """The names with a registered kernel, in registration order."""
-    return tuple(_BACKENDS)
+    return _BACKENDS.names()

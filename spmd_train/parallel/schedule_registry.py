@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from spmd_train.registry import Registry
+
 OpTuple = tuple[str, int, int]
 """(kind, microbatch, chunk): "F", "B" or "W" of one microbatch on one chunk; equal to and hashed like
 `schedules.Op`."""
@@ -29,15 +31,9 @@ class ScheduleOrder:
     """Each stage's op order for the counts `config.validity.schedule_request` accepted for this schedule."""
 
 
-_ORDERS: dict[str, ScheduleOrder] = {}
-
-
-def register_schedule(order: ScheduleOrder) -> ScheduleOrder:
-    """Add a schedule's op order (ValueError for a name already taken)."""
-    if order.name in _ORDERS:
-        raise ValueError(f"pipeline schedule {order.name!r} is registered twice")
-    _ORDERS[order.name] = order
-    return order
+_ORDERS: Registry[ScheduleOrder] = Registry("pipeline schedule")
+register_schedule = _ORDERS.add
+"""Add a schedule's op order (ValueError for a name already taken)."""
 
 
 def schedule_order(name: str) -> ScheduleOrder:
@@ -47,4 +43,4 @@ def schedule_order(name: str) -> ScheduleOrder:
 
 def registered_orders() -> tuple[str, ...]:
     """The names with a registered op order, in registration order."""
-    return tuple(_ORDERS)
+    return _ORDERS.names()

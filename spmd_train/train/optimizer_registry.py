@@ -15,6 +15,7 @@ from typing import Any
 import optax
 
 from spmd_train.config.train_schema import OptimConfig
+from spmd_train.registry import Registry
 
 Build = Callable[[OptimConfig, optax.Schedule, Any, Mapping[str, float | None]], optax.GradientTransformation]
 """build(cfg, lr, mask, moments): the transformation for optim section `cfg`, learning rate `lr` (a schedule of the
@@ -31,15 +32,9 @@ class Optimizer:
     build: Build
 
 
-_OPTIMIZERS: dict[str, Optimizer] = {}
-
-
-def register_optimizer(optimizer: Optimizer) -> Optimizer:
-    """Add an optimizer's transformation (ValueError for a name already taken)."""
-    if optimizer.name in _OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer.name!r} is registered twice")
-    _OPTIMIZERS[optimizer.name] = optimizer
-    return optimizer
+_OPTIMIZERS: Registry[Optimizer] = Registry("optimizer")
+register_optimizer = _OPTIMIZERS.add
+"""Add an optimizer's transformation (ValueError for a name already taken)."""
 
 
 def optimizer_named(name: str) -> Optimizer:
@@ -49,4 +44,4 @@ def optimizer_named(name: str) -> Optimizer:
 
 def registered_optimizers() -> tuple[str, ...]:
     """The names with a registered transformation, in registration order."""
-    return tuple(_OPTIMIZERS)
+    return _OPTIMIZERS.names()

@@ -15,6 +15,7 @@ from typing import Any
 
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.errors import ConfigError
+from spmd_train.registry import Registry
 
 Row = tuple[str, str, str]
 """(our parameter path under `blocks.`, the tensor's name under the layer prefix, its layout: one of `hf.names.Layout`'s
@@ -131,20 +132,14 @@ class Family:
     """Where its checkpoints keep each tensor (`hf.names.pieces`)."""
 
 
-_FAMILIES: dict[str, Family] = {}
-
-
-def register_family(family: Family) -> Family:
-    """Add a family (ValueError for a model_type already taken)."""
-    if family.model_type in _FAMILIES:
-        raise ValueError(f"model_type {family.model_type!r} is registered twice")
-    _FAMILIES[family.model_type] = family
-    return family
+_FAMILIES: Registry[Family] = Registry("model_type", key=lambda family: family.model_type)
+register_family = _FAMILIES.add
+"""Add a family (ValueError for a model_type already taken)."""
 
 
 def families() -> tuple[Family, ...]:
     """Every registered family, in registration order (the order messages list them in and export tries them)."""
-    return tuple(_FAMILIES.values())
+    return tuple(_FAMILIES)
 
 
 def family_named(model_type: object) -> Family | None:

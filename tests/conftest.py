@@ -24,8 +24,14 @@ from tests.runs import TEST_XLA_FLAGS
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 "
                            f"{TEST_XLA_FLAGS}").strip()
 
+import logging
+
 import jax
 import pytest
+
+# The suite has decided where the library's log lines go: to pytest's capture and `caplog` (through the root
+# logger), not to a handler of the library's own (`spmd_train.console_log.log_to_stderr`).
+logging.getLogger("spmd_train").setLevel(logging.INFO)
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -17,6 +17,7 @@ PACKAGE = ROOT / "spmd_train"
 LAYERS = {
     "spmd_train.errors": 0,
     "spmd_train.registry": 0,
+    "spmd_train.console_log": 0,
     "spmd_train.config": 0,
     "spmd_train.hardware": 0,
     "spmd_train.output_dir": 0,

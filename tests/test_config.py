@@ -143,6 +143,16 @@ def test_missing_and_malformed_files(tmp_path):
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping of sections"):
         load_config(listy)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing but a comment\n")
+    with pytest.raises(ConfigError, match=r"empty.yaml' is empty \(valid: a mapping of sections"):
+        load_config(empty)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  steps: 10\n  lr: 1\n  steps: 20\n")
+    with pytest.raises(ConfigError, match=r"(?s)twice.yaml' is not valid YAML.*found the key 'steps' twice"):
+        load_config(twice)
+    with pytest.raises(ConfigError, match=r"is a directory \(valid: a YAML file"):
+        load_config(tmp_path)
 
 
 def test_yaml_is_loaded_safely(tmp_path):

@@ -161,8 +161,9 @@ def test_a_model_trained_here_exports_and_imports_back_exactly(devices, tmp_path
     trainer.run()
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (8, 24)).astype(np.int32)
     ours = _logits(trainer.engine, trainer.state.params, tokens)
-    export_hf(trainer.engine, trainer.state.params, tmp_path / "hf", dtype="float32")
+    export_hf(trainer.engine, trainer.state.params, tmp_path / "exported" / "hf", dtype="float32")  # parents made
     trainer.close()
+    (tmp_path / "exported" / "hf").rename(tmp_path / "hf")
     config = read_hf_config(tmp_path / "hf")
     assert config["architectures"] == ["Qwen2ForCausalLM"] and "torch_dtype" in config  # legacy layout: any version
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]

@@ -68,11 +68,12 @@ def test_wandb_without_the_package_is_a_config_error_naming_the_key(tmp_path, de
         _wandb_run(tmp_path, devices, steps=1)
 
 
-def test_a_script_running_the_api_shows_a_progress_bar(tmp_path):
+def test_a_script_running_the_api_shows_a_progress_bar_on_a_terminal_and_log_lines_in_a_pipe(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(f"""
+        import sys
         from spmd_train import Trainer, load_config
-        cfg = load_config({str(ROOT / 'configs/tiny.yaml')!r}, ["train.steps=3", "run.dir={tmp_path / 'run'}",
+        cfg = load_config({str(ROOT / 'configs/tiny.yaml')!r}, ["train.steps=3", "run.dir=" + sys.argv[1],
                           "mesh.fsdp=1", "mesh.tensor=1", "run.simulate_devices=null"])
         trainer = Trainer(cfg)
         trainer.run()
@@ -80,7 +81,11 @@ def test_a_script_running_the_api_shows_a_progress_bar(tmp_path):
     """))
     # What a terminal gives rich; a pipe would get the plain log lines instead.
     env = {**cli_env(), "TTY_INTERACTIVE": "1", "TTY_COMPATIBLE": "1", "COLUMNS": "160"}
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
-                         check=True)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "tty")], env=env, capture_output=True,
+                         text=True, timeout=300, check=True)
     assert "step 3/3" in out.stderr.replace("\x1b", " ") or "3/3" in out.stderr
     assert "tok/s" in out.stderr and "loss" in out.stderr
+    # A batch job's stderr (SLURM, nohup, `> out.txt`): the same run logs plain lines.
+    piped = subprocess.run([sys.executable, str(script), str(tmp_path / "pipe")], env=cli_env(), capture_output=True,
+                           text=True, timeout=300, check=True)
+    assert "step 3/3  loss" in piped.stderr and "tok/s" in piped.stderr and "\x1b" not in piped.stderr

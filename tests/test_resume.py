@@ -208,6 +208,15 @@ def test_bad_run_input_exits_2(tmp_path, args, needle, capsys):
     assert needle in err and "Traceback" not in err
 
 
+def test_run_with_a_step_count_below_one_is_refused_naming_it(tmp_path, devices):
+    trainer = Trainer(load_config(ROOT / "configs/tiny.yaml", [f"run.dir={tmp_path}"]), devices)
+    for steps in (-5, 0, 2.5):
+        with pytest.raises(ConfigError, match=rf"Trainer.run\(steps={steps}\).*valid: an integer >= 1, or None"):
+            trainer.run(steps)
+    assert trainer.step_count == 0 and not (tmp_path / "metrics.jsonl").exists()
+    trainer.close()
+
+
 def test_a_record_cut_short_by_a_kill_is_dropped_and_a_damaged_one_is_named(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": i, "loss": 1.0 / i}) for i in (1, 2, 3)]

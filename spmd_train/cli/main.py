@@ -19,6 +19,7 @@ from spmd_train.cli.plan import add_plan_parser, run_plan
 from spmd_train.cli.schedule import schedule_help, schedule_report, virtual_help
 from spmd_train.config import load_config
 from spmd_train.config.resolved_rules import resolve_rules
+from spmd_train.console_log import log_to_stderr
 from spmd_train.data import prepare_data
 from spmd_train.devices import simulate_devices, start_distributed
 from spmd_train.errors import ConfigError, TrainingHalted
@@ -128,14 +129,9 @@ def _start_distributed(run) -> None:
 
 
 def _log_to_stderr() -> None:
-    # Our own handler: libraries (absl via orbax) may have claimed the root logger already.
-    logger = logging.getLogger("spmd_train")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-        logger.addHandler(handler)
+    # Our own handler even when libraries (absl via orbax) have claimed the root logger already.
+    logger = log_to_stderr(over_root=True)
     logger.setLevel(logging.INFO)
-    logger.propagate = False
     # Orbax logs its background threads' errors with their tracebacks; the one-line error stays, and the
     # paragraph this CLI prints names the directory and what is intact.
     for name in ("absl", "asyncio"):  # asyncio: "Task exception was never retrieved" of a failed write

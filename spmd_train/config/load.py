@@ -33,7 +33,19 @@ _MODEL = pydantic.TypeAdapter(ModelConfig)
 
 
 class _Loader(yaml.SafeLoader):
-    """Safe YAML loading that also reads `1e-3` as a float (YAML 1.2), as users expect."""
+    """Safe YAML loading that also reads `1e-3` as a float (YAML 1.2), as users expect, and refuses a key given
+    twice in one mapping (PyYAML keeps the last silently: a typo'd copy would win without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found the key {key!r} twice",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -136,14 +148,17 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a directory (valid: a YAML file, e.g. configs/tiny.yaml)")
     if not path.is_file():
         raise ConfigError(f"{what} {str(path)!r} does not exist")
     try:
         data = _yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
-    if data is None:
-        return {}
+    if data is None:  # training the defaults from an empty or all-comment file is never what was meant
+        raise ConfigError(f"{what} {str(path)!r} is empty (valid: a mapping of sections such as model:, mesh:, "
+                          "train:; or no file at all for the defaults)")
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     return data

@@ -30,6 +30,7 @@ from spmd_train.config.hf_config import hf_config
 from spmd_train.errors import ConfigError
 from spmd_train.hf.files import INDEX
 from spmd_train.hf.names import pieces
+from spmd_train.output_dir import make_output_dir
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 """Largest safetensors file written (a tensor larger than this gets a file of its own)."""
@@ -69,9 +70,9 @@ def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mappin
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))])
     writer = jax.process_index() == 0
+    if writer:  # before the staging directory beside the target: `--to exported/qwen3` with no exported/ yet
+        make_output_dir(directory.parent, f"{directory}'s parent directory {directory.parent}")
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent)) if writer else None
-    if writer:
-        directory.parent.mkdir(parents=True, exist_ok=True)
     try:
         weight_map = {}
         for name, members in zip(names, groups, strict=True):

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 
 from spmd_train.config.schema import Config
 from spmd_train.data import TokenSource
-from spmd_train.errors import TrainingHalted
+from spmd_train.errors import ConfigError, TrainingHalted
 from spmd_train.train import interrupts
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.guards import halt_reason
@@ -69,6 +69,9 @@ class RunLoop:
 
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
         """Train up to `train.steps` (or `steps` more), checkpointing as configured; returns the new records."""
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ConfigError(f"Trainer.run(steps={steps!r}): steps is how many more steps to train (valid: an "
+                              "integer >= 1, or None for up to train.steps)")
         if self.state is None:
             self.init()
         first = self.step_count

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from spmd_train.config.schema import Config
+from spmd_train.console_log import log_to_stderr
 from spmd_train.data import Batch, make_source
 from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError, TrainingHalted
@@ -67,6 +68,7 @@ class Trainer(RunLoop):
         self._watchdog = StepWatchdog(cfg.run.peer_timeout_s, active=False)
         self._step_sink: MetricsSink | None = None
         self._created_dir = False
+        log_to_stderr()  # a script's run says its steps too (plain lines where stderr is no terminal)
         self._wandb: WandbRun | None = None
         kind = self.engine.mesh.devices.flat[0].device_kind
         spec = device_spec(kind)

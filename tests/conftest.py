@@ -13,9 +13,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # and through the CLI) load it instead of compiling it again. Keyed by the program, flags and devices.
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_train-tests-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-# Every program, however quick to compile: jax's default (1 s) keeps out XLA:CPU's many sub-second compiles of the
-# tiny models, which the suite repeats across tests and CLI subprocesses.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # After the cache directory (jax reads it when imported, as tests.runs does) and before the first backend (which
 # reads XLA_FLAGS).

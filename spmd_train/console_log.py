@@ -28,9 +28,6 @@ class _CurrentStderr(logging.StreamHandler):
     """A handler that writes to whatever `sys.stderr` is when a line is logged (a notebook's or a test's capture
     replaces it after the handler exists)."""
 
-    def __init__(self):
-        super().__init__()
-
     @property
     def stream(self):
         return sys.stderr

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.report import provenance, update_section  # noqa: E402
 from spmd_train import load_config  # noqa: E402
 from spmd_train.analysis import describe  # noqa: E402
-from spmd_train.analysis.render import human_bytes  # noqa: E402
+from spmd_train.units import human_bytes  # noqa: E402
 
 CASES = {
     "llama3-8b on v5p:8x8x8 (512 chips), fsdp 64 x tensor 8": ("configs/llama3-8b_v5p-512.yaml", "v5p:8x8x8", []),

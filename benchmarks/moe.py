@@ -54,7 +54,7 @@ from spmd_train.analysis.moe_report import moe_section  # noqa: E402
 from spmd_train.data import make_source  # noqa: E402
 from spmd_train.models.flops import flops_per_token, matmul_params  # noqa: E402
 from spmd_train.models.moe import MoE  # noqa: E402
-from spmd_train.ops.routing import capacity  # noqa: E402
+from spmd_train.ops.capacity import capacity  # noqa: E402
 from spmd_train.parallel import resolve_backends  # noqa: E402
 
 CONFIG = ROOT / "configs" / "moe.yaml"

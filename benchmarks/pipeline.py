@@ -38,10 +38,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 from benchmarks.report import provenance, timed_steps, update_section  # noqa: E402
 from spmd_train import load_config  # noqa: E402
 from spmd_train.analysis import describe  # noqa: E402
-from spmd_train.analysis.render import human_bytes  # noqa: E402
 from spmd_train.analysis.topology import has_libtpu  # noqa: E402
 from spmd_train.parallel.schedule_simulator import simulate  # noqa: E402
 from spmd_train.parallel.schedules import build_schedule  # noqa: E402
+from spmd_train.units import human_bytes  # noqa: E402
 
 
 def cases(layers: int) -> list[tuple[str, list[str]]]:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import os
+import pkgutil
+
 import jax
 
 from spmd_train.errors import ConfigError
 
 
 def simulate_devices(count: int | None) -> None:
-    """Run on `count` simulated CPU devices; a no-op for None or when jax already has exactly that."""
+    """Run on `count` simulated CPU devices, or (None) on the real ones; a no-op when jax already has exactly that."""
     if count is None:
+        skip_absent_tpu()
         return
     try:
         jax.config.update("jax_num_cpu_devices", count)
@@ -22,6 +28,27 @@ def simulate_devices(count: int | None) -> None:
                 f"{have[0].platform} devices. Call spmd_train.simulate_devices({count}) before any jax "
                 "computation (first cell of a notebook), or set run.simulate_devices=null to use the real devices"
             ) from None
+
+
+def skip_absent_tpu() -> None:
+    """Keep jax from starting its TPU backend on a host with libtpu installed (the tpu-aot extra, which compiles for
+    TPU slices elsewhere) but no TPU: that start fails, after printing libtpu's lookup errors, on every run.
+
+    Nothing changes where the user chose the platforms (JAX_PLATFORMS), where libtpu is absent, or on a TPU host
+    (its device files or the TPU VM's variables). GPUs stay visible where their plugin and device files are.
+    """
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None:
+        return
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or os.environ.get("TPU_ACCELERATOR_TYPE"):
+        return
+    plugins = {m.name for m in pkgutil.iter_modules() if m.name.startswith("jax_") and m.name.endswith("_plugin")}
+    gpus = (("cuda", "jax_cuda", "/dev/nvidiactl"), ("rocm", "jax_rocm", "/dev/kfd"))
+    platforms = [name for name, prefix, device in gpus
+                 if any(p.startswith(prefix) for p in plugins) and os.path.exists(device)]
+    try:
+        jax.config.update("jax_platforms", ",".join([*platforms, "cpu"]))
+    except RuntimeError:
+        pass  # jax has started already: its backends are what they are
 
 
 def start_distributed(run) -> None:

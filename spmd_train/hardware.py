@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spmd_train.errors import ConfigError
-
-GiB = 1024**3
+from spmd_train.units import GiB
 
 
 @dataclass(frozen=True)

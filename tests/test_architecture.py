@@ -21,6 +21,8 @@ LAYERS = {
     "spmd_train.config": 0,
     "spmd_train.hardware": 0,
     "spmd_train.output_dir": 0,
+    "spmd_train.units": 0,
+    "spmd_train.launch_guard": 0,
     "spmd_train.mesh": 1,
     "spmd_train.devices": 1,
     "spmd_train.tpu_flags": 1,
@@ -37,7 +39,7 @@ LAYERS = {
     "spmd_train.__main__": 7,
     "spmd_train": 7,
 }
-NO_JAX = ("spmd_train.errors", "spmd_train.config", "spmd_train.registry")
+NO_JAX = ("spmd_train.errors", "spmd_train.config", "spmd_train.registry", "spmd_train.units")
 """Layers that must import no jax: the CLI reads configs before jax starts."""
 MESH_FREE = ("spmd_train.kernels", "spmd_train.ops")
 """Layers that know nothing of meshes or shardings."""

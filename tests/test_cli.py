@@ -210,6 +210,36 @@ def test_a_ctrl_c_inside_a_gc_callback_prints_no_traceback_and_is_remembered():
     assert "ValueError: other" in proc.stderr, proc.stderr
 
 
+@pytest.mark.tpu_aot
+def test_a_run_on_the_hosts_real_devices_prints_nothing_of_libtpu(tmp_path):
+    # The tpu-aot extra installs libtpu to compile for TPU slices; a run on a host without a TPU must not start (and
+    # log the failure of) jax's TPU backend. Simulated devices pin jax to the CPU anyway; real ones did not.
+    proc = cli("train", "configs/tiny.yaml", "run.simulate_devices=null", "mesh.fsdp=1", "mesh.tensor=1",
+               "train.steps=1", f"run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    assert "step 1/1" in proc.stderr
+    for noise in ("TPU", "libtpu", "E0000", "InitGoogle"):
+        assert noise not in proc.stderr, proc.stderr
+
+
+@pytest.mark.faults
+def test_ctrl_c_while_the_command_imports_jax_exits_130_with_one_line(tmp_path):
+    # -X importtime prints each module as its import finishes: a jax module done means the package's imports are
+    # under way (the guard is installed before them), and the command's own handler is not in place yet.
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "spmd_train", "train", "configs/tiny.yaml",
+                             f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=uncached_env(), stderr=subprocess.PIPE,
+                            text=True)
+    for line in proc.stderr:
+        if line.rstrip().endswith("jax._src.config"):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, rest
+    said = [line for line in rest.splitlines() if not line.startswith("import time:")]
+    assert said == ["spmd-train: interrupted (Ctrl-C) while starting; nothing was run"], rest
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.faults
 def test_ctrl_c_while_compiling_exits_130_with_one_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "spmd_train", "train", "configs/tiny.yaml",

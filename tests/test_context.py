@@ -20,7 +20,8 @@ from spmd_train.errors import ConfigError
 from spmd_train.ops.attention import dot_product_attention
 from spmd_train.parallel.attention_dispatch import local_kernel
 from spmd_train.parallel.backends import Backends, resolve_backends
-from spmd_train.parallel.context import context_attention, kv_repeats
+from spmd_train.parallel.context import context_attention
+from spmd_train.parallel.head_groups import kv_repeats
 from spmd_train.parallel.ring import zigzag_order
 from tests.runs import FP32, ROOT, TINY, main_in_process, relative_error, run_steps, token_files
 from tests.tiers import fast_cases

@@ -144,6 +144,7 @@ def test_a_diverging_run_exits_3_and_keeps_its_good_checkpoints(tmp_path):
     assert bad.returncode == 3, bad.stderr
     assert "Traceback" not in bad.stderr
     assert "steps in a row were skipped" in bad.stderr and "train.max_consecutive_skips=10" in bad.stderr
+    assert bad.stderr.count("steps in a row were skipped") == 1  # the halt paragraph is said once
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["consecutive_skips"] for r in records[-10:]] == list(range(1, 11))
     # No checkpoint was written after the divergence: the good ones are intact and finite.

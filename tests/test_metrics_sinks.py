@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from spmd_train import Trainer, load_config
+from spmd_train import Engine, Trainer, load_config
 from spmd_train.errors import ConfigError
 from spmd_train.train.metrics import MetricsSink
 from tests.runs import ROOT, TINY, cli_env
@@ -32,6 +33,44 @@ def test_non_finite_values_are_written_as_null_and_named(tmp_path):
     first, second = (_strict_loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
     assert first["loss"] == 1.5 and "nonfinite" not in first
     assert second["loss"] is None and second["grad_norm"] is None and second["nonfinite"] == ["loss", "grad_norm"]
+
+
+def _tensorboard_events(run_dir) -> list:
+    """Every event of the run's TensorBoard files, in the order written (TFRecord frames of `Event` protos)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for path in sorted((run_dir / "tensorboard").iterdir(), key=lambda p: (p.stat().st_mtime_ns, p.name)):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = Event()
+            event.ParseFromString(data[i + 12:i + 12 + n])  # length, its CRC, the record, its CRC
+            events.append(event)
+            i += 12 + n + 4
+    return events
+
+
+def test_tensorboard_gets_finite_scalars_and_a_resume_hides_the_steps_it_repeats(tmp_path):
+    base = {"grad_norm": 0.5, "lr": 1e-3, "tokens_per_sec": 10.0, "mfu": None}
+    sink = MetricsSink(tmp_path, total_steps=6, log_every=1, progress=False)
+    for step in range(1, 6):  # killed after step 5; its last checkpoint was step 3
+        sink.write({"step": step, **base, "loss": math.nan if step == 2 else 1.0})
+    sink.close()
+    sink = MetricsSink(tmp_path, total_steps=6, log_every=1, start_step=3, progress=False)
+    for step in range(4, 7):
+        sink.write({"step": step, **base, "loss": 2.0})
+    sink.close()
+    events = _tensorboard_events(tmp_path)
+    (start,) = [i for i, e in enumerate(events) if e.HasField("session_log")]
+
+    def losses(part):
+        return [(e.step, v.simple_value) for e in part for v in e.summary.value if v.tag == "train/loss"]
+
+    assert losses(events[:start]) == [(1, 1.0), (3, 1.0), (4, 1.0), (5, 1.0)]  # step 2's NaN: metrics.jsonl only
+    # TensorBoard drops every earlier event from the START marker's step on: steps 4 and 5 are the resumed run's.
+    assert (events[start].step, events[start].session_log.status) == (4, 1)
+    assert losses(events[start:]) == [(4, 2.0), (5, 2.0), (6, 2.0)]
 
 
 def _wandb_run(tmp_path, devices, steps: int):
@@ -62,10 +101,13 @@ def test_wandb_offline_mirrors_every_step_and_a_resume_continues_the_same_run(tm
     assert logged.count(b"train/loss") >= 4
 
 
-def test_wandb_without_the_package_is_a_config_error_naming_the_key(tmp_path, devices, monkeypatch):
+def test_wandb_without_the_package_is_refused_before_anything_is_built_or_written(tmp_path, devices, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
+    built = []
+    monkeypatch.setattr(Engine, "build", lambda *a, **k: built.append(a))
     with pytest.raises(ConfigError, match=r"run.wandb=true needs the wandb package"):
         _wandb_run(tmp_path, devices, steps=1)
+    assert built == [] and not (tmp_path / "run").exists()  # no engine, no compile, no run.dir
 
 
 def test_a_script_running_the_api_shows_a_progress_bar_on_a_terminal_and_log_lines_in_a_pipe(tmp_path):

@@ -29,8 +29,9 @@ from spmd_train.analysis import collectives_of
 from spmd_train.analysis.topology import tpu_topology_devices
 from spmd_train.config.checks import check_moe
 from spmd_train.models.moe import MoE
+from spmd_train.ops.capacity import capacity
 from spmd_train.ops.experts import ExpertWeights
-from spmd_train.ops.routing import aux_loss, capacity, route, slot_positions, z_loss
+from spmd_train.ops.routing import aux_loss, route, slot_positions, z_loss
 from spmd_train.parallel import resolve_backends
 from spmd_train.parallel.expert_dispatch import moe_ffn
 from tests.runs import abstract_like

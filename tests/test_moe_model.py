@@ -16,7 +16,7 @@ from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
 from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.data import make_source
-from spmd_train.ops.routing import capacity
+from spmd_train.ops.capacity import capacity
 from tests.runs import ROOT, cli, relative_error
 from tests.tiers import fast_cases
 

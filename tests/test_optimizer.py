@@ -13,9 +13,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from spmd_train import Engine, load_config, train
+from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.data import make_source
 from spmd_train.errors import ConfigError
-from spmd_train.models.layers import STACKING_AXES
 from spmd_train.models.transformer import Transformer
 from spmd_train.train.checkpoint import check_same_model
 from spmd_train.train.optimizer import lr_schedule, make_optimizer

@@ -13,7 +13,7 @@ import pytest
 
 from spmd_train import Engine, load_config
 from spmd_train.analysis.moe_report import moe_section
-from spmd_train.ops.routing import capacity
+from spmd_train.ops.capacity import capacity
 from tests.runs import cli, relative_error
 from tests.test_moe_model import CONFIG, NO_DROPS, ONE_DEVICE, _compiled_collectives, _train
 from tests.tiers import fast_cases

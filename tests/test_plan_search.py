@@ -313,6 +313,21 @@ def test_explain_gives_a_breakdown_or_the_rejection(odd, capsys):
     assert "fsdp x sequence does not divide d_model=36 (ZeRO-1+)" in capsys.readouterr().out
 
 
+def test_explain_judges_the_best_fitting_settings_a_label_leaves_out(capsys):
+    # llama3-8b on 8 H100s at 64 x 4096 tokens: accum 1 does not fit without remat, accum 8 does. A mesh-only label
+    # is explained as its fastest fitting settings, not at accum 1; a label that gives every setting is judged as is.
+    llama = ["configs/llama3-8b_v5p-512.yaml", "train.global_batch_size=64", "train.seq_len=4096", *H100x8]
+    assert main(["plan", *llama, "--explain", "fsdp=8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["label"] == "fsdp=8 | zero3 remat=none accum=8" and out["fits"] and out["asked"] == "fsdp=8"
+    assert main(["plan", *llama, "--explain", "fsdp=8 | zero3 remat=none accum=1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("fsdp=8 | zero3 remat=none: does not fit;") and "leaves settings" not in text
+    assert main(["plan", *llama, "--explain", "fsdp=8 | remat=full"]) == 0
+    # 4 ZeRO stages x the 4 accumulations that divide 8 rows a device
+    assert "of the 16 it names, the fastest that fits is fsdp=8 | zero3 remat=full" in capsys.readouterr().out
+
+
 def test_write_config_round_trips_into_a_trainer(tmp_path, devices):
     out = tmp_path / "winner.yaml"
     done = cli("plan", TINY, *H100x8, "--compile", "0", "--json", "--write-config", str(out))

@@ -1,7 +1,8 @@
 """The context-parallel section of `spmd-train describe`: how attention joins the `sequence` chunks, by formula.
 
 Per attention layer and microbatch, the collectives over `sequence` each scheme (allgather, ulysses, ring) runs
-and the bytes each device sends, computed from the config, the mesh and the layout (nothing is compiled).
+and the bytes each device sends: the analytic model's (`analysis.plan.comm.context_terms`, what `plan` counts)
+for the engine's layout (nothing is compiled).
 `describe` puts the compiled program's collectives beside them, and tests/test_context.py holds the two equal.
 
 Derivation: docs/context.md#how-describe-predicts-the-bytes
@@ -9,14 +10,12 @@ Derivation: docs/context.md#how-describe-predicts-the-bytes
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-
-from spmd_train.parallel.context import AXIS, kv_repeats
-from spmd_train.sharding.arithmetic import entry_axes, rows_per_device, ways
+from spmd_train.analysis.analytic import analytic_layout
+from spmd_train.analysis.plan.candidate import rows_per_device, ways
+from spmd_train.analysis.plan.comm import context_terms
+from spmd_train.parallel.context import AXIS
 
 
 def context_section(engine) -> dict[str, Any] | None:
@@ -24,59 +23,24 @@ def context_section(engine) -> dict[str, Any] | None:
 
     Keys: implementation, kernel (the local attention), ways (mesh.sequence), layout ("contiguous"
     or "zigzag"), tokens_per_device, chunk_tokens, kv_block_bytes (one device's K or V of one
-    layer), collectives ({op: {count, bytes_per_device}} per step), exact, formula.
+    layer), collectives ({op: {count, bytes_per_device}} per step, the analytic model's `context_terms`),
+    exact, formula.
     """
     cfg, backends = engine.cfg, engine.backends
     if backends.context is None:
         return None
-    m, t, layout, sizes = cfg.model, cfg.train, engine.layout, dict(engine.mesh.shape)
+    a = analytic_layout(engine)
+    m, t, c = a.shape, cfg.train, a.candidate
     n, how = backends.sequence, backends.context
-    heads = m.num_heads // ways(entry_axes(layout.activation_spec(P(None, None, "heads")), 2), sizes)
-    kv_heads = m.num_kv_heads // ways(entry_axes(layout.activation_spec(P(None, None, "kv_heads")), 2), sizes)
-    rows = rows_per_device(cfg, sizes)
+    heads = m.num_heads // ways(c.split_by("heads"), c.shape)
+    kv_heads = m.num_kv_heads // ways(c.split_by("kv_heads"), c.shape)
+    rows = rows_per_device(c, a.workload)
     local = t.seq_len // n
-    width = jnp.dtype(m.compute_dtype).itemsize
-    block = rows * local * kv_heads * m.resolved_head_dim * width
-    ids = rows * local * 4
-    share = (n - 1) / n
-    forward: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    backward: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-
-    def add(table, op, count, each):
-        table[op][0] += count
-        table[op][1] += count * each
-
-    once: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # per microbatch, not per layer
-    documents = cfg.data.masks_documents
-    if how == "allgather":
-        add(forward, "all-gather", 2, block * n * share)
-        add(backward, "reduce-scatter", 2, block * n * share)
-        if documents:
-            add(once, "all-gather", 1, ids * n * share)
-    elif how == "ulysses":
-        qkv = rows * local * (heads + 2 * kv_heads * kv_repeats(kv_heads, n)) * m.resolved_head_dim * width
-        out = rows * local * heads * m.resolved_head_dim * width
-        for table in (forward, backward):
-            add(table, "all-to-all", 1, qkv * share)
-            add(table, "all-to-all", 1, out * share)
-        if documents:
-            add(once, "all-gather", 1, ids * n * share)
-    else:
-        add(forward, "collective-permute", 2 * (n - 1), block)
-        add(backward, "collective-permute", 2 * (n - 1), block)
-        add(backward, "collective-permute", 2 * (n - 1), block * 4 // width)
-        add(backward, "collective-permute", 2, block)
-        if documents:
-            add(once, "collective-permute", n - 1, ids)
+    width = m.compute_bytes
+    collectives = {term.op: {"count": term.count, "bytes_per_device": term.bytes}
+                   for term in context_terms(m, c, a.workload)}
     remat = cfg.parallel.remat
-    layers = m.num_layers * t.grad_accum
-    again = 2 if remat == "full" and how != "ring" else 1
-    collectives: dict[str, dict[str, float]] = {}
-    for table, times in ((forward, layers * again), (backward, layers), (once, t.grad_accum)):
-        for op, (count, total) in table.items():
-            entry = collectives.setdefault(op, {"count": 0, "bytes_per_device": 0.0})
-            entry["count"] += times * count
-            entry["bytes_per_device"] += times * total
+    again = remat == "full" and how != "ring"
     return {
         "implementation": how,
         "kernel": backends.attention,
@@ -84,14 +48,14 @@ def context_section(engine) -> dict[str, Any] | None:
         "layout": "zigzag" if how == "ring" else "contiguous",
         "tokens_per_device": local,
         "chunk_tokens": local // 2 if how == "ring" else local,
-        "kv_block_bytes": block,
+        "kv_block_bytes": rows * local * kv_heads * m.head_dim * width,
         "collectives": collectives,
-        "exact": remat in ("none", "full") and sizes["pipeline"] == 1,
+        "exact": remat in ("none", "full") and c.pipeline == 1,
         "formula": f"{m.num_layers} layers x {t.grad_accum} microbatches x the per-layer collectives of "
                    f"{how} (docs/context.md) with r={rows} rows, {local} tokens, {heads} heads and {kv_heads} K/V "
                    f"heads per device, {width}-byte activations"
-                   + ("; full remat repeats the forward's" if again == 2 else "")
-                   + ("; document ids once per microbatch" if documents else ""),
+                   + ("; full remat repeats the forward's" if again else "")
+                   + ("; document ids once per microbatch" if a.workload.documents else ""),
     }
 
 

@@ -1,26 +1,21 @@
 """The mixture-of-experts section of `spmd-train describe`: how the experts are laid out, by formula.
 
 Everything here is computed from the config, the mesh and the parameter shardings; nothing
-is compiled. The figures are the ones the compiled program is tested against
-(tests/test_moe_model.py): a group (the unit capacity is counted over) is the tokens one
-device holds of one microbatch, and each MoE layer exchanges its [E, C, d_model] slot
-buffer over `expert` four times per microbatch with backends.moe=capacity (there and back in
-the forward pass, and the transposes in the backward pass), six under any remat policy
-(the forward pass is rerun inside the backward pass, and no policy saves an all-to-all).
+is compiled. The exchange is the analytic model's (`analysis.plan.comm.expert_exchange`, what
+`plan` counts), and the compiled program is tested against it (tests/test_moe_model.py).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
+from spmd_train.analysis.analytic import analytic_layout
+from spmd_train.analysis.plan.candidate import microbatches, rows_per_device
+from spmd_train.analysis.plan.comm import ExpertExchange, expert_exchange
 from spmd_train.models.flops import active_moe_mlp_params, matmul_params, moe_layer_count
-from spmd_train.ops.routing import capacity
-from spmd_train.sharding.arithmetic import entry_axes, spec_axes
+from spmd_train.sharding.arithmetic import spec_axes
 
 AXIS = "expert"
 
@@ -39,25 +34,16 @@ def moe_section(engine) -> dict[str, Any] | None:
     per step, with the formula).
     """
     cfg = engine.cfg
-    m, t = cfg.model, cfg.train
+    m = cfg.model
     layers = moe_layer_count(m)
     if layers == 0:
         return None
-    mesh, layout = engine.mesh, engine.layout
-    ways = mesh.shape[AXIS]
-    batch_axes = [a for a in entry_axes(layout.activation_spec(P("batch")), 0) if mesh.shape[a] > 1]
-    # Under context parallelism a device holds 1/sequence of each row: its group is that part.
-    length_axes = [a for a in entry_axes(layout.activation_spec(P(None, "length")), 1) if mesh.shape[a] > 1]
-    length_ways = math.prod(mesh.shape[a] for a in length_axes)
-    groups = math.prod(mesh.shape[a] for a in batch_axes) * length_ways
-    # A group is one microbatch's share: of gradient accumulation and, pipelined, of the pipeline's microbatches.
-    microbatches = t.grad_accum * (engine.plan.schedule.microbatches if engine.plan is not None else 1)
-    rows = t.global_batch_size // (microbatches * math.prod(mesh.shape[a] for a in batch_axes))
-    tokens = rows * t.seq_len // length_ways
+    a = analytic_layout(engine)
+    c, x = a.candidate, expert_exchange(a.shape, a.candidate, a.workload)
     moe, choice = m.moe, cfg.backends
     dropless = choice.moe == "dropless"
-    slots = None if dropless else capacity(moe.experts_per_token, tokens, choice.capacity_factor, moe.num_experts)
-    dtype_bytes = jnp.dtype(m.compute_dtype).itemsize
+    slots = None if dropless else int(x.slots)
+    rows = rows_per_device(c, a.workload) // microbatches(c, rows_per_device(c, a.workload))
     return {
         "moe_layers": layers,
         "layers": [(i + 1) * moe.every - 1 for i in range(layers)],
@@ -67,49 +53,45 @@ def moe_section(engine) -> dict[str, Any] | None:
         "moe_d_ff": m.resolved_moe_d_ff,
         "impl": choice.moe,
         "capacity_factor": None if dropless else choice.capacity_factor,
-        "expert_axis": ways,
-        "experts_per_device": moe.num_experts // ways,
-        "batch_axes": batch_axes,
-        "length_axes": length_axes,
-        "groups": groups,
+        "expert_axis": c.expert,
+        "experts_per_device": moe.num_experts // c.expert,
+        "batch_axes": list(c.split_by("batch")),
+        "length_axes": list(c.split_by("length")),
+        "groups": c.batch_ways * c.length_ways,
         "group_rows": rows,
-        "group_tokens": tokens,
+        "group_tokens": _whole(x.group_tokens),
         "capacity_slots": slots,
-        "slot_buffer_bytes": None if dropless else moe.num_experts * slots * m.d_model * dtype_bytes,
+        "slot_buffer_bytes": None if dropless else moe.num_experts * slots * m.d_model * a.shape.compute_bytes,
         "expert_params": _expert_params(engine),
         "active_params": {"matmul": matmul_params(m), "per_moe_layer_mlp": active_moe_mlp_params(m),
                           "total": engine.num_params},
-        "all_to_all": _all_to_all(cfg, layers // mesh.shape["pipeline"], microbatches, ways, slots, tokens,
-                                  dtype_bytes),
+        "all_to_all": _all_to_all(cfg, x, c.expert, a.shape.compute_bytes),
     }
 
 
-def _all_to_all(cfg, layers: int, microbatches: int, ways: int, slots: int | None, tokens: int,
-                dtype_bytes: int) -> dict[str, Any]:
-    """Expected all-to-alls over `expert` per step: count and bytes each device sends (`layers`: the MoE layers one
-    device runs, all of them unless pipelined)."""
+def _whole(n: float) -> float | int:
+    return int(n) if float(n).is_integer() else n
+
+
+def _all_to_all(cfg, x: ExpertExchange, ways: int, dtype_bytes: int) -> dict[str, Any]:
+    """Expected all-to-alls over `expert` per step: count and bytes each device sends, with the formula."""
     m, moe = cfg.model, cfg.model.moe
     if ways == 1:
         return {"count": 0, "bytes_per_device": 0.0, "exact": True,
                 "formula": "mesh.expert=1: every device holds every expert, no exchange"}
-    per_layer = 4 if cfg.parallel.remat == "none" else 6
-    count = layers * microbatches * per_layer
-    share = (ways - 1) / ways  # the part of each buffer that leaves the device
+    count, layers, tokens = _whole(x.count), _whole(x.layers), _whole(x.group_tokens)
+    head = f"{layers} layers x {x.microbatches} microbatches x {x.per_layer}"
+    common = {"count": count, "per_layer_per_microbatch": x.per_layer, "bytes_per_exchange": x.bytes_per_exchange,
+              "bytes_per_device": x.count * x.bytes_per_exchange}
     if cfg.backends.moe == "dropless":
         # ragged_all_to_all moves what the routing decides; under balanced routing a share
         # (N-1)/N of the k x tokens assignments leaves the device each way.
-        exchange = moe.experts_per_token * tokens * m.d_model * dtype_bytes * share
-        formula = (f"{layers} layers x {microbatches} microbatches x {per_layer} ragged exchanges "
-                   f"x k={moe.experts_per_token} x {tokens} tokens x d_model={m.d_model} x {dtype_bytes} B "
-                   f"x ({ways}-1)/{ways} "
-                   "(balanced routing; the real figure depends on the routing)")
-        return {"count": count, "per_layer_per_microbatch": per_layer, "bytes_per_exchange": exchange,
-                "bytes_per_device": count * exchange, "exact": False, "formula": formula}
-    exchange = moe.num_experts * slots * m.d_model * dtype_bytes * share
-    formula = (f"{layers} layers x {microbatches} microbatches x {per_layer} all-to-alls x E={moe.num_experts} "
-               f"x C={slots} x d_model={m.d_model} x {dtype_bytes} B x ({ways}-1)/{ways}")
-    return {"count": count, "per_layer_per_microbatch": per_layer, "bytes_per_exchange": exchange,
-            "bytes_per_device": count * exchange, "exact": True, "formula": formula}
+        formula = (f"{head} ragged exchanges x k={moe.experts_per_token} x {tokens} tokens x d_model={m.d_model} "
+                   f"x {dtype_bytes} B x ({ways}-1)/{ways} (balanced routing; the real figure depends on the routing)")
+        return {**common, "exact": False, "formula": formula}
+    formula = (f"{head} all-to-alls x E={moe.num_experts} x C={int(x.slots)} x d_model={m.d_model} x {dtype_bytes} B "
+               f"x ({ways}-1)/{ways}")
+    return {**common, "exact": True, "formula": formula}
 
 
 def _expert_params(engine) -> list[dict[str, Any]]:

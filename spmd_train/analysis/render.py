@@ -11,9 +11,14 @@ from typing import Any
 
 from rich.console import Console, RenderableType
 from rich.table import Table
+from rich.text import Text
 
+from spmd_train.analysis.plan.comm import CommTerm
+from spmd_train.analysis.plan.memory import MemoryEstimate
+from spmd_train.analysis.plan.model import MEMORY_PARTS, analysis_lines
 from spmd_train.config.schedule_facts import names_where, schedule_facts, spoken
 from spmd_train.parallel import Backends
+from spmd_train.units import human_bytes
 
 PIPELINE_FLOPS_NOTE = (
     "pipelined step: FLOPs per device are the model count (averaged over devices; the last stage also runs the "
@@ -31,17 +36,6 @@ class Rendered:
 
     def _repr_html_(self) -> str:
         return as_html(self)
-
-
-def human_bytes(n: float | None) -> str:
-    """1536 -> '1.50 KiB'."""
-    if n is None:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def render(report: Any, console: Console | None = None) -> None:
@@ -91,6 +85,8 @@ def renderables(report: Any) -> list[RenderableType]:
     fits = "unknown device" if report.fits is None else ("yes" if report.fits else "[red]NO[/red]")
     memory.add_row("device memory (HBM)", f"{human_bytes(report.hbm_bytes)}  fits: {fits}")
     out.append(memory)
+    if report.analytic is not None:
+        out.extend(analytic_renderables(report.analytic))
     if report.pipeline is not None:
         out.extend(pipeline_renderables(report.pipeline))
     if report.moe is not None:
@@ -128,6 +124,16 @@ def renderables(report: Any) -> list[RenderableType]:
     if report.resolved.get("rules"):
         out.extend(rules_renderables(report.resolved["rules"]))
     return out
+
+
+def analytic_renderables(analytic: dict) -> list[RenderableType]:
+    """The analytic model's figures for this layout, the lines `plan --explain` prints."""
+    memory = MemoryEstimate(**{k: analytic["memory"][k] for k in MEMORY_PARTS})
+    terms = [CommTerm(**t) for t in analytic["collectives"]]
+    how = "as XLA:CPU partitions it" if analytic["xla_cpu"] else "as an accelerator's compiler partitions it"
+    head = (f"Analytic estimate ({how}; `spmd-train plan --explain` prints the same for this layout): "
+            f"peak {human_bytes(memory.peak)} per device")
+    return [head, Text("\n".join(analysis_lines(memory, terms)))]
 
 
 def render_rules(rules: dict, console: Console | None = None) -> None:

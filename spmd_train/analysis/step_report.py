@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from spmd_train.analysis.analytic import analytic_layout, analytic_section
 from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
 from spmd_train.analysis.context_report import compiled_over_sequence, context_section
 from spmd_train.analysis.hlo import matmul_flops
@@ -59,6 +60,9 @@ class StepReport(Rendered):
     """The least parameter traffic data parallelism and ZeRO need per device per step (`analysis.zero_floor`)."""
     context: dict[str, Any] | None = None
     """Context-parallel attention and its `sequence` traffic, predicted and compiled, with mesh.sequence > 1."""
+    analytic: dict[str, Any] | None = None
+    """The analytic model's memory parts and collectives for this layout, what `plan --explain` prints for it
+    (`analysis.analytic.analytic_section`)."""
 
     def floor_ratios(self) -> list[dict[str, Any]]:
         """Per mesh axes with a floor: compiled bytes over them (every collective), the floor bytes, the ratio.
@@ -119,6 +123,7 @@ class StepReport(Rendered):
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
             "moe": self.moe,
             "context": self.context,
+            "analytic": self.analytic,
             "resolved": self.resolved,
             "zero_floor": {"terms": [t.to_json() for t in self.zero_floor], "by_axes": self.floor_ratios(),
                            "traffic": [c.to_json() for c in self.parameter_traffic()]},
@@ -145,6 +150,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     moe = moe_section(engine)
     context = context_section(engine)
     floor = zero_floor(engine)
+    analytic = analytic_section(analytic_layout(engine))
     start = time.perf_counter()
     lowered = engine.train_step.lower(state, batch)
     mesh = engine.mesh
@@ -176,6 +182,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
             resolved=engine.resolved(),
             zero_floor=floor,
             context=context,
+            analytic=analytic,
         )
     compile_seconds = time.perf_counter() - start
     hlo = compiled.as_text()
@@ -227,6 +234,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         resolved=engine.resolved(),
         zero_floor=floor,
         context=context,
+        analytic=analytic,
     )
 
 

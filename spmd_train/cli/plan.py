@@ -15,7 +15,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from spmd_train.analysis.plan.labels import config_dict, label, parse_label
+from spmd_train.analysis.plan.explain import explain
+from spmd_train.analysis.plan.labels import config_dict, label, label_parts
+from spmd_train.analysis.plan.model import analysis_lines
 from spmd_train.analysis.plan.plan_report import (
     compiled_json,
     count,
@@ -29,15 +31,14 @@ from spmd_train.analysis.plan.plan_report import (
     why_lost,
 )
 from spmd_train.analysis.plan.profile import load_profile, profile_hardware
-from spmd_train.analysis.plan.search import KEEP, SearchResult, evaluate, search
+from spmd_train.analysis.plan.search import KEEP, SearchResult, search
 from spmd_train.analysis.plan.target import target_for
 from spmd_train.analysis.plan_compile import CompileStage, compile_stage
 from spmd_train.config import load_config
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import KINDS
-
-GiB = 2**30
+from spmd_train.units import GiB, human_bytes
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -72,10 +73,11 @@ def run_plan(args: argparse.Namespace) -> int:
         measured = profile_hardware(load_profile(args.profile), target.hardware, f"--profile {args.profile}",
                                     target.devices)
         target = dataclasses.replace(target, hardware=measured)
-    asked = parse_label(args.explain) if args.explain else None
+    if args.explain:
+        label_parts(args.explain)  # a label that does not parse is refused before the search
     result = search(cfg, target, keep=max(KEEP, args.top, args.compile))
-    if asked is not None:
-        return _explain(result, asked, args.json)
+    if args.explain:
+        return _explain(result, args.explain, args.json)
     require_layouts(result)
     if args.compile and target.platform == "tpu":
         _host_compiles_for_tpu()
@@ -103,17 +105,26 @@ def _host_compiles_for_tpu() -> None:
         pass
 
 
-def _explain(result: SearchResult, c, as_json: bool) -> int:
-    rejected = result.rejection(c)
-    if rejected is not None:
-        out = {"label": label(c), "rejected": rejection_json(rejected)}
-        text = [f"{label(c)}: rejected at {rejected.label}: {rejected.detail} ({rejected.kind})"]
+def _explain(result: SearchResult, text: str, as_json: bool) -> int:
+    asked, given = label_parts(text)
+    found = explain(result, asked, given)
+    if found.estimate is None:
+        rejected = found.rejection
+        out = {"label": label(asked), "rejected": rejection_json(rejected)}
+        lines = [f"{label(asked)}: rejected at {rejected.label}: {rejected.detail} ({rejected.kind})"]
     else:
-        est = evaluate(result, c)
+        est = found.estimate
         place = next((i for i, r in enumerate(result.ranked, 1) if r.label == label(est.candidate)), None)
-        out = {"label": label(est.candidate), "rank": place, **estimate_json(est)}
-        text = _breakdown(est, place, result)
-    print(json.dumps(out, indent=2, default=_jsonable) if as_json else "\n".join(text))
+        out = {"label": label(est.candidate), "asked": text, "rank": place, **estimate_json(est),
+               "not_ranked": rejection_json(found.rejection) if found.rejection else None}
+        lines = []
+        if found.tried > 1:
+            lines.append(f"{text!r} leaves settings to choose: of the {found.tried} it names, the "
+                         f"{'fastest that fits' if est.fits else 'smallest (none fits)'} is {label(est.candidate)}")
+        body = _breakdown(est, place, result)
+        why = [f"not ranked: {found.rejection.detail}"] if found.rejection is not None else []
+        lines += body[:1] + why + body[1:]
+    print(json.dumps(out, indent=2, default=_jsonable) if as_json else "\n".join(lines))
     return 0
 
 
@@ -127,15 +138,9 @@ def _breakdown(est, place, result: SearchResult) -> list[str]:
     else:  # slower than the best the search ranked exactly, or settings outside its grid
         rank = f"fits, not ranked (its time would place it {faster + 1} of the {len(result.ranked)} ranked)"
     lines = [f"{label(est.candidate)}: {rank}; {seconds(t.step)} a step, {t.tokens_per_second:,.0f} tokens/s, "
-             f"MFU {t.mfu:.1%}", f"memory per device: {m.peak / GiB:.2f} GiB peak of "
-             f"{result.target.hardware.hbm_bytes / GiB:.1f} GiB"]
-    for f in ("params", "grads", "optimizer", "grad_accumulator", "activations", "pipeline_buffers", "logits",
-              "logit_grads", "head_weights", "head_grads", "layer_weights", "recompute", "moe_dispatch", "workspace"):
-        lines.append(f"  {f:18s} {getattr(m, f) / GiB:10.3f} GiB")
-    lines.append("collectives per step (bytes each device sends):")
-    for term in est.comm:
-        lines.append(f"  {term.op:18s} over {' x '.join(term.axes):24s} {term.bytes / GiB:10.3f} GiB in "
-                     f"{term.count:,} launches ({term.purpose})")
+             f"MFU {t.mfu:.1%}", f"memory per device: {human_bytes(m.peak)} peak of "
+             f"{human_bytes(result.target.hardware.hbm_bytes)}"]
+    lines += analysis_lines(m, est.comm)
     lines.append("time per step:")
     for part, s in time_parts(t, est.candidate.devices).items():
         lines.append(f"  {part:40s} {seconds(s)}")

@@ -14,6 +14,8 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 an int)."""
 
 DType = Literal["float32", "bfloat16"]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes per element of each `DType` (what the analytic model counts with before jax starts)."""
 
 # Sizes, counts and ids meet int32 on the devices (token ids, positions, the step counter); past int64 they
 # would fail deep inside jax ("model.d_model=9223372036854775808": a TypeError), so the bound is the type's.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from spmd_train.config.checks import check_config
 from spmd_train.config.hf_config import hf_directory, model_section, read_hf_config
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.config.moved import MOVED_KEYS, upgrade_model_section
+from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 
@@ -184,6 +186,12 @@ def _resolve_presets(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     _deep_update(merged, raw)
     _resolve_rules_preset(merged, base_dir)
     return merged
+
+
+@functools.cache
+def default_rules() -> RuleTables:
+    """The default preset's tables (`meshes/rules/default.yaml`), as a config without rules of its own loads them."""
+    return RuleTables.from_config(load_config(None).mesh.rules)
 
 
 def _resolve_rules_preset(merged: dict[str, Any], base_dir: Path) -> None:

@@ -15,12 +15,19 @@ MESH_AXES = ("data", "pipeline", "fsdp", "sequence", "expert", "tensor")
 
 MeshAxis = Literal[MESH_AXES]
 RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch"]
+ContextScheme = Literal["allgather", "ring", "ulysses"]
+"""parallel.context_parallel's values: how attention joins the `sequence` chunks."""
 ScheduleName = Literal[schedule_names()]
 """parallel.pipeline_schedule's values: the schedules `config.schedule_facts` registers."""
 
 LOGICAL_AXES = ("batch", "length", "norm_length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts",
                 "expert_mlp", "router_experts", "layers", "sublayers")
 """Every logical axis name the model code speaks; `mesh.rules` maps these (and only these) to mesh axes."""
+STACKING_AXES = ("layers", "sublayers")
+"""Logical axes that stack copies of a layer's parameters (`models.layers.param(stack=...)`): not a matrix's axes."""
+ZERO_AXES = ("fsdp", "sequence")
+"""Mesh axes the ZeRO stage shards parameters, gradients and optimizer state over (where the rules put them: by
+default a weight's `embed` dimension goes to both; `sequence`'s devices hold other tokens of the same rows)."""
 
 
 def _check_logical_names(table: dict) -> dict:
@@ -110,7 +117,7 @@ class ParallelConfig:
 
     zero_stage: Literal[0, 1, 2, 3] = 3
     sequence_parallel: bool = False
-    context_parallel: Literal["allgather", "ring", "ulysses"] = "allgather"
+    context_parallel: ContextScheme = "allgather"
     """How attention sees the other devices' tokens when mesh.sequence > 1 (docs/context.md)."""
     remat: RematPolicy = "none"
     pipeline_schedule: ScheduleName = "1f1b"

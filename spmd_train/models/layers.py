@@ -9,10 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.sharding.constrain import constrain, stored_param
-
-STACKING_AXES = ("layers", "sublayers")
-"""Logical axes that stack copies of a layer's parameters (`param(stack=...)`): not a matrix's axes."""
 
 
 def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std: float | None, dtype,

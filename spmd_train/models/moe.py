@@ -17,14 +17,14 @@ from flax import nnx
 
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.layers import dense, param, weight
-from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights
+from spmd_train.models.param_specs import moe_params
+from spmd_train.ops.experts import ExpertWeights
 from spmd_train.ops.routing import aux_loss, expert_counts, route, z_loss
 from spmd_train.parallel import Backends, moe_ffn, replica_mean
 from spmd_train.sharding.constrain import constrain
 
 INPUT = ("batch", "length", "embed")
 OUTPUT = ("batch", "norm_length", "embed")
-ROUTER_AXES = ("embed", "router_experts")
 
 
 class MoE(nnx.Module):
@@ -38,19 +38,18 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack: int | None = None):
         moe = cfg.moe
-        d, f, e = cfg.d_model, cfg.resolved_moe_d_ff, moe.num_experts
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         kw = {"dtype": cfg.param_dtype, "stack": stack}
-        self.router = param(rngs.params(), (d, e), ROUTER_AXES, std=cfg.init_std, **kw)
-        self.w_gate = param(rngs.params(), (e, d, f), GATE_UP_AXES, std=cfg.init_std, **kw)
-        self.w_up = param(rngs.params(), (e, d, f), GATE_UP_AXES, std=cfg.init_std, **kw)
-        self.w_down = param(rngs.params(), (e, f, d), DOWN_AXES, std=out_std, **kw)
+        specs = moe_params(cfg)
+        self.router = param(rngs.params(), *specs["router"], std=cfg.init_std, **kw)
+        self.w_gate = param(rngs.params(), *specs["w_gate"], std=cfg.init_std, **kw)
+        self.w_up = param(rngs.params(), *specs["w_up"], std=cfg.init_std, **kw)
+        self.w_down = param(rngs.params(), *specs["w_down"], std=out_std, **kw)
         if moe.num_shared_experts:
-            shared = moe.num_shared_experts * f
-            self.shared_gate = param(rngs.params(), (d, shared), ("embed", "mlp"), std=cfg.init_std, **kw)
-            self.shared_up = param(rngs.params(), (d, shared), ("embed", "mlp"), std=cfg.init_std, **kw)
-            self.shared_down = param(rngs.params(), (shared, d), ("mlp", "embed"), std=out_std, **kw)
-        self.num_experts, self.k, self.score = e, moe.experts_per_token, moe.router_score
+            self.shared_gate = param(rngs.params(), *specs["shared_gate"], std=cfg.init_std, **kw)
+            self.shared_up = param(rngs.params(), *specs["shared_up"], std=cfg.init_std, **kw)
+            self.shared_down = param(rngs.params(), *specs["shared_down"], std=out_std, **kw)
+        self.num_experts, self.k, self.score = moe.num_experts, moe.experts_per_token, moe.router_score
         self.capacity_factor, self.impl = backends.capacity_factor, backends.moe
         self.num_shared = moe.num_shared_experts
         self.compute_dtype = cfg.compute_dtype

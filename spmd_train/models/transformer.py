@@ -17,6 +17,7 @@ from spmd_train.config.model_schema import BackendsConfig, ModelConfig
 from spmd_train.models.layers import Pinned, dense, param, pin, weight
 from spmd_train.models.moe import MoE
 from spmd_train.models.padded_row import padded_row
+from spmd_train.models.param_specs import attention_params, mlp_params, norm_params, table_params
 from spmd_train.models.remat import apply_remat
 from spmd_train.ops.rope import apply_rope, rope_tables
 from spmd_train.parallel import Backends, attention, resolve_backends
@@ -33,8 +34,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, stack: int | None = None, axis: str = "embed"):
         self.eps = cfg.norm_eps
-        width = cfg.d_model if axis == "embed" else cfg.resolved_head_dim
-        self.scale = param(None, (width,), (axis,), std=None, dtype=cfg.param_dtype, stack=stack)
+        self.scale = param(None, *norm_params(cfg, axis)["scale"], std=None, dtype=cfg.param_dtype, stack=stack)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -46,18 +46,17 @@ class Attention(nnx.Module):
     """Grouped-query self-attention; Q/K/V column-parallel and the output row-parallel over heads."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack: int | None = None):
-        d, hd = cfg.d_model, cfg.resolved_head_dim
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         kw = {"dtype": cfg.param_dtype, "stack": stack}
-        q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
-        self.wq = param(rngs.params(), (d, cfg.num_heads, hd), q_axes, std=cfg.init_std, **kw)
-        self.wk = param(rngs.params(), (d, cfg.num_kv_heads, hd), kv_axes, std=cfg.init_std, **kw)
-        self.wv = param(rngs.params(), (d, cfg.num_kv_heads, hd), kv_axes, std=cfg.init_std, **kw)
-        self.wo = param(rngs.params(), (cfg.num_heads, hd, d), ("heads", "head_dim", "embed"), std=out_std, **kw)
+        specs = attention_params(cfg)
+        self.wq = param(rngs.params(), *specs["wq"], std=cfg.init_std, **kw)
+        self.wk = param(rngs.params(), *specs["wk"], std=cfg.init_std, **kw)
+        self.wv = param(rngs.params(), *specs["wv"], std=cfg.init_std, **kw)
+        self.wo = param(rngs.params(), *specs["wo"], std=out_std, **kw)
         if cfg.qkv_bias:
-            self.bq = param(None, (cfg.num_heads, hd), q_axes[1:], std=0.0, **kw)
-            self.bk = param(None, (cfg.num_kv_heads, hd), kv_axes[1:], std=0.0, **kw)
-            self.bv = param(None, (cfg.num_kv_heads, hd), kv_axes[1:], std=0.0, **kw)
+            self.bq = param(None, *specs["bq"], std=0.0, **kw)
+            self.bk = param(None, *specs["bk"], std=0.0, **kw)
+            self.bv = param(None, *specs["bv"], std=0.0, **kw)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg, stack=stack, axis="head_dim")
             self.k_norm = RMSNorm(cfg, stack=stack, axis="head_dim")
@@ -95,12 +94,12 @@ class MLP(nnx.Module):
     """SwiGLU feed-forward; gate/up column-parallel, down row-parallel over `mlp`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
-        d, f = cfg.d_model, cfg.d_ff
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         kw = {"dtype": cfg.param_dtype, "stack": stack}
-        self.w_gate = param(rngs.params(), (d, f), ("embed", "mlp"), std=cfg.init_std, **kw)
-        self.w_up = param(rngs.params(), (d, f), ("embed", "mlp"), std=cfg.init_std, **kw)
-        self.w_down = param(rngs.params(), (f, d), ("mlp", "embed"), std=out_std, **kw)
+        specs = mlp_params(cfg)
+        self.w_gate = param(rngs.params(), *specs["w_gate"], std=cfg.init_std, **kw)
+        self.w_up = param(rngs.params(), *specs["w_up"], std=cfg.init_std, **kw)
+        self.w_down = param(rngs.params(), *specs["w_down"], std=out_std, **kw)
         self.compute_dtype = cfg.compute_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -168,13 +167,12 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, backends: Backends | None = None):
         self.cfg = cfg
         backends = backends or resolve_backends(cfg, BackendsConfig(), jax.default_backend())
-        self.embedding = param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.init_std,
-                               dtype=cfg.param_dtype)
+        tables = table_params(cfg)
+        self.embedding = param(rngs.params(), *tables["embedding"], std=cfg.init_std, dtype=cfg.param_dtype)
         self.blocks = make_blocks(cfg, rngs, backends)
         self.final_norm = RMSNorm(cfg)
-        if not cfg.tie_embeddings:
-            self.lm_head = param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std,
-                                 dtype=cfg.param_dtype)
+        if "lm_head" in tables:
+            self.lm_head = param(rngs.params(), *tables["lm_head"], std=cfg.init_std, dtype=cfg.param_dtype)
 
     def __call__(self, tokens: jax.Array, *, segments: jax.Array | None = None, positions: jax.Array | None = None,
                  remat: str = "none") -> jax.Array:

@@ -6,10 +6,11 @@ matmuls and the token cross-entropy.
 """
 
 from spmd_train.ops.attention import dot_product_attention
+from spmd_train.ops.capacity import capacity
 from spmd_train.ops.experts import ExpertWeights, batched_swiglu, ragged_swiglu
 from spmd_train.ops.loss import cross_entropy
 from spmd_train.ops.rope import apply_rope, rope_tables
-from spmd_train.ops.routing import aux_loss, capacity, expert_counts, route, slot_positions, z_loss
+from spmd_train.ops.routing import aux_loss, expert_counts, route, slot_positions, z_loss
 
 __all__ = [
     "ExpertWeights",

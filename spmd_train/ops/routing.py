@@ -6,8 +6,6 @@ any leading batch shape, where noted) and is used unchanged inside and outside s
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -43,16 +41,6 @@ def route(logits: jax.Array, k: int, score: str = "softmax") -> tuple[jax.Array,
     else:
         gates = top / jnp.sum(top, axis=-1, keepdims=True)
     return idx.astype(jnp.int32), gates, scores
-
-
-def capacity(k: int, tokens_in_group: int, capacity_factor: float, num_experts: int) -> int:
-    """Slots per expert and group: ceil(k * tokens_in_group * capacity_factor / num_experts).
-
-    The product is evaluated left to right in Python floats and rounded up, so a capacity
-    factor of 1.0 with balanced routing never drops, and capacity is at least 1 for any
-    positive factor. This rounding is part of the contract: tests and the planner rely on it.
-    """
-    return math.ceil(k * tokens_in_group * capacity_factor / num_experts)
 
 
 def slot_positions(expert_idx: jax.Array, num_experts: int) -> jax.Array:

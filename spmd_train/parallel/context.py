@@ -9,13 +9,13 @@ Derivation (collectives, bytes, load balance): docs/context.md#allgather-default
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from spmd_train.parallel.blockwise import empty, finish, merge, nothing
+from spmd_train.parallel.head_groups import kv_repeats
 from spmd_train.parallel.ring import AXIS, ring_attention
 
 IMPLEMENTATIONS = ("ring", "allgather", "ulysses")
@@ -65,11 +65,6 @@ def _allgather(q, k, v, segments, n, kernel):
 
     merged, _ = jax.lax.scan(step, empty(q), (jnp.arange(n), k_all, v_all, kv_seg))
     return finish(merged, q.dtype)[0]
-
-
-def kv_repeats(kv_heads: int, ways: int) -> int:
-    """How many times ulysses repeats each K/V head so that `ways` devices get whole, aligned groups."""
-    return math.lcm(kv_heads, ways) // kv_heads
 
 
 def _ulysses(q, k, v, segments, n, kernel):

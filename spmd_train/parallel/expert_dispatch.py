@@ -21,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 from spmd_train.config.model_schema import MoEImpl
 from spmd_train.config.validity import expert_divides_experts, refuse
 from spmd_train.errors import ConfigError
+from spmd_train.ops.capacity import capacity
 from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights, Prepare, batched_swiglu, ragged_swiglu
-from spmd_train.ops.routing import capacity, expert_counts, slot_positions
+from spmd_train.ops.routing import expert_counts, slot_positions
 from spmd_train.sharding.arithmetic import entry_axes, manual_axes
 from spmd_train.sharding.constrain import active_layout, constrain, stored_param
 

@@ -10,7 +10,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.config.mesh_schema import LOGICAL_AXES
+from spmd_train.config.mesh_schema import LOGICAL_AXES, ZERO_AXES
 from spmd_train.config.resolved_rules import ResolvedRules, resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
@@ -20,9 +20,6 @@ LogicalSpec = P
 """A PartitionSpec whose entries are logical axis names (or None), e.g. P('embed', 'mlp')."""
 
 
-ZERO_AXES = ("fsdp", "sequence")
-"""Mesh axes the ZeRO stage shards parameters, gradients and optimizer state over (where the rules
-put them: by default a weight's `embed` dimension goes to both)."""
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ class Checkpointer:
                 restored = self.manager.restore(
                     step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target(meta))))
             except Exception as err:  # Orbax raises many types for a damaged step: fall back to the one before
-                self._damaged(step, f"it cannot be read ({type(err).__name__}: {_first_line(err, 200)})")
+                self._damaged(step, f"it cannot be read ({_root_cause(err)})")
                 continue
             why = verify(restored["state"], meta)
             if why:
@@ -180,6 +180,16 @@ class Checkpointer:
         finally:
             with contextlib.suppress(Exception):
                 self.manager.close()
+
+
+def _root_cause(err: BaseException, limit: int = 300) -> str:
+    """`Type: message` of the innermost exception behind `err`: Orbax wraps TensorStore's own reason (which file,
+    which byte range) in a message that ends in the repr of a bound method."""
+    seen = {id(err)}
+    while (inner := err.__cause__ or err.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        err = inner
+    return f"{type(err).__name__}: {_first_line(err, limit).split(' See full TensorStore details')[0]}"
 
 
 def _first_line(err: Exception, limit: int) -> str:

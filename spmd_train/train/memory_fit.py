@@ -21,8 +21,8 @@ import jax
 
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
+from spmd_train.units import GiB
 
-GiB = 2**30
 NO_DEVICE_HOLDS = 2**40
 """Per-device state bytes no accelerator holds (the largest have about 0.3 TiB)."""
 

@@ -7,6 +7,7 @@ JSON: a non-finite value is written as null and its key listed under `nonfinite`
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -23,10 +24,11 @@ from spmd_train.errors import ConfigError
 from spmd_train.train.guards import REASONS
 
 log = logging.getLogger("spmd_train")
+_WRITERS = itertools.count()
 
 
 class MetricsSink:
-    """Appends one JSON object per step to metrics.jsonl and the same scalars to TensorBoard."""
+    """Appends one JSON object per step to metrics.jsonl and the same (finite) scalars to TensorBoard."""
 
     def __init__(self, run_dir: Path, *, total_steps: int, log_every: int, start_step: int = 0,
                  progress: bool = True, mirrors: tuple[Any, ...] = ()):
@@ -40,7 +42,14 @@ class MetricsSink:
         self._file = open(self.path, "a")  # kept open for the run; closed in close()
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10)
+        # A resumed run repeats the steps after its checkpoint: TensorBoard hides the earlier events from the first
+        # repeated step on (a SessionLog START at `purge_step`), so a chart has each step once, from this run.
+        # Each writer its own file: tensorboardX names files by the second, and a second writer within the same
+        # second (a resume, step() then run()) truncated the first one's file. TensorBoard reads a directory's files
+        # in name order, so within a second they sort by the step they start from.
+        suffix = f".{start_step:012d}.{os.getpid()}.{next(_WRITERS)}"
+        self._tb = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10,
+                                 purge_step=start_step + 1 if start_step else None, filename_suffix=suffix)
         console = Console(stderr=True)
         if progress and (console.is_interactive or console.is_jupyter):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -58,7 +67,8 @@ class MetricsSink:
         self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         self._file.flush()
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):  # bools too: `skipped` as 0/1
+            # Bools too (`skipped` as 0/1); not a NaN or Inf, which a chart cannot place (metrics.jsonl lists them).
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 self._tb.add_scalar(f"train/{key}", float(value), record["step"])
         for mirror in self.mirrors:
             mirror.log(record)

@@ -18,10 +18,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.optimizer_facts import MOMENT_KEYS, optimizer_facts
 from spmd_train.config.train_schema import OptimConfig
 from spmd_train.errors import ConfigError
-from spmd_train.models.layers import STACKING_AXES
 from spmd_train.train.optimizers import optimizer_named
 
 

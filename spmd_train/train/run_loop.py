@@ -122,7 +122,7 @@ class RunLoop:
             if pending is not None:
                 self._finish(pending, done_at, sink, new)
             if self._halted:
-                sink.note("%s", self._halted)
+                pass  # said once, by the TrainingHalted raised below (the CLI prints it; a script sees it raised)
             elif self._stop_signal:
                 sink.note("stopped by %s after step %d; checkpoint saved in %s", self._stop_signal,
                           self.step_count, self.run_dir / "checkpoints")

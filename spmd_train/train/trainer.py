@@ -37,7 +37,7 @@ from spmd_train.train.param_sharding import show_param_sharding
 from spmd_train.train.restore import restore_latest
 from spmd_train.train.run_loop import RunLoop
 from spmd_train.train.startup import record_start, starting_state
-from spmd_train.train.wandb_run import WandbRun
+from spmd_train.train.wandb_run import WandbRun, require_wandb
 from spmd_train.train.watchdog import StepWatchdog
 
 
@@ -46,6 +46,8 @@ class Trainer(RunLoop):
 
     def __init__(self, cfg: Config, devices: list[jax.Device] | None = None):
         self.cfg = cfg
+        if cfg.run.wandb:
+            require_wandb()  # refused before a compile or a file, not after
         if devices is None:
             simulate_devices(cfg.run.simulate_devices)  # a no-op once jax has started (the CLI did it)
         self.engine = Engine.build(cfg, devices)

@@ -16,15 +16,21 @@ from spmd_train.config.run_schema import RunConfig
 from spmd_train.errors import ConfigError
 
 
+def require_wandb() -> Any:
+    """The wandb module; ConfigError naming the extra where it is not installed (checked before anything compiles)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("run.wandb=true needs the wandb package (valid: pip install 'spmd_train[wandb]', "
+                          "or run.wandb=false)") from None
+    return wandb
+
+
 class WandbRun:
     """A W&B run that receives every step record (process 0 only; the caller decides)."""
 
     def __init__(self, run: RunConfig, run_dir: Path, config: dict[str, Any]):
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError("run.wandb=true needs the wandb package (valid: pip install 'spmd_train[wandb]', "
-                              "or run.wandb=false)") from None
+        wandb = require_wandb()
         id_file = run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         try:

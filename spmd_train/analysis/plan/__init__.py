@@ -1,4 +1,4 @@
-"""The planner's analytic model: memory, collective bytes and step time of a layout, in pure Python (no jax)."""
+"""The analytic model `plan` and `describe` share: memory, collective bytes and step time of a layout, by formula."""
 
 from spmd_train.analysis.plan.candidate import Candidate, Workload
 from spmd_train.analysis.plan.model import Estimate, estimate

@@ -1,8 +1,9 @@
 """A layout to estimate (`Candidate`), the work it runs (`Workload`), and where each parameter tree lives.
 
-The layout arithmetic mirrors `sharding.layout.Layout` under the default rules (`Candidate.from_config` refuses
-other presets). Also here, what follows from a candidate and a workload alone: rows per device, pipeline
-microbatches, MoE capacity slots and a schedule's ticks, bubble and stash slots (cached per schedule).
+The layout arithmetic is `sharding.layout.Layout`'s over axis sizes instead of a mesh, with the rule tables a
+config loads (`config.resolved_rules`; the default preset unless a candidate carries others). Also here, what
+follows from a candidate and a workload alone: rows per device, pipeline microbatches, MoE capacity slots and a
+schedule's ticks, bubble and stash slots (cached per schedule).
 
 Derivation: docs/explanation/planner-model.md#candidates-and-workloads
 """
@@ -17,30 +18,20 @@ from typing import get_args
 
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.attention_facts import attention_facts, attention_names, fallback_attention
-from spmd_train.config.mesh_schema import MESH_AXES, RematPolicy
+from spmd_train.config.load import default_rules
+from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES, ZERO_AXES, ContextScheme, RematPolicy
 from spmd_train.config.optimizer_facts import optimizer_facts, optimizer_names
 from spmd_train.config.pipeline_keys import default_microbatches
-from spmd_train.config.resolved_rules import resolve_rules
+from spmd_train.config.resolved_rules import ResolvedRules, RuleTables
 from spmd_train.config.schedule_facts import schedule_names
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
+from spmd_train.ops.capacity import capacity
 from spmd_train.parallel.schedule_simulator import occupancy
 from spmd_train.parallel.schedules import build_schedule
 
-ZERO_AXES = ("fsdp", "sequence")
-"""The mesh axes the ZeRO stage shards over (`sharding.layout.ZERO_AXES`)."""
-STACKING_AXES = ("layers", "sublayers")
-"""Logical axes that stack copies of a layer (`models.layers.STACKING_AXES`)."""
-ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp", "expert"), "length": ("sequence",), "norm_length": ("sequence",), "embed": (),
-    "heads": ("tensor",), "kv_heads": ("tensor",), "head_dim": (), "mlp": ("tensor",), "vocab": ("tensor",),
-    "experts": ("expert",), "expert_mlp": ("tensor",)}
-"""`meshes/rules/default.yaml` activations."""
-PARAM_RULES: dict[str, tuple[str, ...]] = {**ACTIVATION_RULES, "embed": ("fsdp", "sequence"), "layers": ()}
-"""`meshes/rules/default.yaml` params over its activations (`layers` -> pipeline is added when it has stages)."""
-BATCH_AXES = ACTIVATION_RULES["batch"]
 REMAT_POLICIES = get_args(RematPolicy)
-CONTEXT_SCHEMES = ("allgather", "ring", "ulysses")
+CONTEXT_SCHEMES = get_args(ContextScheme)
 
 Spec = tuple[tuple[str, ...], ...]
 """Per dimension of an array, the mesh axes (of size > 1) splitting it."""
@@ -68,6 +59,8 @@ class Candidate:
     dcn: tuple[int, ...] = (1,) * len(MESH_AXES)
     """Slow-link (DCN / inter-node) factor of each mesh axis, in `MESH_AXES` order (like mesh.dcn); a mapping
     {axis: factor} is accepted and stored as this tuple."""
+    rules: RuleTables | None = None
+    """The configured sharding rules (`mesh.rules`); None: the default preset, which the planner searches with."""
 
     def __post_init__(self):
         if isinstance(self.dcn, Mapping):
@@ -101,10 +94,25 @@ class Candidate:
         """Devices the layout spans."""
         return math.prod(self.sizes)
 
-    @property
+    @functools.cached_property
+    def tables(self) -> ResolvedRules:
+        """The effective rule tables on this mesh: the configured ones with the rules the code adds."""
+        return (self.rules or default_rules()).resolve(sequence_parallel=self.sequence_parallel,
+                                                        pipeline=self.pipeline)
+
+    def split_by(self, logical: str) -> tuple[str, ...]:
+        """The mesh axes of size > 1 the activation rule of this logical axis splits it over, in mesh order."""
+        return live(self.tables.activations.get(logical, ()), self.shape)
+
+    @functools.cached_property
     def batch_ways(self) -> int:
-        """Devices a global batch's rows are split over (the `batch` rule: data x fsdp x expert)."""
-        return self.data * self.fsdp * self.expert
+        """Devices a global batch's rows are split over (the `batch` rule; by default data x fsdp x expert)."""
+        return ways(self.split_by("batch"), self.shape)
+
+    @property
+    def length_ways(self) -> int:
+        """Devices a row's tokens are split over (the `length` rule; by default `sequence`)."""
+        return ways(self.split_by("length"), self.shape)
 
     def split(self, axes: tuple[str, ...]) -> tuple[int, int]:
         """(fast, slow): how many devices of a group over these axes share a fast-link domain, and how many
@@ -114,19 +122,15 @@ class Candidate:
 
     @classmethod
     def from_config(cls, cfg: Config, sizes: Mapping[str, int]) -> Candidate:
-        """The layout `cfg` runs on a mesh with these resolved axis sizes (ConfigError for non-default rules)."""
+        """The layout `cfg` runs on a mesh with these resolved axis sizes, under its sharding rules."""
         par = cfg.parallel
-        c = cls(**{a: sizes[a] for a in MESH_AXES}, zero_stage=par.zero_stage, remat=par.remat,
-                sequence_parallel=par.sequence_parallel, context_parallel=par.context_parallel,
-                pipeline_schedule=par.pipeline_schedule, pipeline_microbatches=par.pipeline_microbatches,
-                virtual_stages=par.virtual_stages, grad_accum=cfg.train.grad_accum,
-                dcn={a: getattr(cfg.mesh.dcn, a) for a in MESH_AXES})
-        rules = resolve_rules(cfg)
-        params = dict(PARAM_RULES, layers=("pipeline",) if cfg.mesh.pipeline != 1 else ())
-        if rules.activations != activation_rules(c) or rules.params != params:
-            raise ConfigError("the analytic model knows the default sharding rules only (mesh.rules.preset=default "
-                              f"without overrides); this config's rules are {rules.to_json()}")
-        return c
+        rules = RuleTables.from_config(cfg.mesh.rules)
+        return cls(**{a: sizes[a] for a in MESH_AXES}, zero_stage=par.zero_stage, remat=par.remat,
+                   sequence_parallel=par.sequence_parallel, context_parallel=par.context_parallel,
+                   pipeline_schedule=par.pipeline_schedule, pipeline_microbatches=par.pipeline_microbatches,
+                   virtual_stages=par.virtual_stages, grad_accum=cfg.train.grad_accum,
+                   dcn={a: getattr(cfg.mesh.dcn, a) for a in MESH_AXES},
+                   rules=None if rules == default_rules() else rules)
 
 
 @dataclass(frozen=True)
@@ -172,13 +176,6 @@ class Workload:
 # --- layout arithmetic ------------------------------------------------------------------------------------------
 
 
-def activation_rules(c: Candidate) -> dict[str, tuple[str, ...]]:
-    """The activation table: the default one, with Megatron-SP's `norm_length` on `tensor` when asked for."""
-    if not c.sequence_parallel:
-        return ACTIVATION_RULES
-    return {**ACTIVATION_RULES, "norm_length": (*ACTIVATION_RULES["norm_length"], "tensor")}
-
-
 def ways(axes, shape: Mapping[str, int]) -> int:
     """How many pieces these mesh axes split a dimension into."""
     return math.prod(shape[a] for a in axes)
@@ -200,26 +197,33 @@ class GroupLayout:
     """Mesh axes splitting the weight as the matmuls use it (ZeRO axes gathered, `tensor`/`expert`/`pipeline` kept)."""
 
 
+def group_layout(axes: tuple[str, ...], c: Candidate) -> GroupLayout:
+    """The layout of a parameter with these logical axes under candidate `c` (`Layout.param_spec`)."""
+    return param_layout(axes, c.sizes, c.zero_stage, c.rules)
+
+
 @functools.lru_cache(maxsize=1 << 14)
-def group_layout(axes: tuple[str, ...], sizes: tuple[int, ...], zero_stage: int) -> GroupLayout:
-    """The layout of a parameter with these logical axes on a mesh of these sizes (`Layout.param_spec`)."""
-    sharded, whole, compute = _layouts(axes, sizes)
+def param_layout(axes: tuple[str, ...], sizes: tuple[int, ...], zero_stage: int, rules: RuleTables | None
+                 ) -> GroupLayout:
+    """`group_layout` from a candidate's fields alone (for caches keyed on them)."""
+    sharded, whole, compute = _layouts(axes, sizes, rules)
     return GroupLayout(params=sharded if zero_stage >= 3 else whole, grads=sharded if zero_stage >= 2 else whole,
                        optimizer=sharded if zero_stage >= 1 else whole, compute=compute)
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def _layouts(axes: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[Spec, Spec, frozenset[str]]:
+def _layouts(axes: tuple[str, ...], sizes: tuple[int, ...], rules: RuleTables | None
+             ) -> tuple[Spec, Spec, frozenset[str]]:
     """(stored with the ZeRO axes, stored without them, compute axes): what every ZeRO stage picks from."""
     shape = dict(zip(MESH_AXES, sizes, strict=True))
-    table = dict(PARAM_RULES, layers=("pipeline",) if shape["pipeline"] > 1 else ())
+    tables = tables_of(sizes, rules)
 
     def spec(zero: bool) -> Spec:
-        return tuple(tuple(a for a in table.get(n, ()) if shape[a] > 1 and (zero or a not in ZERO_AXES))
+        return tuple(tuple(a for a in tables.params.get(n, ()) if shape[a] > 1 and (zero or a not in ZERO_AXES))
                      for n in axes)
 
     sharded = spec(True)
-    compute = {a for n in axes if n not in STACKING_AXES for a in ACTIVATION_RULES.get(n, ()) if shape[a] > 1}
+    compute = {a for n in axes if n not in STACKING_AXES for a in tables.activations.get(n, ()) if shape[a] > 1}
     # The stacking axes keep their stored split: `pipeline` is not a ZeRO axis, so it is the same in both specs.
     compute |= {a for n, dim in zip(axes, sharded, strict=True) if n in STACKING_AXES for a in dim}
     return sharded, spec(False), frozenset(compute)
@@ -228,6 +232,12 @@ def _layouts(axes: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[Spec, Spec,
 def live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:
     """The axes of size > 1 among `axes`, in mesh order."""
     return tuple(a for a in MESH_AXES if a in axes and shape[a] > 1)
+
+
+def tables_of(sizes: tuple[int, ...], rules: RuleTables | None) -> ResolvedRules:
+    """The parameter and activation tables on a mesh of these sizes (sequence parallelism aside, which changes the
+    residual stream's `norm_length` only)."""
+    return (rules or default_rules()).resolve(sequence_parallel=False, pipeline=sizes[MESH_AXES.index("pipeline")])
 
 
 def rows_per_device(c: Candidate, w: Workload) -> int:
@@ -254,7 +264,7 @@ def capacity_slots(m: ModelShape, w: Workload, group_tokens: float) -> float:
     """Slots per expert and group (`ops.routing.capacity`: ceil(k·tokens·factor / E)); k·tokens/E when dropless."""
     if w.moe_impl == "dropless":
         return m.experts_per_token * group_tokens / m.num_experts
-    return math.ceil(m.experts_per_token * group_tokens * w.capacity_factor / m.num_experts)
+    return capacity(m.experts_per_token, group_tokens, w.capacity_factor, m.num_experts)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -10,29 +10,30 @@ Derivation: docs/explanation/planner-model.md#collective-bytes
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 from spmd_train.analysis.plan.candidate import (
-    BATCH_AXES,
-    STACKING_AXES,
     Candidate,
     Workload,
     capacity_slots,
     group_layout,
     live,
     microbatches,
+    param_layout,
     residual_ways,
     rows_per_device,
     schedule_stats,
     spec_ways,
+    tables_of,
     ways,
 )
 from spmd_train.analysis.plan.shape import ModelShape
-from spmd_train.config.mesh_schema import MESH_AXES
+from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
+from spmd_train.config.resolved_rules import RuleTables
+from spmd_train.parallel.head_groups import kv_repeats
 
 LOOKUP_ONLY = "embedding"
-"""`analysis.zero_floor.LOOKUP_ONLY`: the table an untied model only looks up."""
+"""The table an untied model only looks up: computing with it needs one gather per microbatch, not two."""
 
 
 @dataclass(frozen=True)
@@ -55,22 +56,24 @@ def _fraction(n: int) -> float:
 
 def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False) -> list[CommTerm]:
     """Parameter traffic of data parallelism and ZeRO, parameter by parameter: as an accelerator's compiler
-    partitions it, or with `xla_cpu` as XLA:CPU does, which is `analysis.zero_floor`'s count
-    (docs/explanation/planner-model.md#collective-bytes)."""
+    partitions it, or with `xla_cpu` as XLA:CPU does, which is the algorithm's floor `describe` shows
+    (`analysis.zero_floor`, docs/explanation/planner-model.md#collective-bytes)."""
     out = []
     accumulates = c.grad_accum > 1 or c.pipeline > 1
-    for (op, axes, purpose), (per_micro, launches, once, once_launches) in _zero_terms(m, c.sizes, c.zero_stage,
-                                                                                         xla_cpu, accumulates):
+    found = _zero_terms(m, c.sizes, c.zero_stage, xla_cpu, accumulates, c.rules)
+    for (op, axes, purpose), (per_micro, launches, once, once_launches) in found:
         out.append(CommTerm(op, axes, per_micro * c.grad_accum + once, launches * c.grad_accum + once_launches,
                             purpose))
     return out
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool, accumulates: bool) -> tuple:
+def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool, accumulates: bool,
+                rules: RuleTables | None) -> tuple:
     """((op, axes, purpose), (bytes per microbatch, launches per microbatch, bytes per step, launches per step))."""
     shape, cb = dict(zip(MESH_AXES, sizes, strict=True)), m.compute_bytes
-    batch = set(BATCH_AXES) | {"sequence"}  # the batch and length rules' axes
+    acts = tables_of(sizes, rules).activations
+    batch = {*acts.get("batch", ()), *acts.get("length", ())}  # what the gradients are summed over
     # Replica axes the step cannot reduce by hand (`parallel.gradients`: `expert` splits an MoE model's experts).
     automatic = {"expert"} if m.moe_layers else set()
     terms: dict = {}
@@ -80,7 +83,7 @@ def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool
         terms[op, axes, purpose] = (old[0] + per_micro, old[1] + launches, old[2] + once, old[3] + once_launches)
 
     for g in m.params:
-        lay = group_layout(g.axes, sizes, stage)
+        lay = param_layout(g.axes, sizes, stage, rules)
         compute = lay.compute
         stored = {a for dim in lay.params for a in dim}
         grads = {a for dim in lay.grads for a in dim}
@@ -144,7 +147,7 @@ def tensor_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     if t == 1:
         return []
     rows = rows_per_device(c, w)
-    tokens = rows * w.seq_len / c.sequence  # per accumulation step, all pipeline microbatches together
+    tokens = rows * w.seq_len / c.length_ways  # per accumulation step, all pipeline microbatches together
     block = tokens * m.d_model * m.compute_bytes
     micro = microbatches(c, rows)
     here = 1 / c.pipeline  # a stage runs its own layers only
@@ -192,7 +195,7 @@ def pipeline_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     head = 0.0
     for g in m.params:
         if not g.path.startswith("blocks."):
-            lay = group_layout(g.axes, c.sizes, c.zero_stage)
+            lay = group_layout(g.axes, c)
             head += g.numel / spec_ways(lay.grads, c.shape) * 4
     # An accelerator's XLA sums the input gradients in the compute dtype: it drops the executor's fp32 round
     # trip (excess precision allowed), which XLA:CPU keeps.
@@ -202,23 +205,52 @@ def pipeline_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     return [sends, summed]
 
 
-def expert_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
-    """Token all-to-alls over `expert` (`analysis.moe_report._all_to_all`): 4 per MoE layer and microbatch, 6 under
-    any remat policy; each moves (N-1)/N of the E x C x d_model slot buffer (dropless: of k x tokens rows)."""
-    n = c.expert
-    if n == 1 or m.moe_layers == 0:
-        return []
+@dataclass(frozen=True)
+class ExpertExchange:
+    """How the token all-to-alls over `expert` run: per MoE layer and microbatch, and in all per step."""
+
+    per_layer: int
+    """All-to-alls per MoE layer and microbatch: 4 (there and back, and their transposes), 6 under any remat policy
+    (the forward is rerun inside the backward and no policy saves an all-to-all)."""
+    layers: float
+    """MoE layers a device runs: its stage's share when pipelined."""
+    microbatches: int
+    """Microbatches per step: accumulation steps times pipeline microbatches."""
+    group_tokens: float
+    """A group, what capacity is counted over: the tokens a device holds of one microbatch."""
+    slots: float
+    """Capacity slots per expert and group (k x tokens / E when dropless)."""
+    bytes_per_exchange: float
+    """Bytes one all-to-all sends from a device: (N-1)/N of the E x C x d_model slot buffer (dropless: of the k x
+    tokens rows, under balanced routing)."""
+
+    @property
+    def count(self) -> float:
+        """All-to-alls per step."""
+        return self.layers * self.microbatches * self.per_layer
+
+
+def expert_exchange(m: ModelShape, c: Candidate, w: Workload) -> ExpertExchange:
+    """The token all-to-alls of candidate `c` (docs/moe.md)."""
     rows = rows_per_device(c, w)
     micro = microbatches(c, rows)
-    tokens = rows / micro * w.seq_len / c.sequence  # moe_report's group: a device's share of one microbatch
-    per_layer = 4 if c.remat == "none" else 6
-    # Pipelined, a device runs its stage's share of the MoE layers, once per pipeline microbatch.
-    count = m.moe_layers / c.pipeline * c.grad_accum * micro * per_layer
+    tokens = rows / micro * w.seq_len / c.length_ways
+    slots = capacity_slots(m, w, tokens)
     if w.moe_impl == "dropless":
-        exchange = m.experts_per_token * tokens * m.d_model * m.compute_bytes * _fraction(n)
+        exchange = m.experts_per_token * tokens * m.d_model * m.compute_bytes * _fraction(c.expert)
     else:
-        exchange = m.num_experts * capacity_slots(m, w, tokens) * m.d_model * m.compute_bytes * _fraction(n)
-    return [CommTerm("all-to-all", ("expert",), count * exchange, count, "expert")]
+        exchange = m.num_experts * slots * m.d_model * m.compute_bytes * _fraction(c.expert)
+    return ExpertExchange(per_layer=4 if c.remat == "none" else 6, layers=m.moe_layers / c.pipeline,
+                          microbatches=c.grad_accum * micro, group_tokens=tokens, slots=slots,
+                          bytes_per_exchange=exchange)
+
+
+def expert_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
+    """Token all-to-alls over `expert` (`expert_exchange`)."""
+    if c.expert == 1 or m.moe_layers == 0:
+        return []
+    x = expert_exchange(m, c, w)
+    return [CommTerm("all-to-all", ("expert",), x.count * x.bytes_per_exchange, x.count, "expert")]
 
 
 def context_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
@@ -226,7 +258,8 @@ def context_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     n = c.sequence
     if n == 1:
         return []
-    heads, kv = m.num_heads // c.tensor, m.num_kv_heads // c.tensor
+    heads = m.num_heads // ways(c.split_by("heads"), c.shape)
+    kv = m.num_kv_heads // ways(c.split_by("kv_heads"), c.shape)
     rows, local, width, hd = rows_per_device(c, w), w.seq_len // n, m.compute_bytes, m.head_dim
     block = rows * local * kv * hd * width
     ids = rows * local * 4
@@ -243,8 +276,7 @@ def context_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
         if w.documents:
             add(once, "all-gather", 1, ids * n * share)
     elif c.context_parallel == "ulysses":
-        repeats = math.lcm(kv, n) // kv  # `parallel.context.kv_repeats`
-        qkv = rows * local * (heads + 2 * kv * repeats) * hd * width
+        qkv = rows * local * (heads + 2 * kv * kv_repeats(kv, n)) * hd * width
         for table in (forward, backward):
             add(table, "all-to-all", 1, qkv * share)
             add(table, "all-to-all", 1, rows * local * heads * hd * width * share)

@@ -27,8 +27,8 @@ from spmd_train.analysis.plan.rejections import (
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.target import Target
 from spmd_train.config.schema import Config
+from spmd_train.units import GiB
 
-GiB = 2**30
 DOMINATED = "dominated: a smaller grad_accum fits"
 GPIPE = "dominated: 1f1b runs the same ticks with a smaller stash"
 PIPELINES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))

@@ -93,6 +93,11 @@ def scoped(c: Candidate, scope: Scope) -> Candidate:
 
 def parse_label(text: str) -> Candidate:
     """The candidate a label names (ConfigError naming the token that is not part of a label)."""
+    return label_parts(text)[0]
+
+
+def label_parts(text: str) -> tuple[Candidate, frozenset[str]]:
+    """The candidate a label names, and the `Candidate` fields it gave (the rest are at their defaults)."""
     sizes, dcn, fields = {}, {}, {}
     for i, part in enumerate(p.strip() for p in text.split("|")):
         tokens = part.split()
@@ -108,7 +113,7 @@ def parse_label(text: str) -> Candidate:
                                   "accum=N, and '| dcn AXIS=N ...'; e.g. 'fsdp=32 tensor=8 | zero3 remat=full')"
                                   ) from None
     sizes.pop("devices", None)
-    return canonical(Candidate(**sizes, **fields, dcn=dcn))
+    return canonical(Candidate(**sizes, **fields, dcn=dcn)), frozenset(fields)
 
 
 def _read(token: str, key: str, value: str, sizes: dict, fields: dict) -> None:

@@ -17,22 +17,22 @@ from typing import NamedTuple
 
 from spmd_train.analysis.plan.attention_memory import attention_residual_bytes
 from spmd_train.analysis.plan.candidate import (
-    BATCH_AXES,
-    STACKING_AXES,
     Candidate,
     GroupLayout,
     Spec,
     Workload,
     capacity_slots,
-    group_layout,
     live,
     microbatches,
+    param_layout,
     schedule_stats,
     spec_ways,
+    tables_of,
 )
 from spmd_train.analysis.plan.shape import ModelShape, ParamGroup
-from spmd_train.config.mesh_schema import MESH_AXES
+from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
 from spmd_train.config.optimizer_facts import optimizer_facts
+from spmd_train.config.resolved_rules import RuleTables
 
 WORKSPACE_FRACTION = 0.05
 """XLA's temporaries this model does not name (fusion outputs, collective staging, kernel scratch), as a
@@ -122,17 +122,17 @@ def optimizer_bytes(g: ParamGroup, spec: Spec, shape: dict[str, int], param_byte
 
 def state_bytes(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state) bytes per device, parameter by parameter."""
-    return _state_bytes(m, c.sizes, c.zero_stage, w.optimizer, w.momentum)
+    return _state_bytes(m, c.sizes, c.zero_stage, w.optimizer, w.momentum, c.rules)
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _state_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, optimizer: str, momentum: bool
-                 ) -> tuple[float, float, float]:
+def _state_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, optimizer: str, momentum: bool,
+                 rules: RuleTables | None) -> tuple[float, float, float]:
     shape = dict(zip(MESH_AXES, sizes, strict=True))
     w = Workload(global_batch=1, seq_len=1, optimizer=optimizer, momentum=momentum)
     params = grads = opt = 0.0
     for g in m.params:
-        lay = group_layout(g.axes, sizes, stage)
+        lay = param_layout(g.axes, sizes, stage, rules)
         params += g.numel / spec_ways(lay.params, shape) * m.param_bytes
         grads += g.numel / spec_ways(lay.grads, shape) * m.param_bytes
         opt += optimizer_bytes(g, lay.optimizer, shape, m.param_bytes, w)
@@ -190,7 +190,7 @@ def context_scheme(c: Candidate) -> str | None:
 
 def estimate_memory(m: ModelShape, c: Candidate, w: Workload) -> MemoryEstimate:
     """Per-device memory of candidate `c` running workload `w` on model `m`."""
-    return _assemble(_state_part(m, c.sizes, c.zero_stage, w), _activation_part(m, c, w, c.grad_accum))
+    return _assemble(_state_part(m, c.sizes, c.zero_stage, c.rules, w), _activation_part(m, c, w, c.grad_accum))
 
 
 class MemoryModel:
@@ -212,16 +212,16 @@ class MemoryModel:
         return _assemble(self._state(c), self._activation(c, c.grad_accum))
 
     def _state(self, c: Candidate) -> _StatePart:
-        key = (c.sizes, c.zero_stage)
+        key = (c.sizes, c.zero_stage, c.rules)
         part = self._states.get(key)
         if part is None:
-            part = self._states[key] = _state_part(self.m, c.sizes, c.zero_stage, self.w)
+            part = self._states[key] = _state_part(self.m, c.sizes, c.zero_stage, c.rules, self.w)
         return part
 
     def _activation(self, c: Candidate, grad_accum: int) -> _ActivationPart:
         # Every field `_activation_part` reads: not the ZeRO stage or the slow-link factors.
         key = (c.sizes, c.remat, c.sequence_parallel, context_scheme(c), c.pipeline_schedule, c.pipeline_microbatches,
-               c.virtual_stages, grad_accum)
+               c.virtual_stages, grad_accum, c.rules)
         part = self._activations.get(key)
         if part is None:
             part = self._activations[key] = _activation_part(self.m, c, self.w, grad_accum)
@@ -252,9 +252,10 @@ class _ActivationPart(NamedTuple):
     moe_dispatch: float
 
 
-def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, w: Workload) -> _StatePart:
-    params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum)
-    head, lookup, whole, layer_w = _gathered_weights(m, sizes, stage, w.xla_cpu)
+def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None, w: Workload
+                ) -> _StatePart:
+    params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules)
+    head, lookup, whole, layer_w = _gathered_weights(m, sizes, stage, w.xla_cpu, rules)
     tables = 2 * max(head, lookup) + (min(head, lookup) if whole else 0.0)
     return _StatePart(params, grads, opt, head, tables, layer_w)
 
@@ -262,7 +263,7 @@ def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, w: Workload) 
 def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) -> _ActivationPart:
     rows = w.global_batch // (grad_accum * c.batch_ways)  # `rows_per_device` at this accumulation
     micro = microbatches(c, rows)
-    tokens = rows / micro * w.seq_len / c.sequence  # one microbatch's tokens on a device
+    tokens = rows / micro * w.seq_len / c.length_ways  # one microbatch's tokens on a device
     slots = m.num_experts * capacity_slots(m, w, tokens) if m.moe_layers else 0.0
     scheme = context_scheme(c)
     kw = {"tokens": tokens, "context": w.seq_len, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel,
@@ -272,7 +273,7 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
     # Kept once per layer stack, not per layer: RoPE's fp32 cos/sin tables [s, hd/2] (the q and k broadcasts too
     # under 'none') and, with XLA's attention under 'none', the causal mask [rows, H, s, context] as bool and fp32
     # (`ring` and `allgather` mask each block inside their loops: `attention_residual_bytes` counts it there).
-    local = w.seq_len // c.sequence
+    local = w.seq_len // c.length_ways
     per_stack = (8 if c.remat == "none" else 4) * m.head_dim * local
     if w.attention == "xla" and c.remat == "none" and scheme in (None, "ulysses"):
         per_stack += tokens * m.num_heads / c.tensor * w.seq_len * 5
@@ -319,7 +320,7 @@ def _assemble(s: _StatePart, a: _ActivationPart) -> MemoryEstimate:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _gathered_weights(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool
+def _gathered_weights(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool, rules: RuleTables | None
                       ) -> tuple[float, float, bool, float]:
     """(LM head, untied lookup table) bytes in the compute layout, which ZeRO-3 gathers from the stored shards;
     whether their gradients are reduced whole (`comm._zero_terms`: the batch over two or more axes, or XLA:CPU's
@@ -328,10 +329,11 @@ def _gathered_weights(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu
     if stage < 3 or shape["fsdp"] * shape["sequence"] == 1:
         return 0.0, 0.0, False, 0.0
     head, lookup, per_layer = 0.0, 0.0, {}
-    batch = set(BATCH_AXES) | {"sequence"}
+    acts = tables_of(sizes, rules).activations
+    batch = {*acts.get("batch", ()), *acts.get("length", ())}
     whole = xla_cpu
     for g in m.params:
-        lay: GroupLayout = group_layout(g.axes, sizes, stage)
+        lay: GroupLayout = param_layout(g.axes, sizes, stage, rules)
         if g.path == "lm_head" or (g.path == "embedding" and m.tie_embeddings):
             head += g.numel / math.prod(shape[a] for a in lay.compute) * m.compute_bytes
             whole |= not m.moe_layers and len(live(batch - set(lay.compute), shape)) > 1

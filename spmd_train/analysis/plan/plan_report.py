@@ -11,7 +11,7 @@ from spmd_train.analysis.plan.candidate import Candidate
 from spmd_train.analysis.plan.compiled import Compiled
 from spmd_train.analysis.plan.enumeration import MICROBATCHES, PIPELINES
 from spmd_train.analysis.plan.labels import label
-from spmd_train.analysis.plan.model import Estimate
+from spmd_train.analysis.plan.model import Estimate, comm_json, memory_parts
 from spmd_train.analysis.plan.ranking import Ranked
 from spmd_train.analysis.plan.rejections import Rejection, factorizations, mesh_reason, structure_reason
 from spmd_train.analysis.plan.search import SearchResult
@@ -21,8 +21,7 @@ from spmd_train.analysis.plan.timing import Timing, ties
 from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
-
-GiB = 2**30
+from spmd_train.units import GiB
 
 
 def seconds(t: float) -> str:
@@ -131,10 +130,11 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
     c = est.candidate
     layout = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
     layout["dcn"] = dict(zip(MESH_AXES, c.dcn, strict=True))
+    if c.rules is None:  # the default preset, which every candidate of a search has
+        del layout["rules"]
     timing = dataclasses.asdict(est.timing)
     return {"label": label(c), "layout": layout,
-            "memory": {**dataclasses.asdict(est.memory), "state": est.memory.state, "peak": est.memory.peak},
-            "comm": [dataclasses.asdict(t) for t in est.comm], "timing": timing,
+            "memory": memory_parts(est.memory), "comm": [comm_json(t) for t in est.comm], "timing": timing,
             "time_parts": time_parts(est.timing, c.devices), "fits": est.fits}
 
 

@@ -15,13 +15,15 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from spmd_train.analysis.plan.candidate import ACTIVATION_RULES, BATCH_AXES, PARAM_RULES, Candidate
+from spmd_train.analysis.plan.candidate import Candidate
 from spmd_train.analysis.plan.labels import Scope, label
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.target import SLOW_AXES, Target, slow_placements
 from spmd_train.config.checks import check_layout
+from spmd_train.config.load import default_rules
 from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.pipeline_keys import check_pipeline
+from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.config.schema import Config
 from spmd_train.config.validity import (
     Violation,
@@ -93,7 +95,7 @@ def factorizations(n: int, parts: int = len(MESH_AXES)) -> Iterator[tuple[int, .
 def check_default_rules(cfg: Config) -> None:
     """ConfigError unless `cfg` uses the default sharding rules, the only ones the analytic model knows."""
     rules = cfg.mesh.rules
-    if rules.activations != ACTIVATION_RULES or {**rules.activations, **rules.params} != PARAM_RULES:
+    if RuleTables.from_config(rules) != default_rules():
         raise ConfigError("plan knows the default sharding rules only (mesh.rules.preset=default without entries of "
                           f"its own); this config has mesh.rules.preset={rules.preset}, activations "
                           f"{dict(rules.activations)}, params {dict(rules.params)}")
@@ -108,7 +110,7 @@ def mesh_reason(cfg: Config, shape: ModelShape, c: Candidate, target: Target) ->
              or (expert_divides_experts(m.moe.num_experts, c.expert) if m.moe is not None else None)
              # Every virtual-stage count splits the layers at least as finely as the stages alone.
              or chunks_divide_layers(m.num_layers, c.pipeline, 1)
-             or batch_axes_divide_batch(t.global_batch_size, {a: c.shape[a] for a in BATCH_AXES})
+             or batch_axes_divide_batch(t.global_batch_size, {a: c.shape[a] for a in c.tables.batch_axes})
              or axes_divide_tokens(t.seq_len, c.sequence, c.tensor, sequence_parallel=False))
     if found is not None:
         return _invalid((c, Scope.MESH), found)

@@ -1,8 +1,8 @@
 """The model as the planner sees it: every parameter's shape and logical axes, and the FLOPs per token.
 
 `ModelShape.from_config` lists the parameters `models/transformer.py` creates, one `ParamGroup` per stacked
-array, so the sharding arithmetic over them is the engine's (tests/test_plan_model.py compares them with
-`Engine.param_shapes`). FLOPs per token are `models.flops.flops_per_token`, not derived again.
+array, from the tables the model's modules create them from (`models.param_specs`), so the sharding arithmetic
+over them is the engine's. FLOPs per token are `models.flops.flops_per_token`, not derived again.
 
 Derivation: docs/explanation/planner-model.md#the-models-shape
 """
@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from spmd_train.config.field_types import DTYPE_BYTES
+from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.flops import flops_per_token, matmul_params, moe_layer_count
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+from spmd_train.models.param_specs import model_params
 
 
 @dataclass(frozen=True)
@@ -96,17 +97,16 @@ class ModelShape:
 
     @property
     def dense_layer_params(self) -> int:
-        """Parameters of one dense layer (norms, attention, SwiGLU MLP)."""
-        d, hd = self.d_model, self.head_dim
-        extras = hd * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias + 2 * hd * self.qk_norm
-        return 2 * d + d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * self.d_ff + extras
+        """Parameters of one dense layer (norms, attention, SwiGLU MLP); 0 when every layer is MoE."""
+        prefix = "blocks" if self.moe_layers == 0 else "blocks.dense"
+        return _per_layer(self.params, prefix)
 
     @property
     def moe_layer_params(self) -> int:
         """Parameters of one MoE layer: a dense layer's, with the router and experts in place of the MLP."""
-        d, f = self.d_model, self.moe_d_ff
-        experts = d * self.num_experts + 3 * d * f * (self.num_experts + self.num_shared_experts)
-        return self.dense_layer_params - 3 * d * self.d_ff + experts
+        if self.moe_layers == 0:
+            return 0
+        return _per_layer(self.params, "blocks" if self.moe_layers == self.num_layers else "blocks.moe")
 
     @property
     def active_params(self) -> int:
@@ -125,54 +125,16 @@ class ModelShape:
 
 
 def _param_groups(m: ModelConfig) -> tuple[ParamGroup, ...]:
-    """The parameters `Transformer(m)` creates, in the order of its tree."""
-    d, v = m.d_model, m.vocab_size
-    groups = [ParamGroup("embedding", (v, d), ("vocab", "embed"), lookup_only=not m.tie_embeddings)]
-    every, layers = m.moe_every, m.num_layers
-    if every == 0:
-        groups += _block(m, "blocks", (layers,), moe=False)
-    elif every == 1:
-        groups += _block(m, "blocks", (layers,), moe=True)
-    else:
-        groups += _block(m, "blocks.dense", (layers // every, every - 1), moe=False)
-        groups += _block(m, "blocks.moe", (layers // every,), moe=True)
-    groups.append(ParamGroup("final_norm.scale", (d,), ("embed",)))
-    if not m.tie_embeddings:
-        groups.append(ParamGroup("lm_head", (d, v), ("embed", "vocab")))
-    return tuple(groups)
+    """The parameters `Transformer(m)` creates (`models.param_specs.model_params`)."""
+    return tuple(ParamGroup(path, shape, axes, lookup_only=path == "embedding" and not m.tie_embeddings)
+                 for path, shape, axes in model_params(m))
 
 
-def _block(m: ModelConfig, prefix: str, stack: tuple[int, ...], *, moe: bool) -> list[ParamGroup]:
-    """One `Block`'s parameters stacked `stack` times (`layers`, then `sublayers`)."""
-    d, hd, h, kv = m.d_model, m.resolved_head_dim, m.num_heads, m.num_kv_heads
-    lead = ("layers", "sublayers")[: len(stack)]
-
-    def group(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamGroup:
-        return ParamGroup(f"{prefix}.{name}", (*stack, *shape), (*lead, *axes))
-
-    out = [group("attn_norm.scale", (d,), ("embed",)),
-           group("attn.wq", (d, h, hd), ("embed", "heads", "head_dim")),
-           group("attn.wk", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
-           group("attn.wv", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
-           group("attn.wo", (h, hd, d), ("heads", "head_dim", "embed")),
-           group("mlp_norm.scale", (d,), ("embed",))]
-    if m.qkv_bias:
-        out += [group("attn.bq", (h, hd), ("heads", "head_dim")), group("attn.bk", (kv, hd), ("kv_heads", "head_dim")),
-                group("attn.bv", (kv, hd), ("kv_heads", "head_dim"))]
-    if m.qk_norm:
-        out += [group("attn.q_norm.scale", (hd,), ("head_dim",)), group("attn.k_norm.scale", (hd,), ("head_dim",))]
-    if not moe:
-        f = m.d_ff
-        return [*out, group("mlp.w_gate", (d, f), ("embed", "mlp")), group("mlp.w_up", (d, f), ("embed", "mlp")),
-                group("mlp.w_down", (f, d), ("mlp", "embed"))]
-    e, f = m.moe.num_experts, m.resolved_moe_d_ff
-    out += [group("mlp.router", (d, e), ("embed", "router_experts")),
-            group("mlp.w_gate", (e, d, f), ("experts", "embed", "expert_mlp")),
-            group("mlp.w_up", (e, d, f), ("experts", "embed", "expert_mlp")),
-            group("mlp.w_down", (e, f, d), ("experts", "expert_mlp", "embed"))]
-    if m.moe.num_shared_experts:
-        shared = m.moe.num_shared_experts * f
-        out += [group("mlp.shared_gate", (d, shared), ("embed", "mlp")),
-                group("mlp.shared_up", (d, shared), ("embed", "mlp")),
-                group("mlp.shared_down", (shared, d), ("mlp", "embed"))]
-    return out
+def _per_layer(groups: tuple[ParamGroup, ...], prefix: str) -> int:
+    """Parameters of one layer of the stack whose paths start with `prefix`."""
+    total = 0
+    for g in groups:
+        if g.path.startswith(prefix + "."):
+            stacked = math.prod(n for n, a in zip(g.shape, g.axes, strict=True) if a in STACKING_AXES)
+            total += g.numel // stacked
+    return total

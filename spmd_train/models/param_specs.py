@@ -1,0 +1,93 @@
+"""Every parameter the model has: its shape and logical axes, per module and for the whole tree. Pure Python (no jax).
+
+The NNX modules (`models/transformer.py`, `models/moe.py`) create their parameters from these tables, and the
+planner (`analysis.plan.shape.ModelShape`) lists them from the same tables before jax starts: a new parameter is
+declared here once.
+"""
+
+from __future__ import annotations
+
+from spmd_train.config.mesh_schema import STACKING_AXES
+from spmd_train.config.model_schema import ModelConfig
+
+Spec = tuple[tuple[int, ...], tuple[str, ...]]
+"""(shape, logical axes) of one parameter, unstacked."""
+
+EXPERT_GATE_UP_AXES = ("experts", "embed", "expert_mlp")
+EXPERT_DOWN_AXES = ("experts", "expert_mlp", "embed")
+
+
+def norm_params(cfg: ModelConfig, axis: str = "embed") -> dict[str, Spec]:
+    """An RMSNorm's scale over the residual stream (`embed`) or over each head (`head_dim`, Qwen3's q/k norms)."""
+    return {"scale": ((cfg.d_model if axis == "embed" else cfg.resolved_head_dim,), (axis,))}
+
+
+def attention_params(cfg: ModelConfig) -> dict[str, Spec]:
+    """Grouped-query attention's projections (and Qwen2's biases); its q/k norms are `norm_params(cfg, "head_dim")`."""
+    d, hd, h, kv = cfg.d_model, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
+    out = {"wq": ((d, h, hd), ("embed", "heads", "head_dim")), "wk": ((d, kv, hd), ("embed", "kv_heads", "head_dim")),
+           "wv": ((d, kv, hd), ("embed", "kv_heads", "head_dim")), "wo": ((h, hd, d), ("heads", "head_dim", "embed"))}
+    if cfg.qkv_bias:
+        out |= {"bq": ((h, hd), ("heads", "head_dim")), "bk": ((kv, hd), ("kv_heads", "head_dim")),
+                "bv": ((kv, hd), ("kv_heads", "head_dim"))}
+    return out
+
+
+def mlp_params(cfg: ModelConfig) -> dict[str, Spec]:
+    """The dense SwiGLU feed-forward."""
+    d, f = cfg.d_model, cfg.d_ff
+    return {"w_gate": ((d, f), ("embed", "mlp")), "w_up": ((d, f), ("embed", "mlp")),
+            "w_down": ((f, d), ("mlp", "embed"))}
+
+
+def moe_params(cfg: ModelConfig) -> dict[str, Spec]:
+    """The router, the routed experts and the shared experts (as one wider SwiGLU) of an MoE feed-forward."""
+    d, f, e = cfg.d_model, cfg.resolved_moe_d_ff, cfg.moe.num_experts
+    out = {"router": ((d, e), ("embed", "router_experts")), "w_gate": ((e, d, f), EXPERT_GATE_UP_AXES),
+           "w_up": ((e, d, f), EXPERT_GATE_UP_AXES), "w_down": ((e, f, d), EXPERT_DOWN_AXES)}
+    if cfg.moe.num_shared_experts:
+        shared = cfg.moe.num_shared_experts * f
+        out |= {"shared_gate": ((d, shared), ("embed", "mlp")), "shared_up": ((d, shared), ("embed", "mlp")),
+                "shared_down": ((shared, d), ("mlp", "embed"))}
+    return out
+
+
+def table_params(cfg: ModelConfig) -> dict[str, Spec]:
+    """The vocabulary tables: the embedding, and the LM head when it is not tied to it."""
+    d, v = cfg.d_model, cfg.vocab_size
+    out = {"embedding": ((v, d), ("vocab", "embed"))}
+    if not cfg.tie_embeddings:
+        out["lm_head"] = ((d, v), ("embed", "vocab"))
+    return out
+
+
+def block_params(cfg: ModelConfig, *, moe: bool) -> dict[str, Spec]:
+    """One layer (`Block`): its two norms, attention and a dense or MoE feed-forward, by dot-joined path."""
+    out = {"attn_norm.scale": norm_params(cfg)["scale"], "mlp_norm.scale": norm_params(cfg)["scale"]}
+    out |= {f"attn.{k}": v for k, v in attention_params(cfg).items()}
+    if cfg.qk_norm:
+        out |= {f"attn.{n}.scale": norm_params(cfg, "head_dim")["scale"] for n in ("q_norm", "k_norm")}
+    out |= {f"mlp.{k}": v for k, v in (moe_params(cfg) if moe else mlp_params(cfg)).items()}
+    return out
+
+
+def model_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+    """(dot-joined path, shape, logical axes) of every array `Transformer(cfg)` creates, the layer stacks' leading
+    `layers` (and `sublayers`) dimensions included: the tables, then the layer stack(s), then the final norm."""
+    tables = table_params(cfg)
+    out = [("embedding", *tables["embedding"])]
+    every, layers = cfg.moe_every, cfg.num_layers
+    if every in (0, 1):
+        out += _stacked(block_params(cfg, moe=every == 1), "blocks", (layers,))
+    else:
+        out += _stacked(block_params(cfg, moe=False), "blocks.dense", (layers // every, every - 1))
+        out += _stacked(block_params(cfg, moe=True), "blocks.moe", (layers // every,))
+    out.append(("final_norm.scale", *norm_params(cfg)["scale"]))
+    if "lm_head" in tables:
+        out.append(("lm_head", *tables["lm_head"]))
+    return out
+
+
+def _stacked(specs: dict[str, Spec], prefix: str, stack: tuple[int, ...]) -> list:
+    lead = STACKING_AXES[: len(stack)]
+    return [(f"{prefix}.{path}", (*stack, *shape), (*lead, *axes)) for path, (shape, axes) in specs.items()]

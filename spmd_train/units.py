@@ -1,0 +1,16 @@
+"""Byte units and how reports print them. Pure Python (no jax): the planner and the config checks print with it."""
+
+from __future__ import annotations
+
+GiB = 2**30
+
+
+def human_bytes(n: float | None) -> str:
+    """1536 -> '1.50 KiB'; None -> 'unknown'."""
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

@@ -19,12 +19,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$log"
 if [ "$part" = attention ] || [ "$part" = all ]; then
   JAX_PLATFORMS=cuda run python3 -m pytest -q -p no:cacheprovider tests/test_flash_attention_gpu.py -k compiled
-  run python3 benchmarks/attention.py
-  run python3 benchmarks/attention.py --sweep 8192
+  run python3 benchmarks/attention.py --record
+  run python3 benchmarks/attention.py --record --sweep 8192
 fi
 if [ "$part" = training ] || [ "$part" = all ]; then
-  run python3 benchmarks/moe.py --rounds 3
-  run python3 benchmarks/mfu.py --batch 4  # 8 x 4096 tokens of llama-1b run out of memory on an 80 GB H100
+  run python3 benchmarks/moe.py --record --rounds 3
+  run python3 benchmarks/mfu.py --record --batch 4  # 8 x 4096 tokens of llama-1b run out of memory on an 80 GB H100
 fi
 if [ -n "${OUT:-}" ]; then cp docs/benchmarks.md "$OUT/"; fi
 exit $status

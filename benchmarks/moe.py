@@ -8,7 +8,8 @@ Usage: python benchmarks/moe.py [--rounds 10] [--steps 10] [--gpu-tokens 8192]
    as many MLP weights in both (the router's d_model x E weights aside), and every other layer
    identical. moe-tiny has d_ff = 128 = 2 x 64 already, so the baseline is the same config with
    model.moe=null. Timed in alternating rounds (noise hits both alike), median step time,
-   one step in flight (XLA:CPU collectives, DESIGN.md); reported as a ratio to the dense model.
+   one step in flight (two XLA:CPU programs with collectives in flight can deadlock); reported as a
+   ratio to the dense model.
 2. On a GPU (jax.devices()[0].platform == "gpu"): one Mixtral-sized MoE layer (d_model 4096,
    8 experts of hidden 14336, top-2, bf16) forward + backward on one device, capacity path and
    dropless path, in achieved TFLOP/s of the active work (6 x tokens x k x 3 x d x f for the

@@ -15,7 +15,14 @@ from typing import Any
 import jax
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun the command to refresh it.\n"
+HEADER = ("# Benchmarks\n\nEach section is written by the script it names; rerun the command with `--record` to "
+          "refresh it.\n")
+RECORD = "--record" in sys.argv[1:]
+"""Whether this run writes its section of docs/benchmarks.md: only when asked (`--record`), so a trial or an
+abridged run (fewer rounds, one case) never replaces the recorded figures. Taken out of sys.argv here, before the
+script's own parser reads it."""
+if RECORD:
+    sys.argv.remove("--record")
 
 
 def provenance(command: str) -> str:
@@ -31,7 +38,11 @@ def provenance(command: str) -> str:
 
 
 def update_section(name: str, title: str, body: str) -> None:
-    """Replace (or append) the section `name` of docs/benchmarks.md."""
+    """Replace (or append) the section `name` of docs/benchmarks.md with `--record`; print it otherwise."""
+    if not RECORD:
+        print(f"## {title}\n\n{body.rstrip()}\n")
+        print(f"(not recorded: rerun with --record to write it into {DOC.name})", file=sys.stderr)
+        return
     text = DOC.read_text() if DOC.exists() else HEADER
     block = f"<!-- {name}:start -->\n## {title}\n\n{body.rstrip()}\n<!-- {name}:end -->"
     pattern = re.compile(rf"<!-- {name}:start -->.*?<!-- {name}:end -->", re.S)
@@ -79,7 +90,8 @@ def timed_steps(cfg, steps: int) -> TimedSteps:
     for _ in range(steps + 1):
         start = time.perf_counter()
         state, metrics = compiled(state, tokens)
-        jax.block_until_ready(metrics)  # one step in flight at a time (XLA:CPU collectives, see DESIGN.md)
+        # One step in flight at a time: two XLA:CPU programs with collectives in flight can deadlock.
+        jax.block_until_ready(metrics)
         seconds.append(time.perf_counter() - start)
         losses.append(float(metrics["loss"]))
     return TimedSteps(engine, compiled, compile_s, seconds, losses)

@@ -26,7 +26,7 @@ from spmd_train.hf import export_hf, load_hf_params
 from spmd_train.hf import names as hf_names
 from spmd_train.sharding.constrain import use_layout
 from spmd_train.train.engine import Engine
-from tests.runs import cli
+from tests.runs import cli, main_in_process
 
 REFERENCE = Path(__file__).parent / "hf_reference"
 FAMILIES = ("llama", "llama32", "mistral", "qwen2", "qwen3", "mixtral")
@@ -223,6 +223,28 @@ def test_unsupported_config_fields_are_named():
         model_section({**cfg, "hidden_act": "gelu"})
     with pytest.raises(ConfigError, match="attention_bias=True is not supported"):
         model_section({**cfg, "attention_bias": True})
+
+
+@pytest.mark.faults
+def test_an_import_killed_before_its_checkpoint_was_finished_can_be_rerun_into_the_same_directory(tmp_path, capsys):
+    # What `convert hf` killed mid-write leaves: its (unlocked) lock file, config.json, an unfinished Orbax step.
+    run = tmp_path / "run"
+    (run / "checkpoints" / "0.orbax-checkpoint-tmp-1700000000").mkdir(parents=True)
+    (run / ".lock").write_text('{"host": "h", "pid": 1, "started": "then"}')
+    (run / "config.json").write_text("{}")
+    args = ("convert", "hf", str(REFERENCE / "llama32"), "--to", str(run), "run.simulate_devices=8")
+    code, out, err = main_in_process(*args, capsys=capsys)
+    assert code == 0, err
+    assert (run / "checkpoints" / "0").is_dir() and "into" in out
+    # A finished step, or a file an import does not write, is kept: refused, nothing written.
+    code, _, err = main_in_process(*args, capsys=capsys)
+    assert code == 2 and "already holds files" in err
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "notes.txt").write_text("mine")
+    code, _, err = main_in_process(*args[:4], str(other), *args[5:], capsys=capsys)
+    assert code == 2 and "already holds files" in err and sorted(p.name for p in other.iterdir()) == [
+        "checkpoints", "notes.txt"]
 
 
 @pytest.mark.slow

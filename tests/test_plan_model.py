@@ -26,6 +26,8 @@ from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import KINDS, device_spec, hardware
 from spmd_train.models.flops import flops_per_token
+from spmd_train.models.param_specs import EXPERT_DOWN_AXES, EXPERT_GATE_UP_AXES
+from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -106,6 +108,12 @@ def test_model_shape_lists_the_engines_parameters_and_what_a_hand_formula_counts
                                   + moe_layers * shape.moe_layer_params + tables + d)
     assert shape.flops_per_token(1024) == flops_per_token(m, 1024)
     assert [g.path for g in shape.params if g.lookup_only] == ([] if m.tie_embeddings else ["embedding"])
+
+
+def test_the_expert_weights_logical_axes_are_the_ones_the_expert_matmuls_constrain():
+    # ops (below the model layer, jax only) keeps the names its matmuls constrain the expert weights to; the
+    # declaration the modules and the planner read must be the same.
+    assert (EXPERT_GATE_UP_AXES, EXPERT_DOWN_AXES) == (GATE_UP_AXES, DOWN_AXES)
 
 
 def test_parameter_counts_of_a_dense_and_a_mixture_model_by_hand():

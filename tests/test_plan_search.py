@@ -39,6 +39,7 @@ from spmd_train.hardware import KINDS, hardware
 from spmd_train.parallel.schedule_simulator import simulate
 from spmd_train.parallel.schedules import build_schedule
 from spmd_train.train.trainer import Trainer
+from spmd_train.units import gib_apart
 from tests.runs import cli, main_in_process
 
 GB = 1e9
@@ -360,6 +361,8 @@ def test_bad_input_exits_2_with_one_paragraph_and_writes_nothing(tmp_path, capsy
     runs = [(TINY, *args, "--write-config", str(out)) for args, _ in cases]
     runs.append(("configs/llama3-8b_v5p-512.yaml", "--devices", "1", "--hardware", "h100", "--write-config", str(out)))
     cases.append(([], ["fits nowhere", "needs", "GiB", "ZeRO-3", "remat", "more devices (about"]))
+    runs.append(("models/llama3-8b.yaml", "--devices", "1", "--hardware", "h100"))  # a model file: named by its path
+    cases.append(([], ["the model of models/llama3-8b.yaml (8.03B parameters) fits nowhere"]))
     done = [main_in_process("plan", *a, capsys=capsys) for a in runs]
     for (args, needles), (code, out_text, err) in zip(cases, done, strict=True):
         assert code == 2, (args, out_text, err)
@@ -368,6 +371,12 @@ def test_bad_input_exits_2_with_one_paragraph_and_writes_nothing(tmp_path, capsy
         for needle in needles:
             assert needle in err, (args, needle, err)
     assert not out.exists()
+
+
+def test_a_need_just_above_the_memory_is_printed_with_the_decimals_that_show_it():
+    assert gib_apart(74.53 * 2**30, 74.5 * 2**30) == ("74.53 GiB", "74.50 GiB")
+    assert gib_apart(120 * 2**30, 74.5 * 2**30) == ("120.0 GiB", "74.5 GiB")
+    assert gib_apart(2**30 + 1, 2**30) == ("1.0000 GiB", "1.0000 GiB")  # beyond 4 decimals: the figures as they are
 
 
 def test_the_fits_nowhere_message_names_how_many_devices_would_do():

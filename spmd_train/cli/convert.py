@@ -60,7 +60,7 @@ def _import(source: Path, run_dir: Path, overrides: list[str]) -> int:
     from spmd_train.config.hf_config import read_hf_config
 
     read_hf_config(source)  # a missing directory or config.json is named before anything starts
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and any(run_dir.iterdir()) and not _interrupted_import(run_dir):
         raise ConfigError(f"--to {run_dir} already holds files (valid: a new run directory; nothing was written)")
     cfg = load_config(None, [f"checkpoint.load_from=hf:{source}", f"run.dir={run_dir}", *overrides])
     simulate_devices(cfg.run.simulate_devices)
@@ -77,6 +77,15 @@ def _import(source: Path, run_dir: Path, overrides: list[str]) -> int:
           + (f", {m.moe.num_experts} experts" if m.moe else "") + f") into {run_dir}/checkpoints/0; "
           f"peak host memory {_peak_rss_gib():.2f} GiB; train on with run.dir={run_dir}")
     return 0
+
+
+def _interrupted_import(run_dir: Path) -> bool:
+    """Whether `run_dir` holds only what an import stopped before its checkpoint was finished leaves (its lock file,
+    config.json, a `checkpoints/` without a finished step): a rerun may write there; anything else is kept."""
+    if {p.name for p in run_dir.iterdir()} - {".lock", "config.json", "checkpoints"}:
+        return False
+    checkpoints = run_dir / "checkpoints"
+    return not checkpoints.exists() or not any(p.name.isdigit() for p in checkpoints.iterdir())
 
 
 def _export(source: Path, out: Path, dtype: str | None, max_shard_bytes: int) -> int:

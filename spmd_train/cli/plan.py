@@ -78,7 +78,7 @@ def run_plan(args: argparse.Namespace) -> int:
     result = search(cfg, target, keep=max(KEEP, args.top, args.compile))
     if args.explain:
         return _explain(result, args.explain, args.json)
-    require_layouts(result)
+    require_layouts(result, args.config)
     if args.compile and target.platform == "tpu":
         _host_compiles_for_tpu()
     stage = compile_stage(result, max(args.compile, 0))

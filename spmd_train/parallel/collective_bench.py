@@ -113,7 +113,8 @@ def median_seconds(fn: Callable[[], jax.Array], repeats: int, warmup: int = 1) -
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn())  # one run in flight at a time (DESIGN.md: XLA:CPU rendezvous deadlocks)
+        # One run in flight at a time: two XLA:CPU programs with collectives in flight can deadlock in their rendezvous.
+        jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

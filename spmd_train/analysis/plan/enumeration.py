@@ -27,7 +27,7 @@ from spmd_train.analysis.plan.rejections import (
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.target import Target
 from spmd_train.config.schema import Config
-from spmd_train.units import GiB
+from spmd_train.units import gib_apart
 
 DOMINATED = "dominated: a smaller grad_accum fits"
 GPIPE = "dominated: 1f1b runs the same ticks with a smaller stash"
@@ -100,8 +100,8 @@ def _state_reason(shape: ModelShape, c: Candidate, work: Workload, hbm: float) -
     state = sum(state_bytes(shape, c, work))
     if state <= hbm:
         return None
-    return Rejection(c, Scope.ZERO, FIT, f"does not fit: the state alone needs {state / GiB:.1f} GiB > "
-                     f"{hbm / GiB:.1f} GiB", "memory", peak=state)
+    need, limit = gib_apart(state, hbm)
+    return Rejection(c, Scope.ZERO, FIT, f"does not fit: the state alone needs {need} > {limit}", "memory", peak=state)
 
 
 def _fit_accumulation(memory: MemoryModel, z: Candidate, work: Workload, hbm: float, fitting: list[Candidate],
@@ -153,8 +153,8 @@ def _fit(memory: MemoryModel, r: Candidate, accums: tuple[int, ...], hbm: float)
     too_big = near = dominated = None
     if first > 0:
         near = min((i for i in peaks if i < first), key=peaks.__getitem__)
-        too_big = (f"does not fit: accum={_span(accums[:first])} need {peaks[near] / GiB:.1f} GiB or more "
-                   f"(accum={accums[near]}) > {hbm / GiB:.1f} GiB")
+        need, limit = gib_apart(peaks[near], hbm)
+        too_big = f"does not fit: accum={_span(accums[:first])} need {need} or more (accum={accums[near]}) > {limit}"
     if first < last:
         dominated = f"dominated: accum={accums[first]} fits, and a larger grad_accum is never faster"
     return _Fit(first, too_big, None if near is None else peaks[near], dominated, len(peaks))

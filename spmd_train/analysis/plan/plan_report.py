@@ -69,13 +69,15 @@ def why_lost(winner: Timing, runner: Timing, runner_label: str, devices: int) ->
             f"{seconds(mine.get(part, 0.0))}")
 
 
-def require_layouts(result: SearchResult) -> None:
-    """ConfigError when the search found nothing to rank: no layout passes the checks, or none fits."""
+def require_layouts(result: SearchResult, source: str | None = None) -> None:
+    """ConfigError when the search found nothing to rank: no layout passes the checks, or none fits (`source`: the
+    config file, which names a model without a preset)."""
     if result.ranked:
         return
     cfg, target = result.cfg, result.target
     closest = result.closest()
-    what = f"model {cfg.model.preset or 'of this config'} ({count(result.shape.total_params)} parameters)"
+    name = cfg.model.preset or f"of {source or 'this config'}"
+    what = f"model {name} ({count(result.shape.total_params)} parameters)"
     if closest is None:
         rules = "; ".join(f"{n} x {rule}" for rule, _, n, _ in result.counts()[:4])
         raise ConfigError(f"no layout of the {what} runs on {target.describe()}: every factorization of "

@@ -4,8 +4,8 @@ Two ways to name them: `--devices N --hardware KIND` (a GPU cluster of whole nod
 without a slice shape) or `--topology NAME` (a TPU slice, `v5p:8x8x8`, or several joined over DCN,
 `2xv5p:8x8x8`). Either gives a device count and the number of fast-link domains: GPU nodes (or
 NVLink racks, `Hardware.fast_domain`) and TPU slices. Between domains only the slow link
-(InfiniBand, DCN) runs, and DESIGN.md puts its factors on the outer mesh axes (`SLOW_AXES`), which
-`slow_placements` enumerates. Pure Python: the planner reads this before jax starts.
+(InfiniBand, DCN) runs, and its factors go on the outer mesh axes (`SLOW_AXES`; `mesh.dcn`, docs/multi-host.md),
+which `slow_placements` enumerates. Pure Python: the planner reads this before jax starts.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from spmd_train.errors import ConfigError
 from spmd_train.hardware import KINDS, Hardware, hardware
 
 SLOW_AXES = ("data", "pipeline", "fsdp")
-"""The outer mesh axes that may cross the slow link (DESIGN.md: the fastest links go to the inner axes)."""
+"""The outer mesh axes that may cross the slow link (`config.mesh_schema.MESH_AXES`: the fastest links go to the last,
+inner axes)."""
 TPU_KINDS = tuple(k for k in KINDS if hardware(k).torus)
 TOPOLOGY_EXAMPLES = "v5e:2x4, v5e:16x16, v6e:16x16, v4:2x2x2, v5p:4x4x4, v5p:8x8x16, tpu7x:4x4x4, 2xv5p:8x8x8"
 _TOPOLOGY = re.compile(r"^(?:(?P<slices>[1-9]\d*)x)?(?P<kind>[a-z0-9]+):(?P<shape>\d+(?:x\d+)*)$")

@@ -51,6 +51,14 @@ COVERED = {
 }
 FIGURES = {
     # command prefix -> figures the docs quote from its output: (doc, the figure in the doc, the figure printed)
+    # docs/describe.md's worked example: each collective row's count and bytes.
+    "spmd-train describe configs/tiny.yaml mesh.data=2 mesh.fsdp=2 mesh.tensor=2": [
+        ("docs/describe.md", rf"\| {op} \| {axes} \| {count} \| {size} \|",
+         rf"│ {op}\s*│ {axes}\s*│\s*\d+ │\s*{count} │\s*{size} │")
+        for op, axes in (("all-gather", "fsdp"), ("reduce-scatter", "fsdp"), ("all-to-all", "fsdp"),
+                         ("all-reduce", "tensor"), ("all-reduce", "data"))
+        for count, size in ((r"(\d+)", r"[\d.]+ [KM]iB"), (r"\d+", r"([\d.]+ [KM]iB)"))
+    ],
     "spmd-train describe configs/moe.yaml model.preset=mixtral-8x7b": [
         ("docs/moe.md", r"([\d.]+ GiB) peak per\s+chip", r"peak = arg \+ out \+ temp - alias\W*([\d.]+ GiB)"),
         ("docs/moe.md", r"(\d+) all-to-alls over `expert` per step", r"all-to-all over expert per step\W*(\d+) x"),

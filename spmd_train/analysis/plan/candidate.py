@@ -102,17 +102,17 @@ class Candidate:
 
     def split_by(self, logical: str) -> tuple[str, ...]:
         """The mesh axes of size > 1 the activation rule of this logical axis splits it over, in mesh order."""
-        return live(self.tables.activations.get(logical, ()), self.shape)
+        return _split_by(logical, self.sizes, self.rules, self.sequence_parallel)
 
-    @functools.cached_property
+    @property
     def batch_ways(self) -> int:
         """Devices a global batch's rows are split over (the `batch` rule; by default data x fsdp x expert)."""
-        return ways(self.split_by("batch"), self.shape)
+        return _ways_of("batch", self.sizes, self.rules, self.sequence_parallel)
 
     @property
     def length_ways(self) -> int:
         """Devices a row's tokens are split over (the `length` rule; by default `sequence`)."""
-        return ways(self.split_by("length"), self.shape)
+        return _ways_of("length", self.sizes, self.rules, self.sequence_parallel)
 
     def split(self, axes: tuple[str, ...]) -> tuple[int, int]:
         """(fast, slow): how many devices of a group over these axes share a fast-link domain, and how many
@@ -227,6 +227,21 @@ def _layouts(axes: tuple[str, ...], sizes: tuple[int, ...], rules: RuleTables | 
     # The stacking axes keep their stored split: `pipeline` is not a ZeRO axis, so it is the same in both specs.
     compute |= {a for n, dim in zip(axes, sharded, strict=True) if n in STACKING_AXES for a in dim}
     return sharded, spec(False), frozenset(compute)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _split_by(logical: str, sizes: tuple[int, ...], rules: RuleTables | None, sequence_parallel: bool
+              ) -> tuple[str, ...]:
+    """`Candidate.split_by`, cached on the fields it reads: the search asks it of a quarter of a million candidates."""
+    tables = (rules or default_rules()).resolve(sequence_parallel=sequence_parallel,
+                                                pipeline=sizes[MESH_AXES.index("pipeline")])
+    return live(tables.activations.get(logical, ()), dict(zip(MESH_AXES, sizes, strict=True)))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _ways_of(logical: str, sizes: tuple[int, ...], rules: RuleTables | None, sequence_parallel: bool) -> int:
+    """How many devices split this logical axis (`Candidate.batch_ways`, `length_ways`)."""
+    return math.prod(sizes[MESH_AXES.index(a)] for a in _split_by(logical, sizes, rules, sequence_parallel))
 
 
 def live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:

@@ -33,8 +33,18 @@ def provenance(command: str) -> str:
         f"- date: {datetime.date.today().isoformat()}\n"
         f"- hardware: {len(jax.devices())} x {dev.device_kind} ({dev.platform}); host {platform.machine()}, "
         f"{_cpu_count()} cores\n"
-        f"- jax {jax.__version__}, python {platform.python_version()}\n"
+        f"- jax {jax.__version__}{_libtpu()}, python {platform.python_version()}\n"
     )
+
+
+def _libtpu() -> str:
+    """', libtpu X' where libtpu is installed: TPU compile times (describe --topology) depend on its build."""
+    from importlib import metadata
+
+    try:
+        return f", libtpu {metadata.version('libtpu')}"
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def update_section(name: str, title: str, body: str) -> None:

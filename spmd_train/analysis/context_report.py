@@ -12,24 +12,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmd_train.analysis.analytic import analytic_layout
+from spmd_train.analysis.analytic import AnalyticLayout, analytic_layout
 from spmd_train.analysis.plan.candidate import rows_per_device, ways
 from spmd_train.analysis.plan.comm import context_terms
 from spmd_train.parallel.context import AXIS
 
 
-def context_section(engine) -> dict[str, Any] | None:
+def context_section(engine, layout: AnalyticLayout | None = None) -> dict[str, Any] | None:
     """Context-parallel layout and expected `sequence` traffic of an `Engine`'s train step; None without it.
 
     Keys: implementation, kernel (the local attention), ways (mesh.sequence), layout ("contiguous"
     or "zigzag"), tokens_per_device, chunk_tokens, kv_block_bytes (one device's K or V of one
     layer), collectives ({op: {count, bytes_per_device}} per step, the analytic model's `context_terms`),
-    exact, formula.
+    exact, formula. `layout`: the engine's `analytic_layout`, when the caller has it.
     """
     cfg, backends = engine.cfg, engine.backends
     if backends.context is None:
         return None
-    a = analytic_layout(engine)
+    a = layout or analytic_layout(engine)
     m, t, c = a.shape, cfg.train, a.candidate
     n, how = backends.sequence, backends.context
     heads = m.num_heads // ways(c.split_by("heads"), c.shape)

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from spmd_train.analysis.analytic import analytic_layout
+from spmd_train.analysis.analytic import AnalyticLayout, analytic_layout
 from spmd_train.analysis.plan.candidate import microbatches, rows_per_device
 from spmd_train.analysis.plan.comm import ExpertExchange, expert_exchange
 from spmd_train.models.flops import active_moe_mlp_params, matmul_params, moe_layer_count
@@ -20,7 +20,7 @@ from spmd_train.sharding.arithmetic import spec_axes
 AXIS = "expert"
 
 
-def moe_section(engine) -> dict[str, Any] | None:
+def moe_section(engine, layout: AnalyticLayout | None = None) -> dict[str, Any] | None:
     """MoE layout and expected expert-axis traffic of an `Engine`'s train step; None without MoE layers.
 
     Keys: moe_layers, layers (model layer index of each MoE layer, in `expert_load.<i>`
@@ -31,19 +31,20 @@ def moe_section(engine) -> dict[str, Any] | None:
     when dropless), slot_buffer_bytes (E x C x d_model x compute-dtype bytes, per device and
     exchange), expert_params (path and PartitionSpec of every parameter split over `expert`),
     active_params (per token, the MFU convention) and all_to_all (count and bytes per device
-    per step, with the formula).
+    per step, with the formula). `layout`: the engine's `analytic_layout`, when the caller has it.
     """
     cfg = engine.cfg
     m = cfg.model
     layers = moe_layer_count(m)
     if layers == 0:
         return None
-    a = analytic_layout(engine)
+    a = layout or analytic_layout(engine)
     c, x = a.candidate, expert_exchange(a.shape, a.candidate, a.workload)
     moe, choice = m.moe, cfg.backends
     dropless = choice.moe == "dropless"
     slots = None if dropless else int(x.slots)
-    rows = rows_per_device(c, a.workload) // microbatches(c, rows_per_device(c, a.workload))
+    rows = rows_per_device(c, a.workload)
+    rows //= microbatches(c, rows)  # a group's rows: one microbatch's
     return {
         "moe_layers": layers,
         "layers": [(i + 1) * moe.every - 1 for i in range(layers)],

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from spmd_train.analysis.analytic import analytic_layout
+from spmd_train.analysis.analytic import AnalyticLayout, analytic_layout
 from spmd_train.analysis.plan.comm import zero_terms
 from spmd_train.train.engine import Engine
 
@@ -33,9 +33,10 @@ class FloorTerm:
         return {"op": self.op, "axes": list(self.axes), "bytes": self.bytes}
 
 
-def zero_floor(engine: Engine) -> list[FloorTerm]:
-    """The ZeRO floor of `engine`'s step, one term per (collective, mesh axes), largest first."""
-    a = analytic_layout(engine)
+def zero_floor(engine: Engine, layout: AnalyticLayout | None = None) -> list[FloorTerm]:
+    """The ZeRO floor of `engine`'s step, one term per (collective, mesh axes), largest first (`layout`: the
+    engine's `analytic_layout`, when the caller has it)."""
+    a = layout or analytic_layout(engine)
     totals: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
     for t in zero_terms(a.shape, a.candidate, xla_cpu=True):  # the algorithm's traffic, nothing a compiler adds
         totals[t.op, t.axes] += t.bytes

@@ -15,6 +15,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from spmd_train.analysis.plan.candidate import Candidate
 from spmd_train.analysis.plan.explain import explain
 from spmd_train.analysis.plan.labels import config_dict, label, label_parts
 from spmd_train.analysis.plan.model import analysis_lines
@@ -73,11 +74,10 @@ def run_plan(args: argparse.Namespace) -> int:
         measured = profile_hardware(load_profile(args.profile), target.hardware, f"--profile {args.profile}",
                                     target.devices)
         target = dataclasses.replace(target, hardware=measured)
-    if args.explain:
-        label_parts(args.explain)  # a label that does not parse is refused before the search
+    asked = label_parts(args.explain) if args.explain else None  # a bad label is refused before the search
     result = search(cfg, target, keep=max(KEEP, args.top, args.compile))
-    if args.explain:
-        return _explain(result, args.explain, args.json)
+    if asked is not None:
+        return _explain(result, args.explain, asked, args.json)
     require_layouts(result, args.config)
     if args.compile and target.platform == "tpu":
         _host_compiles_for_tpu()
@@ -105,8 +105,8 @@ def _host_compiles_for_tpu() -> None:
         pass
 
 
-def _explain(result: SearchResult, text: str, as_json: bool) -> int:
-    asked, given = label_parts(text)
+def _explain(result: SearchResult, text: str, parts: tuple[Candidate, frozenset[str]], as_json: bool) -> int:
+    asked, given = parts
     found = explain(result, asked, given)
     if found.estimate is None:
         rejected = found.rejection

@@ -97,8 +97,7 @@ class Candidate:
     @functools.cached_property
     def tables(self) -> ResolvedRules:
         """The effective rule tables on this mesh: the configured ones with the rules the code adds."""
-        return (self.rules or default_rules()).resolve(sequence_parallel=self.sequence_parallel,
-                                                        pipeline=self.pipeline)
+        return _tables(self.rules, self.sequence_parallel, self.pipeline)
 
     def split_by(self, logical: str) -> tuple[str, ...]:
         """The mesh axes of size > 1 the activation rule of this logical axis splits it over, in mesh order."""
@@ -233,8 +232,7 @@ def _layouts(axes: tuple[str, ...], sizes: tuple[int, ...], rules: RuleTables | 
 def _split_by(logical: str, sizes: tuple[int, ...], rules: RuleTables | None, sequence_parallel: bool
               ) -> tuple[str, ...]:
     """`Candidate.split_by`, cached on the fields it reads: the search asks it of a quarter of a million candidates."""
-    tables = (rules or default_rules()).resolve(sequence_parallel=sequence_parallel,
-                                                pipeline=sizes[MESH_AXES.index("pipeline")])
+    tables = _tables(rules, sequence_parallel, sizes[MESH_AXES.index("pipeline")])
     return live(tables.activations.get(logical, ()), dict(zip(MESH_AXES, sizes, strict=True)))
 
 
@@ -252,7 +250,12 @@ def live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:
 def tables_of(sizes: tuple[int, ...], rules: RuleTables | None) -> ResolvedRules:
     """The parameter and activation tables on a mesh of these sizes (sequence parallelism aside, which changes the
     residual stream's `norm_length` only)."""
-    return (rules or default_rules()).resolve(sequence_parallel=False, pipeline=sizes[MESH_AXES.index("pipeline")])
+    return _tables(rules, False, sizes[MESH_AXES.index("pipeline")])
+
+
+def _tables(rules: RuleTables | None, sequence_parallel: bool, pipeline: int) -> ResolvedRules:
+    """The effective tables of `rules` (None: the default preset) with the rules the code adds."""
+    return (rules or default_rules()).resolve(sequence_parallel=sequence_parallel, pipeline=pipeline)
 
 
 def rows_per_device(c: Candidate, w: Workload) -> int:

@@ -15,8 +15,6 @@ from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.rejections import Rejection
 from spmd_train.analysis.plan.search import SearchResult, evaluate
 
-CHOSEN = ("zero_stage", "remat", "grad_accum")
-"""The settings the search picks per mesh, tried where a label leaves them out."""
 RUNS = ("dominated",)
 """Rejection kinds of layouts that run (another one is never slower): they are explained, not refused."""
 

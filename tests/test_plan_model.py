@@ -254,8 +254,8 @@ def test_an_moe_layer_keeps_what_jax_vjp_keeps_of_it():
     slots = 8 * math.ceil(2 * b * s * 1.25 / 8)
     for policy in ("none", "save_matmuls", "save_matmuls_no_batch"):
         def layer(state, x, policy=policy):
-            cos, sin = rope_tables(s, m.resolved_head_dim, m.rope_theta, None)
-            return apply_remat(lambda x, state: nnx.merge(graphdef, state)(x, cos, sin)[0], policy)(x, state)
+            rope = (rope_tables(s, m.resolved_head_dim, m.rope_theta, None),)
+            return apply_remat(lambda x, state: nnx.merge(graphdef, state)(x, rope)[0], policy)(x, state)
 
         leaves = jax.eval_shape(lambda state, x, f=layer: jax.tree.leaves(jax.vjp(f, state, x)[1]), state, x)
         traced = sum(math.prod(a.shape) * a.dtype.itemsize for a in leaves if (a.shape, a.dtype) not in weights)
@@ -399,7 +399,7 @@ def test_remat_recompute_mfu_convention_and_the_overlap_rule():
     assert plain == model / 64
     _, full = device_flops(shape, Candidate(fsdp=64, remat="full"), work)
     layers = shape.matmul_params - 4096 * 128256  # the LM head is outside the rematerialised layer loop
-    attention_forward = shape.attention_flops_per_position * 8192 / 3
+    attention_forward = shape.attention_flops_per_token(8192) / 3
     assert full * 64 == pytest.approx(model + (2 * layers + attention_forward) * tokens)
     # Compiled for v5p:4x4x4 (docs/benchmarks.md, ZeRO-3 bytes): 555.24 TFLOPs per chip under full remat.
     assert full / 1e12 == pytest.approx(555.24, rel=0.01)

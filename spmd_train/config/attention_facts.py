@@ -38,9 +38,40 @@ class AttentionFacts:
     """It keeps the [length, length] scores for the backward (the planner's activation memory), as XLA's does."""
     fallback: bool = False
     """The implementation that runs on every platform and that `auto` falls back to (exactly one)."""
+    variants: tuple[str, ...] = ()
+    """The attention variants (`VARIANTS`) it computes exactly; a model using another one needs another
+    implementation (`auto` picks one that computes them all)."""
     check: Callable[[Any, Any, str], None] | None = None
     """check(model, backends, platform): ConfigError when this run's ModelConfig or BackendsConfig does not suit it
     on `platform`, before anything is traced."""
+
+
+VARIANTS = {"window": "sliding layers (model.sliding_window)",
+            "softcap": "soft-capped logits (model.attn_logit_softcap)",
+            "sinks": "attention sinks (model.attention_sinks)"}
+"""The attention variants beyond full causal attention an implementation may or may not compute, and the keys that
+ask for them."""
+
+
+def model_variants(model: Any) -> tuple[str, ...]:
+    """The variants a `ModelConfig` uses, in `VARIANTS` order."""
+    used = {"window": "sliding" in model.layer_kinds, "softcap": model.attn_logit_softcap is not None,
+            "sinks": model.attention_sinks}
+    return tuple(v for v in VARIANTS if used[v])
+
+
+def computes(name: str, model: Any) -> bool:
+    """Whether implementation `name` computes every attention variant `model` uses."""
+    return set(model_variants(model)) <= set(attention_facts(name).variants)
+
+
+def check_variants(name: str, model: Any) -> None:
+    """ConfigError naming the model's keys when implementation `name` does not compute a variant the model uses."""
+    missing = [v for v in model_variants(model) if v not in attention_facts(name).variants]
+    if missing:
+        able = [f.name for f in _FACTS if set(model_variants(model)) <= set(f.variants)]
+        raise ConfigError(f"backends.attention={name} does not compute {' or '.join(VARIANTS[v] for v in missing)} "
+                          f"(valid: backends.attention={' or '.join(['auto', *able])})")
 
 
 _FACTS: Registry[AttentionFacts] = Registry("attention implementation", reserved=("auto",))
@@ -85,7 +116,10 @@ def _pallas_on_gpu(model: Any, backends: Any, platform: str) -> None:
                           "kernels: each must be 64, 128, 192 or 256 (64-row warpgroups, at most 4 per program)")
 
 
-register_attention_facts(AttentionFacts("pallas", label="our Pallas kernels", check=_pallas_on_gpu))
+register_attention_facts(AttentionFacts("pallas", label="our Pallas kernels", check=_pallas_on_gpu,
+                                        variants=("sinks",)))
 register_attention_facts(AttentionFacts("cudnn", label="cuDNN through jax", platforms=("gpu",),
-                                        needs="NVIDIA GPUs (cuDNN's fused attention)", returns_lse=False))
-register_attention_facts(AttentionFacts("xla", label="XLA's attention", keeps_scores=True, fallback=True))
+                                        needs="NVIDIA GPUs (cuDNN's fused attention)", returns_lse=False,
+                                        variants=("window",)))
+register_attention_facts(AttentionFacts("xla", label="XLA's attention", keeps_scores=True, fallback=True,
+                                        variants=tuple(VARIANTS)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from spmd_train.config.attention_facts import attention_facts, attention_names
+from spmd_train.config.attention_facts import attention_facts, attention_names, check_variants
 from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.config.schema import Config
@@ -37,10 +37,7 @@ def check_config(cfg: Config) -> None:
             f"model.head_dim={m.resolved_head_dim} is invalid: rotary embeddings need an even head_dim >= 2 "
             "(set model.head_dim, or model.d_model and model.num_heads so d_model // num_heads is even)"
         )
-    if m.sliding_window is not None and t.seq_len > m.sliding_window:
-        raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.sliding_window={m.sliding_window}: "
-                          "sliding-window attention is not implemented, so every token must see the whole "
-                          f"sequence (valid: train.seq_len up to {m.sliding_window})")
+    check_layer_types(m)
     sc = m.rope_scaling
     if sc is not None and sc.type == "llama3" and sc.low_freq_factor >= sc.high_freq_factor:
         raise ConfigError(f"model.rope_scaling.low_freq_factor={sc.low_freq_factor} must be below "
@@ -92,6 +89,23 @@ def check_config(cfg: Config) -> None:
             )
 
 
+def check_layer_types(m) -> None:
+    """model.layer_types against the window, the layer count and the sliding layers' RoPE base."""
+    kinds = m.layer_kinds
+    if len(m.layer_types) > m.num_layers:
+        raise ConfigError(f"model.layer_types lists {len(m.layer_types)} layers, more than model.num_layers="
+                          f"{m.num_layers} (valid: at most {m.num_layers}; a shorter list repeats over the layers)")
+    if "sliding" in kinds and m.sliding_window is None:
+        raise ConfigError(f"model.layer_types={list(m.layer_types)} has sliding layers and model.sliding_window is "
+                          "null (valid: a model.sliding_window, or only full layers)")
+    if m.sliding_window is not None and "sliding" not in kinds:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} with model.layer_types={list(m.layer_types)}: "
+                          "no layer slides (valid: sliding in model.layer_types, or model.sliding_window=null)")
+    if m.rope_local_theta is not None and "sliding" not in kinds:
+        raise ConfigError(f"model.rope_local_theta={m.rope_local_theta} is the sliding layers' RoPE base, and "
+                          "no layer slides (valid: null, or sliding layers in model.layer_types)")
+
+
 def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = None) -> None:
     """Checks that need the resolved mesh axis sizes (after -1 is filled) and the platform compiled for.
 
@@ -113,6 +127,11 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
         raise ConfigError(f"parallel.pipeline_layers=[{', '.join(map(str, layers))}] splits the layers into stages, "
                           "but mesh.pipeline=1 runs one stage "
                           f"(valid: balanced or null, or mesh.pipeline={len(layers)})")
+    kinds = sorted(set(cfg.model.layer_kinds))
+    if sizes["pipeline"] > 1 and len(kinds) > 1:
+        raise ConfigError(f"model.layer_types={list(cfg.model.layer_types)} mixes full and sliding layers, which "
+                          f"pipeline stages do not run yet (mesh.pipeline={sizes['pipeline']}); valid: "
+                          "mesh.pipeline=1, or one kind of layer")
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
     check_context(cfg, sizes)
@@ -131,6 +150,9 @@ def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
     refuse(ulysses_whole_heads(how, m.num_heads, sizes["tensor"], n))
     refuse(attention_merges_no_blocks(how, cfg.backends.attention, n))
     refuse(ring_outside_pipeline(how, n, sizes["pipeline"]))
+    if how == "ring" and "sliding" in m.layer_kinds:
+        raise ConfigError(f"parallel.context_parallel=ring does not take sliding layers yet (model.sliding_window="
+                          f"{m.sliding_window}); valid: parallel.context_parallel=allgather or ulysses")
     refuse(ring_zigzag_chunks(how, cfg.train.seq_len, n))
 
 
@@ -138,7 +160,10 @@ def check_attention(cfg: Config, platform: str) -> None:
     """backends.attention against the model on `platform` (e.g. the Mosaic GPU kernels' limits), before anything is
     traced: the implementation's own `AttentionFacts.check`."""
     name = cfg.backends.attention
-    check = attention_facts(name).check if name in attention_names() else None  # auto picks one that fits
+    if name not in attention_names():  # auto picks one that fits
+        return
+    check_variants(name, cfg.model)
+    check = attention_facts(name).check
     if check is not None:
         check(cfg.model, cfg.backends, platform)
 

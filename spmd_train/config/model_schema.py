@@ -20,6 +20,8 @@ from spmd_train.config.field_types import (
 AttentionImpl = Literal[("auto", *attention_names())]
 """backends.attention's values: auto and the implementations `config.attention_facts` registers."""
 MoEImpl = Literal["capacity", "dropless"]
+LayerType = Literal["full", "sliding"]
+"""A layer's attention: over every earlier token (full) or over the model.sliding_window latest (sliding)."""
 
 
 def _check_blocks(blocks: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -99,7 +101,23 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over each head's query and key before RoPE (Qwen3)."""
     sliding_window: PositiveInt | None = None
-    """A published model's attention window (Mistral); recorded, and sequences must fit inside it."""
+    """Keys a sliding layer's query sees: itself and the window - 1 before it (Mistral 4096, Gemma 3 1024, gpt-oss
+    128); which layers slide is `layer_types`."""
+    layer_types: tuple[LayerType, ...] = ()
+    """Each layer's attention, the list repeated over the layers when shorter: [sliding, sliding, sliding, sliding,
+    sliding, full] is Gemma 3's 5:1, [sliding, full] gpt-oss's alternation; empty: every layer sliding when
+    sliding_window is set (Mistral), else full."""
+    rope_local_theta: PositiveFloat | None = None
+    """RoPE base of the sliding layers, which then take no rope_scaling (Gemma 3: 10000); null: the same RoPE as the
+    full layers."""
+    attention_sinks: bool = False
+    """A learned logit per query head that joins every softmax denominator and takes no value (gpt-oss)."""
+    attn_logit_softcap: PositiveFloat | None = None
+    """Attention logits become cap * tanh(logits / cap) (Gemma 2: 50); null: uncapped."""
+    final_logit_softcap: PositiveFloat | None = None
+    """Output logits become cap * tanh(logits / cap) (Gemma 2: 30); null: uncapped."""
+    query_pre_attn_scalar: PositiveFloat | None = None
+    """Attention logits are scaled by 1 / sqrt(this) instead of 1 / sqrt(head_dim) (Gemma 2 27B: 144)."""
     norm_eps: NonNegativeFloat = 1e-5
     tie_embeddings: bool = False
     init_std: PositiveFloat = 0.02
@@ -112,6 +130,16 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         """Per-head width: `head_dim` when set, else d_model // num_heads."""
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention, "full" or "sliding" (`layer_types` repeated over the layers, or its default)."""
+        pattern = self.layer_types or (("sliding",) if self.sliding_window is not None else ("full",))
+        return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
+
+    def window_of(self, kind: str) -> int | None:
+        """The keys a query of a `kind` layer sees at most (None: every earlier one)."""
+        return self.sliding_window if kind == "sliding" else None
 
     @property
     def moe_every(self) -> int:

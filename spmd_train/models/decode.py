@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd_train.models.transformer import RESIDUAL, Block, MoEGroup, Transformer
-from spmd_train.ops.rope import rope_tables
+from spmd_train.models.layers import weight
+from spmd_train.models.transformer import RESIDUAL, Block, MoEGroup, Transformer, layer_kind_ids, rope_of
+from spmd_train.ops.attention import FULL, Scoring
 from spmd_train.sharding.constrain import constrain
 
 CACHE_AXES = (None, "batch", None, "kv_heads", "head_dim")
@@ -39,31 +40,49 @@ def empty_cache(model: Transformer, batch: int, max_len: int) -> Cache:
     return Cache(zeros, zeros)
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """q [b, l, h, d] against a cache k/v [b, T, kvh, d] -> [b, l, h, d]; `mask` [b, l, T]: which keys each query sees.
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scoring: Scoring = FULL,
+                     sinks: jax.Array | None = None) -> jax.Array:
+    """q [b, l, h, d] against a cache k/v [b, T, kvh, d] -> [b, l, h, d]; `mask` [b, l, T]: which keys each query sees
+    (the window included); `scoring`'s scale and soft-cap and the `sinks` [h] as in training.
 
     The numerics of `ops.attention.dot_product_attention` (grouped-query, fp32 scores and softmax).
     """
     b, lq, h, d = q.shape
     kvh = k.shape[2]
+    scale = scoring.scale if scoring.scale is not None else d**-0.5
     qg = q.reshape(b, lq, kvh, h // kvh, d)
-    s = jnp.einsum("blkgd,bmkd->bkglm", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    s = jnp.einsum("blkgd,bmkd->bkglm", qg, k, preferred_element_type=jnp.float32) * scale
+    if scoring.softcap is not None:
+        s = scoring.softcap * jnp.tanh(s / scoring.softcap)
     s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, h // kvh, 1, 1), (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     return jnp.einsum("bkglm,bmkd->blkgd", p.astype(v.dtype), v).reshape(b, lq, h, d).astype(q.dtype)
 
 
-def _block_step(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, cache: Cache,
-                layer: jax.Array, start: jax.Array) -> tuple[jax.Array, Cache]:
-    """`Block.__call__` for tokens at cache slots start .. start + l - 1, reading and writing cache layer `layer`."""
-    q, k, v = block.attn.project(constrain(block.attn_norm(x), RESIDUAL), cos, sin)
+def _block_step(block: Block, x: jax.Array, rope: tuple, mask: jax.Array, cache: Cache, layer: jax.Array,
+                start: jax.Array, kind: jax.Array, slots: jax.Array) -> tuple[jax.Array, Cache]:
+    """`Block.__call__` for tokens at cache slots start .. start + l - 1, reading and writing cache layer `layer`,
+    whose attention kind is `kind` (an index into `attention_kinds`, traced)."""
+    attn = block.attn
+    cos = jnp.stack([c for c, _ in rope])[kind]
+    sin = jnp.stack([s for _, s in rope])[kind]
+    q, k, v = attn.project(constrain(block.attn_norm(x), RESIDUAL), cos, sin)
     dt = cache.k.dtype
     where = (layer, 0, start, 0, 0)
     ks = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(dt), where), CACHE_AXES)
     vs = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(dt), where), CACHE_AXES)
     k_layer = constrain(ks[layer], CACHE_AXES[1:])
     v_layer = constrain(vs[layer], CACHE_AXES[1:])
-    x = x + block.attn.output(cached_attention(q, k_layer, v_layer, mask))
+    windows = [sc.window for sc in attn.scorings]
+    if any(w is not None for w in windows):  # a full layer's "window" reaches past every slot
+        window = jnp.asarray([cache.k.shape[2] + 1 if w is None else w for w in windows])[kind]
+        mask = mask & (slots[None, :, None] - jnp.arange(cache.k.shape[2])[None, None, :] < window)
+    sinks = weight(attn.sinks, jnp.float32) if attn.has_sinks else None
+    x = x + attn.output(cached_attention(q, k_layer, v_layer, mask, attn.scorings[0], sinks))
     out = block.mlp(constrain(block.mlp_norm(x), RESIDUAL))
     out = out[0] if isinstance(out, tuple) else out  # an MoE layer's router statistics are not needed
     return constrain(x + out, RESIDUAL), Cache(ks, vs)
@@ -81,7 +100,8 @@ def forward_cached(model: Transformer, tokens: jax.Array, pads: jax.Array, start
     slots = start + jnp.arange(length)
     pads = constrain(pads, ("batch",))
     positions = constrain(jnp.maximum(slots[None, :] - pads[:, None], 0), ("batch", "length"))
-    cos, sin = rope_tables(length, cfg.resolved_head_dim, cfg.rope_theta, positions, scaling=cfg.rope_scaling)
+    rope = rope_of(cfg, length, positions)
+    kinds = jnp.asarray(layer_kind_ids(cfg).reshape(-1))
     keys = jnp.arange(max_len)
     mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pads[:, None, None])
 
@@ -98,17 +118,20 @@ def forward_cached(model: Transformer, tokens: jax.Array, pads: jax.Array, start
 
             def sublayer(carry, xs):
                 p, j = xs
-                return _block_step(nnx.merge(dense_def, p), carry[0], cos, sin, mask, carry[1],
-                                   g * every + j, start), None
+                i = g * every + j
+                return _block_step(nnx.merge(dense_def, p), carry[0], rope, mask, carry[1], i, start, kinds[i],
+                                   slots), None
 
             (x, cache), _ = jax.lax.scan(sublayer, (x, cache), (dense_stack, jnp.arange(every - 1)))
-            return _block_step(merged.moe, x, cos, sin, mask, cache, g * every + every - 1, start), None
+            i = g * every + every - 1
+            return _block_step(merged.moe, x, rope, mask, cache, i, start, kinds[i], slots), None
 
         (x, cache), _ = jax.lax.scan(group, (x, cache), (stacked, jnp.arange(cfg.num_layers // every)))
     else:
         def layer(carry, xs):
             params, i = xs
-            return _block_step(nnx.merge(graphdef, params), carry[0], cos, sin, mask, carry[1], i, start), None
+            return _block_step(nnx.merge(graphdef, params), carry[0], rope, mask, carry[1], i, start, kinds[i],
+                               slots), None
 
         (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
     if last_only:

@@ -1,7 +1,9 @@
 """Model FLOPs of a training step, by the convention every MFU number in this project uses.
 
 Per token: 6 x the parameters that take part in matmuls (MoE: those a token is active in) plus causal
-attention, 6 x layers x seq x heads x head_dim; remat and MoE dispatch overhead are not counted. Also split
+attention, 12 x heads x head_dim x the keys a query sees on average, per layer: seq / 2 for a full layer
+(6 x seq x heads x head_dim), window - window^2 / (2 seq) for a sliding one (the band's area over seq);
+remat and MoE dispatch overhead are not counted. Also split
 per layer (`layer_flops_per_token`) for pipeline stages, and `balanced_depths`, the cheapest contiguous split.
 
 Derivation: docs/explanation/flops-and-mfu.md
@@ -46,9 +48,28 @@ def matmul_params(m: ModelConfig) -> int:
     return m.num_layers * attention + mlp + m.d_model * m.vocab_size
 
 
+def keys_per_query(window: int | None, seq_len: int) -> float:
+    """Keys a query sees on average, as the convention counts them: seq / 2 under the causal mask, and with a
+    window w < seq the band's area over seq, w - w^2 / (2 seq)."""
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
+def attention_flops(heads: int, head_dim: int, window: int | None, seq_len: int) -> float:
+    """Training FLOPs per token of one layer's scores and weighted values (QK^T and PV, forward + backward)."""
+    return 12.0 * keys_per_query(window, seq_len) * heads * head_dim
+
+
+def layer_windows(m: ModelConfig) -> tuple[int | None, ...]:
+    """Each layer's window in model order (None: a full layer)."""
+    return tuple(m.window_of(kind) for kind in m.layer_kinds)
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) under the convention above."""
-    return 6.0 * matmul_params(m) + 6.0 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
+    hd = m.resolved_head_dim
+    return 6.0 * matmul_params(m) + sum(attention_flops(m.num_heads, hd, w, seq_len) for w in layer_windows(m))
 
 
 # --- per layer, and split into pipeline chunks: where the pipelined step runs each part ----------------
@@ -57,10 +78,11 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 def layer_flops_per_token(m: ModelConfig, seq_len: int) -> np.ndarray:
     """Training FLOPs per token of each model layer (forward + backward), in model order."""
     hd = m.resolved_head_dim
-    attention = 6.0 * m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 6.0 * seq_len * m.num_heads * hd
+    projections = 6.0 * m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads)
     dense, moe = 6.0 * 3 * m.d_model * m.d_ff, 6.0 * active_moe_mlp_params(m)
     every = m.moe_every
-    return np.array([attention + (moe if every and (i + 1) % every == 0 else dense) for i in range(m.num_layers)])
+    return np.array([projections + attention_flops(m.num_heads, hd, w, seq_len)
+                     + (moe if every and (i + 1) % every == 0 else dense) for i, w in enumerate(layer_windows(m))])
 
 
 def head_flops_per_token(m: ModelConfig) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from spmd_train.config.model_schema import BackendsConfig, ModelConfig
@@ -19,6 +20,7 @@ from spmd_train.models.moe import MoE
 from spmd_train.models.padded_row import padded_row
 from spmd_train.models.param_specs import attention_params, mlp_params, norm_params, table_params
 from spmd_train.models.remat import apply_remat
+from spmd_train.ops.attention import Scoring
 from spmd_train.ops.rope import apply_rope, rope_tables
 from spmd_train.parallel import Backends, attention, resolve_backends
 from spmd_train.sharding.constrain import constrain
@@ -43,7 +45,11 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention; Q/K/V column-parallel and the output row-parallel over heads."""
+    """Grouped-query self-attention; Q/K/V column-parallel and the output row-parallel over heads.
+
+    A model with both full and sliding layers runs each layer's attention as a `lax.switch` on its kind, so every
+    branch has a static window and RoPE (kernels skip blocks outside a static window); the projections run
+    outside the switch, once."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack: int | None = None):
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
@@ -53,6 +59,8 @@ class Attention(nnx.Module):
         self.wk = param(rngs.params(), *specs["wk"], std=cfg.init_std, **kw)
         self.wv = param(rngs.params(), *specs["wv"], std=cfg.init_std, **kw)
         self.wo = param(rngs.params(), *specs["wo"], std=out_std, **kw)
+        if cfg.attention_sinks:
+            self.sinks = param(None, *specs["sinks"], std=0.0, **kw)
         if cfg.qkv_bias:
             self.bq = param(None, *specs["bq"], std=0.0, **kw)
             self.bk = param(None, *specs["bk"], std=0.0, **kw)
@@ -60,17 +68,33 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg, stack=stack, axis="head_dim")
             self.k_norm = RMSNorm(cfg, stack=stack, axis="head_dim")
-        self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+        self.qkv_bias, self.qk_norm, self.has_sinks = cfg.qkv_bias, cfg.qk_norm, cfg.attention_sinks
+        self.scorings = tuple(layer_scoring(cfg, kind) for kind in attention_kinds(cfg))
         self.compute_dtype = cfg.compute_dtype
         self.backends = backends
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array | None = None) -> jax.Array:
-        q, k, v = self.project(x, cos, sin)
-        out = attention(q, k, v, backends=self.backends, segments=segments)
+    def __call__(self, x: jax.Array, rope: tuple, segments: jax.Array | None = None,
+                 kind: jax.Array | None = None) -> jax.Array:
+        """`rope`: (cos, sin) per attention kind (`attention_kinds`); `kind`: this layer's index into them (traced;
+        None with one kind)."""
+        q, k, v = self.qkv(x)
+        sinks = weight(self.sinks, jnp.float32) if self.has_sinks else None
+
+        def branch(i):
+            def run(q, k, v):
+                cos, sin = rope[i]
+                return attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, backends=self.backends,
+                                 segments=segments, scoring=self.scorings[i], sinks=sinks)
+            return run
+
+        if len(self.scorings) == 1:
+            out = branch(0)(q, k, v)
+        else:
+            out = jax.lax.switch(kind, [branch(i) for i in range(len(self.scorings))], q, k, v)
         return self.output(out)
 
-    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The residual stream -> queries, keys (both rotated) and values, [batch, length, heads, head_dim]."""
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The residual stream -> queries, keys and values before RoPE, [batch, length, heads, head_dim]."""
         dt = self.compute_dtype
         q = dense("bld,dhk->blhk", x, self.wq, dt)
         k = dense("bld,dhk->blhk", x, self.wk, dt)
@@ -82,12 +106,45 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The residual stream -> queries, keys (both rotated) and values, [batch, length, heads, head_dim]."""
+        q, k, v = self.qkv(x)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def output(self, out: jax.Array) -> jax.Array:
         """The heads' attention output [batch, length, heads, head_dim] -> the residual stream's update."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return constrain(dense("blhk,hkd->bld", out, self.wo, self.compute_dtype), RESIDUAL)
+
+
+def attention_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """The attention kinds the model's layers use, sorted: ("full",), ("sliding",) or ("full", "sliding")."""
+    return tuple(sorted(set(cfg.layer_kinds)))
+
+
+def layer_scoring(cfg: ModelConfig, kind: str) -> Scoring:
+    """How a `kind` layer scores q.k: the query scale, the logit soft-cap and (sliding) the window."""
+    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    return Scoring(scale=scale, softcap=cfg.attn_logit_softcap, window=cfg.window_of(kind))
+
+
+def layer_kind_ids(cfg: ModelConfig) -> np.ndarray:
+    """Each stacked row's layers' kinds as indices into `attention_kinds`: [stack_rows], or [stack_rows, moe.every]
+    for MoE groups (every > 1 layers ending in an MoE layer)."""
+    kinds = attention_kinds(cfg)
+    ids = np.array([kinds.index(kind) for kind in cfg.layer_kinds], np.int32)
+    return ids.reshape(cfg.stack_rows, cfg.moe_every) if cfg.moe_every > 1 else ids
+
+
+def rope_of(cfg: ModelConfig, length: int, positions: jax.Array | None) -> tuple:
+    """(cos, sin) per attention kind: sliding layers take model.rope_local_theta, unscaled, when it is set."""
+    def tables(kind):
+        if kind == "sliding" and cfg.rope_local_theta is not None:
+            return rope_tables(length, cfg.resolved_head_dim, cfg.rope_local_theta, positions)
+        return rope_tables(length, cfg.resolved_head_dim, cfg.rope_theta, positions, scaling=cfg.rope_scaling)
+    return tuple(tables(kind) for kind in attention_kinds(cfg))
 
 
 class MLP(nnx.Module):
@@ -113,8 +170,9 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)); the MLP may be an MoE layer.
 
-    Returns (x, stats): the MoE layer's router statistics, or an empty dict. `segments` [batch, length]:
-    each token's document, when attention must stay inside documents.
+    Returns (x, stats): the MoE layer's router statistics, or an empty dict. `rope`: (cos, sin) per attention
+    kind; `segments` [batch, length]: each token's document, when attention must stay inside documents; `kind`:
+    the layer's attention kind (`Attention.__call__`).
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack=None, moe: bool = False):
@@ -123,10 +181,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, stack=stack)
         self.mlp = MoE(cfg, rngs, backends, stack=stack) if moe else MLP(cfg, rngs, stack=stack)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segments: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, rope: tuple, segments: jax.Array | None = None,
+                 kind: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         with jax.named_scope("attention"):
-            x = x + self.attn(constrain(self.attn_norm(x), RESIDUAL), cos, sin, segments)
+            x = x + self.attn(constrain(self.attn_norm(x), RESIDUAL), rope, segments, kind)
         with jax.named_scope("mlp"):
             out = self.mlp(constrain(self.mlp_norm(x), RESIDUAL))
         out, stats = out if isinstance(out, tuple) else (out, {})
@@ -140,11 +198,14 @@ class MoEGroup(nnx.Module):
         self.dense = Block(cfg, rngs, backends, stack=(stack, cfg.moe_every - 1))
         self.moe = Block(cfg, rngs, backends, stack=stack, moe=True)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segments: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, rope: tuple, segments: jax.Array | None = None,
+                 kind: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`kind`: the group's layers' kinds [k] (None with one kind)."""
         graphdef, stacked = nnx.split(self.dense)
-        x, _ = jax.lax.scan(lambda c, p: (nnx.merge(graphdef, p)(c, cos, sin, segments)[0], None), x, stacked)
-        return self.moe(x, cos, sin, segments)
+        kinds = None if kind is None else kind[:-1]
+        x, _ = jax.lax.scan(lambda c, xs: (nnx.merge(graphdef, xs[0])(c, rope, segments, xs[1])[0], None), x,
+                            (stacked, kinds))
+        return self.moe(x, rope, segments, None if kind is None else kind[-1])
 
 
 def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends) -> nnx.Module:
@@ -208,18 +269,24 @@ class Transformer(nnx.Module):
             return constrain(x, RESIDUAL)
 
     def head(self, x: jax.Array, table: Pinned | None = None) -> jax.Array:
-        """Final norm and LM head: the residual stream -> logits [batch, length, vocab] (`table` as in `embed`)."""
+        """Final norm and LM head: the residual stream -> logits [batch, length, vocab] (`table` as in `embed`),
+        soft-capped when model.final_logit_softcap is set."""
         x = self.final_norm(x)
         dt = self.cfg.compute_dtype
         if self.cfg.tie_embeddings:
-            tied = self.embedding if table is None else table
-            return constrain(dense("bld,vd->blv", x, tied, dt), ("batch", "length", "vocab"))
-        return constrain(dense("bld,dv->blv", x, self.lm_head, dt), ("batch", "length", "vocab"))
+            logits = dense("bld,vd->blv", x, self.embedding if table is None else table, dt)
+        else:
+            logits = dense("bld,dv->blv", x, self.lm_head, dt)
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:
+            logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
+        return constrain(logits, ("batch", "length", "vocab"))
 
 
 def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: ModelConfig,
                  remat: str = "none", *, segments: jax.Array | None = None, positions: jax.Array | None = None,
-                 rows: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 rows: jax.Array | None = None, kinds: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Run layers whose parameters are stacked on a leading axis (any number of them) with `lax.scan`.
 
     The whole model calls this on all its layers; a pipeline stage on its own slice of them.
@@ -227,24 +294,33 @@ def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: 
     `segments` and `positions` are the documents' layout, as in `Transformer.forward`.
     `rows` (a scalar, may be traced): only the first `rows` stacked rows are layers; the others are padding,
     skipped (no compute, the input passes through, zero statistics and gradients; `models.padded_row`).
+    `kinds`: the stacked rows' attention kinds (`layer_kind_ids`' rows for these layers), needed when the model has
+    both full and sliding layers and these are not all of them in order.
     """
     if positions is not None:
         positions = constrain(positions, ("batch", "length"))
     if segments is not None:
         segments = constrain(segments, ("batch", "length"))
-    cos, sin = rope_tables(x.shape[1], cfg.resolved_head_dim, cfg.rope_theta, positions, scaling=cfg.rope_scaling)
+    rope = rope_of(cfg, x.shape[1], positions)
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    if len(attention_kinds(cfg)) == 1:
+        kinds = None
+    elif kinds is None:
+        kinds = jnp.asarray(layer_kind_ids(cfg))
+        if kinds.shape[0] != count:
+            raise ValueError(f"{count} stacked rows are not the model's {kinds.shape[0]}: pass their layers' kinds")
 
-    def layer(carry, layer_params):
-        return nnx.merge(graphdef, layer_params)(carry, cos, sin, segments)
+    def layer(carry, layer_params, kind):
+        return nnx.merge(graphdef, layer_params)(carry, rope, segments, kind)
 
     if rows is None:
-        return jax.lax.scan(apply_remat(layer, remat), x, stacked)
+        body = apply_remat(layer, remat)
+        return jax.lax.scan(lambda carry, xs: body(carry, *xs), x, (stacked, kinds))
 
     row = padded_row(apply_remat(layer, remat))
 
     def layer_or_padding(carry, xs):
-        layer_params, i = xs
-        return row(carry, layer_params, i < rows)
+        layer_params, kind, i = xs
+        return row(carry, layer_params, i < rows, kind)
 
-    count = jax.tree.leaves(stacked)[0].shape[0]
-    return jax.lax.scan(layer_or_padding, x, (stacked, jnp.arange(count)))
+    return jax.lax.scan(layer_or_padding, x, (stacked, kinds, jnp.arange(count)))

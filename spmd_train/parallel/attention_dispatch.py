@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+from spmd_train.ops.attention import FULL, Scoring, with_sinks
 from spmd_train.parallel.attention_backends import attention_backend
 from spmd_train.parallel.attention_registry import Kernel
 from spmd_train.parallel.backends import Backends
@@ -19,28 +20,34 @@ from spmd_train.sharding.arithmetic import entry_axes, manual_axes, without_axes
 from spmd_train.sharding.constrain import active_layout
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backends: Backends,
-              segments: jax.Array | None = None) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backends: Backends, segments: jax.Array | None = None,
+              scoring: Scoring = FULL, sinks: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention, q [b, l, h, d] and k/v [b, l, kvh, d] -> [b, l, h, d].
 
     `backends` (resolved when the engine was built) says which implementation runs and how, and
     with `sequence` > 1 which context-parallel scheme joins the devices' chunks of the sequence.
-    `segments` [b, l]: each token's document; a query sees only keys of its own document."""
+    `segments` [b, l]: each token's document; a query sees only keys of its own document.
+    `scoring`: the layer's scale, soft-cap and window. `sinks` [h]: each head's sink logit, applied to the
+    attention over the keys through its log-sum-exp (`ops.attention.with_sinks`), outside any kernel."""
     layout = active_layout()
     backend = attention_backend(backends.attention)
     local = backend.kernel(backends)
+    lse = sinks is not None
     if backends.context is not None and layout is not None:
         def kernel(*args):
             q, k, v, *seg = args
             return context_attention(q, k, v, seg[0] if seg else None, how=backends.context,
-                                     ways=backends.sequence, kernel=local)
-        return _per_device(kernel, q, k, v, segments, layout, length=(AXIS,))
-    if backend.partitioned:  # XLA splits it as the activations' rules say: no region needed
-        return local(q, k, v, segments, True, False)
-    kernel = lambda q, k, v, seg=None: local(q, k, v, seg, True, False)
-    if layout is None:
-        return kernel(q, k, v) if segments is None else kernel(q, k, v, segments)
-    return _per_device(kernel, q, k, v, segments, layout, length=())
+                                     ways=backends.sequence, kernel=local, scoring=scoring, return_lse=lse)
+        result = _per_device(kernel, q, k, v, segments, layout, length=(AXIS,), lse=lse)
+    elif backend.partitioned:  # XLA splits it as the activations' rules say: no region needed
+        result = local(q, k, v, segments, True, lse, scoring)
+    else:
+        kernel = lambda q, k, v, seg=None: local(q, k, v, seg, True, lse, scoring)
+        if layout is None:
+            result = kernel(q, k, v) if segments is None else kernel(q, k, v, segments)
+        else:
+            result = _per_device(kernel, q, k, v, segments, layout, length=(), lse=lse)
+    return with_sinks(*result, sinks) if lse else result
 
 
 def local_kernel(backends: Backends) -> Kernel:
@@ -48,11 +55,11 @@ def local_kernel(backends: Backends) -> Kernel:
     return attention_backend(backends.attention).kernel(backends)
 
 
-def _per_device(kernel, q, k, v, segments, layout, *, length: tuple[str, ...]) -> jax.Array:
+def _per_device(kernel, q, k, v, segments, layout, *, length: tuple[str, ...], lse: bool = False):
     """Run `kernel` on each device's q, k, v (and segments) in a region manual over every mesh axis.
 
     `length`: the mesh axes the activations' `length` must be split over (the region's kernel
-    assumes exactly those chunks)."""
+    assumes exactly those chunks). `lse`: the kernel also returns the log-sum-exp [b, h, l]."""
     args = (q, k, v) if segments is None else (q, k, v, segments)
     manual = manual_axes()
     q_spec = layout.activation_spec(P("batch", "length", "heads", "head_dim"))
@@ -68,6 +75,7 @@ def _per_device(kernel, q, k, v, segments, layout, *, length: tuple[str, ...]) -
     if not axes:
         return kernel(*args)
     specs = (q_spec, kv_spec, kv_spec) + (() if segments is None else (P(*q_spec[:2]),))
-    return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=q_spec, axis_names=axes,
+    entries = (*q_spec, *(None,) * (4 - len(q_spec)))
+    out_specs = (q_spec, P(entries[0], entries[2], entries[1])) if lse else q_spec
+    return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=axes,
                          check_vma=False)(*args)
-

@@ -16,8 +16,11 @@ from spmd_train.parallel.backends import Backends
 from spmd_train.registry import Registry
 
 Kernel = Callable[..., Any]
-"""kernel(q, k, v, segments, causal, return_lse) -> out [b, lq, h, d], or (out, lse [b, h, lq]) with return_lse;
-q [b, lq, h, d], k/v [b, lk, kvh, d] are one device's arrays, segments [b, l] (or a (q, k) pair) or None."""
+"""kernel(q, k, v, segments, causal, return_lse, scoring=FULL, q_offset=0) -> out [b, lq, h, d], or (out, lse
+[b, h, lq]) with return_lse; q [b, lq, h, d], k/v [b, lk, kvh, d] are one device's arrays, segments [b, l] (or a
+(q, k) pair) or None; `scoring` (`ops.attention.Scoring`: scale, soft-cap, window) and `q_offset` (the queries'
+position relative to the keys' first) as `ops.attention.dot_product_attention` defines them. Only variants the
+implementation's facts list (`AttentionFacts.variants`) reach it."""
 
 
 @dataclass(frozen=True)

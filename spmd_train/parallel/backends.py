@@ -14,7 +14,14 @@ from typing import get_args
 
 import jax.numpy as jnp
 
-from spmd_train.config.attention_facts import attention_facts, valid_on
+from spmd_train.config.attention_facts import (
+    VARIANTS,
+    attention_facts,
+    computes,
+    fallback_attention,
+    model_variants,
+    valid_on,
+)
 from spmd_train.config.model_schema import AttentionImpl, BackendsConfig, ModelConfig, MoEImpl
 from spmd_train.errors import ConfigError
 from spmd_train.kernels.flash_attention import TPU_VMEM_BUDGET, BlockSizes, tpu_vmem_bytes
@@ -116,6 +123,12 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
             reason = f"auto: {impl} on {platform}"
             if impl == "cudnn" and documents:
                 reason += " (documents as a dense mask: our kernels need bfloat16 and head_dim a multiple of 64)"
+    if choice.attention == "auto" and not computes(impl, model):
+        preferred = impl
+        kernels_run = platform == "tpu" or (platform == "gpu" and _gpu_kernels_run(model))
+        impl = "pallas" if impl != "pallas" and kernels_run and computes("pallas", model) else fallback_attention()
+        lacking = [VARIANTS[v] for v in model_variants(model) if v not in attention_facts(preferred).variants]
+        reason = f"auto: {impl}, as {preferred} does not compute {' or '.join(lacking)}"
     if platform not in attention_facts(impl).platforms:
         raise ConfigError(f"backends.attention={impl} needs {attention_facts(impl).needs}; this run's devices are "
                           f"{platform} (valid here: {', '.join(valid_on(platform))})")

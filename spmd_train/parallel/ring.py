@@ -27,9 +27,11 @@ def zigzag_order(length: int, ways: int) -> np.ndarray:
     return np.concatenate(pieces)
 
 
-def ring_attention(q, k, v, segments, ways: int, kernel):
-    """Causal attention of this device's zigzag chunk pair of queries over the whole sequence."""
-    return _ring(q, k, v, segments, ways, kernel)
+def ring_attention(q, k, v, segments, ways: int, kernel, *, return_lse: bool = False):
+    """Causal attention of this device's zigzag chunk pair of queries over the whole sequence (and its log-sum-exp
+    [b, h, lq] with `return_lse`, differentiable, for attention sinks)."""
+    out, lse = _ring(q, k, v, segments, ways, kernel)
+    return (out, lse) if return_lse else out
 
 
 def _send(x, n):
@@ -75,29 +77,31 @@ def _forward(q, k, v, segments, n, kernel):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _ring(q, k, v, segments, n, kernel):
-    return _forward(q, k, v, segments, n, kernel)[0]
+    return _forward(q, k, v, segments, n, kernel)
 
 
 def _ring_fwd(q, k, v, segments, n, kernel):
     out, lse = _forward(q, k, v, segments, n, kernel)
-    return out, (q, k, v, segments, out, lse)
+    return (out, lse), (q, k, v, segments, out, lse)
 
 
-def _block_grads(kernel, q, k, v, segments, causal, out, lse, d_out):
-    """dq, dk, dv of one block's share of the merged output, through the kernel's VJP."""
+def _block_grads(kernel, q, k, v, segments, causal, out, lse, d_out, d_lse):
+    """dq, dk, dv of one block's share of the merged output and log-sum-exp, through the kernel's VJP."""
     (out_b, lse_b), vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, segments, causal, True), q, k, v)
     weight = jnp.exp(lse_b - lse)  # the block's share of each row; 0 where the row sees none of it
     rows = jnp.swapaxes(weight, 1, 2)[..., None]
     d_out32 = d_out.astype(jnp.float32)
-    d_lse = weight * jnp.swapaxes(jnp.sum(d_out32 * (out_b.astype(jnp.float32) - out.astype(jnp.float32)), -1), 1, 2)
-    return vjp(((rows * d_out32).astype(out_b.dtype), d_lse))
+    # d lse / d lse_b is the block's share too: the merged log-sum-exp's cotangent adds to the block's.
+    spread = jnp.swapaxes(jnp.sum(d_out32 * (out_b.astype(jnp.float32) - out.astype(jnp.float32)), -1), 1, 2)
+    return vjp(((rows * d_out32).astype(out_b.dtype), weight * (spread + d_lse)))
 
 
-def _ring_bwd(n, kernel, residuals, d_out):
+def _ring_bwd(n, kernel, residuals, cotangents):
     q, k, v, segments, out, lse = residuals
+    d_out, d_lse = cotangents
     me = jax.lax.axis_index(AXIS)
     f32 = lambda x: x.astype(jnp.float32)
-    dq, dk, dv = map(f32, _block_grads(kernel, q, k, v, segments, True, out, lse, d_out))
+    dq, dk, dv = map(f32, _block_grads(kernel, q, k, v, segments, True, out, lse, d_out, d_lse))
     block, grads = (k, v, segments), (dk, dv)
     for step in range(1, n):
         block = _send(block, n)  # issued before this step's compute, which needs it, and the previous send
@@ -106,13 +110,14 @@ def _ring_bwd(n, kernel, residuals, d_out):
 
         def earlier(kb=kb, vb=vb, sb=sb):
             gq, gk, gv = map(f32, _block_grads(kernel, q, _first(kb), _first(vb), _pair(segments, _first(sb)), False,
-                                               out, lse, d_out))
+                                               out, lse, d_out, d_lse))
             pad = lambda g: jnp.concatenate([g, jnp.zeros_like(g)], axis=1)
             return gq, pad(gk), pad(gv)
 
         def later(kb=kb, vb=vb, sb=sb):
             gq, gk, gv = map(f32, _block_grads(kernel, _second(q), kb, vb, _pair(_second(segments), sb), False,
-                                               _second(out), _second(lse, axis=2), _second(d_out)))
+                                               _second(out), _second(lse, axis=2), _second(d_out),
+                                               _second(d_lse, axis=2)))
             return jnp.concatenate([jnp.zeros_like(gq), gq], axis=1), gk, gv
 
         gq, gk, gv = jax.lax.cond(step <= me, earlier, later)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from spmd_train.config.field_types import DTYPE_BYTES
 from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
-from spmd_train.models.flops import flops_per_token, matmul_params, moe_layer_count
+from spmd_train.models.flops import attention_flops, layer_windows, matmul_params, moe_layer_count
 from spmd_train.models.param_specs import model_params
 
 
@@ -61,8 +61,8 @@ class ModelShape:
     params: tuple[ParamGroup, ...]
     matmul_params: int
     """Parameters a token's matmuls use (`models.flops.matmul_params`): what '6N' counts."""
-    attention_flops_per_position: float
-    """Training FLOPs per token per position of context (`flops_per_token(m, s)` is linear in s)."""
+    windows: tuple[int | None, ...]
+    """Each layer's attention window in model order (None: full causal attention)."""
     qkv_bias: bool = False
     """Biases on Q/K/V (model.qkv_bias)."""
     qk_norm: bool = False
@@ -72,7 +72,6 @@ class ModelShape:
     def from_config(cls, m: ModelConfig) -> ModelShape:
         """The shape of the model `m` describes, parameter by parameter as `Transformer` builds it."""
         moe = m.moe
-        zero_flops = flops_per_token(m, 0)
         return cls(
             num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
             head_dim=m.resolved_head_dim, d_ff=m.d_ff, vocab_size=m.vocab_size, tie_embeddings=m.tie_embeddings,
@@ -81,7 +80,7 @@ class ModelShape:
             num_shared_experts=moe.num_shared_experts if moe else 0,
             param_bytes=DTYPE_BYTES[m.param_dtype], compute_bytes=DTYPE_BYTES[m.compute_dtype],
             params=_param_groups(m), matmul_params=matmul_params(m),
-            attention_flops_per_position=flops_per_token(m, 1) - zero_flops, qkv_bias=m.qkv_bias,
+            windows=layer_windows(m), qkv_bias=m.qkv_bias,
             qk_norm=m.qk_norm,
         )
 
@@ -121,7 +120,11 @@ class ModelShape:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at this context length (`models.flops.flops_per_token`)."""
-        return 6.0 * self.matmul_params + self.attention_flops_per_position * seq_len
+        return 6.0 * self.matmul_params + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of every layer's scores and weighted values (`models.flops.attention_flops`)."""
+        return sum(attention_flops(self.num_heads, self.head_dim, w, seq_len) for w in self.windows)
 
 
 def _param_groups(m: ModelConfig) -> tuple[ParamGroup, ...]:

@@ -111,7 +111,7 @@ def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float
     """(model FLOPs of the step over all devices, FLOPs the busiest device runs)."""
     tokens = w.global_batch * w.seq_len
     model = m.flops_per_token(w.seq_len) * tokens
-    attention_fwd = m.attention_flops_per_position * w.seq_len / 3  # one forward pass of attention, per token
+    attention_fwd = m.attention_flops_per_token(w.seq_len) / 3  # one forward pass of attention, per token
     experts_fwd = 2 * 3 * m.d_model * m.moe_d_ff * m.experts_per_token * m.moe_layers  # routed experts, forward
     head = m.d_model * m.vocab_size
     extra = 0.0  # per token

@@ -4,6 +4,7 @@ Hopper, interpreted on CPU."""
 from __future__ import annotations
 
 from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
+from spmd_train.ops.attention import FULL
 from spmd_train.parallel.attention_registry import AttentionBackend, Kernel, register_attention
 from spmd_train.parallel.backends import Backends
 
@@ -11,9 +12,14 @@ from spmd_train.parallel.backends import Backends
 def pallas_kernel(backends: Backends) -> Kernel:
     """The kernels for the run's platform (`Backends.kernels`), block sizes and interpret mode."""
     blocks = BlockSizes(*backends.blocks)
-    return lambda q, k, v, seg, causal, lse: flash_attention(
-        q, k, v, causal=causal, segment_ids=seg, block_sizes=blocks, return_lse=lse,
-        interpret=backends.interpret, backend=backends.kernels)
+
+    def pallas(q, k, v, seg, causal, lse, scoring=FULL, q_offset=0):
+        if scoring.window is not None or scoring.softcap is not None or q_offset:
+            raise ValueError(f"the Pallas kernels compute neither windows nor soft-capped logits yet; got {scoring} "
+                             f"and q_offset={q_offset} (the config checks refuse these: see AttentionFacts.variants)")
+        return flash_attention(q, k, v, causal=causal, segment_ids=seg, block_sizes=blocks, return_lse=lse,
+                               softmax_scale=scoring.scale, interpret=backends.interpret, backend=backends.kernels)
+    return pallas
 
 
 register_attention(AttentionBackend("pallas", pallas_kernel))

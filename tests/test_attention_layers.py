@@ -1,0 +1,160 @@
+"""The model's attention variants end to end: sliding and full layers mixed, RoPE per layer kind, sinks, soft-caps
+and the query scale train alike on one device and on sharded and context-parallel meshes, a sliding layer sees
+only its window, generation with a cache equals recomputation, and the combinations not run are refused."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from spmd_train import Engine, load_config
+from spmd_train.config.checks import check_layout
+from spmd_train.config.model_schema import BackendsConfig, ModelConfig
+from spmd_train.errors import ConfigError
+from spmd_train.models.flops import flops_per_token
+from spmd_train.models.transformer import Transformer
+from spmd_train.parallel.backends import resolve_backends
+from spmd_train.train.generation import generate
+from tests.runs import FP32, relative_error, run_steps, token_files
+from tests.test_generate import PROMPTS, _params, _recomputed
+from tests.tiers import fast_cases
+
+VARIANTS = ["model.num_layers=4", "model.layer_types=[sliding,full]", "model.sliding_window=5",
+            "model.rope_local_theta=500.0", "model.attention_sinks=true", "model.attn_logit_softcap=3.0",
+            "model.final_logit_softcap=8.0", "model.query_pre_attn_scalar=16.0", *FP32]
+"""Every variant at once on the tiny model: two sliding layers of window 5 (of 16 tokens) between full ones."""
+
+LAYOUTS = {
+    "data2_fsdp2_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    "fsdp2_tensor4_sp": ["mesh.fsdp=2", "mesh.tensor=4", "parallel.sequence_parallel=true"],
+    "allgather_sequence4": ["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=allgather"],
+    "ulysses_sequence4": ["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=ulysses"],
+    "documents_allgather": ["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=allgather"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    losses, params, _, _ = run_steps(["mesh.fsdp=1", *VARIANTS], devices[:1])
+    # The sinks start at 0 and learn: their gradient reaches them (so the equalities below are not of zeros).
+    assert np.abs(_sinks(params)).max() > 1e-4
+    return losses, params
+
+
+@pytest.mark.parametrize("layout", fast_cases(LAYOUTS, fast=["data2_fsdp2_tensor2", "allgather_sequence4"]))
+def test_every_variant_trains_on_a_sharded_mesh_like_one_device(reference, devices, layout, corpus):
+    overrides = [*LAYOUTS[layout], *VARIANTS]
+    if layout.startswith("documents"):  # packed documents masked: their own one-device run
+        documents = [*token_files(corpus), "data.document_mask=true"]
+        overrides += documents
+        ref_losses, ref_params, _, _ = run_steps(["mesh.fsdp=1", *VARIANTS, *documents], devices[:1])
+    else:
+        ref_losses, ref_params = reference
+    losses, params, _, _ = run_steps(overrides, devices)
+    assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5, (losses, ref_losses)
+    assert relative_error(params, ref_params) <= 2e-5
+
+
+def test_ring_attention_takes_sinks_and_soft_caps_like_one_device(devices):
+    full_layers = [v for v in VARIANTS if "sliding" not in v and "rope_local" not in v]
+    ref_losses, ref_params, _, _ = run_steps(["mesh.fsdp=1", *full_layers], devices[:1])
+    losses, params, _, _ = run_steps(["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=ring",
+                                      *full_layers], devices)
+    assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5
+    assert relative_error(params, ref_params) <= 2e-5
+
+
+def _is_sinks(path) -> bool:
+    return any(getattr(entry, "key", None) == "sinks" for entry in path[-2:])
+
+
+def _sinks(params) -> np.ndarray:
+    """The stacked sink logits [layers, heads] of a parameter tree."""
+    found = [np.asarray(a) for path, a in jax.tree_util.tree_leaves_with_path(params) if _is_sinks(path)]
+    assert len(found) == 1
+    return found[0]
+
+
+def _logits(overrides, tokens):
+    cfg = load_config(None, ["model.preset=tiny", "train.seq_len=16", *FP32, *overrides])
+    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    return np.asarray(jax.jit(lambda t: model(t))(tokens))
+
+
+def test_a_sliding_layer_sees_only_its_window():
+    """Two sliding layers of window 4 reach 2 x 3 tokens back: changing token 0 moves the logits of positions 0-6
+    and of no later one; with full layers it moves the last one too."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 16)), jnp.int32)
+    changed = tokens.at[0, 0].set((tokens[0, 0] + 1) % 256)
+    sliding = ["model.num_layers=2", "model.sliding_window=4"]
+    moved = np.abs(_logits(sliding, tokens) - _logits(sliding, changed)).max(axis=-1)[0]
+    assert (moved[:7] > 1e-6).all() and (moved[7:] == 0).all(), moved
+    full = np.abs(_logits(["model.num_layers=2"], tokens) - _logits(["model.num_layers=2"], changed)).max(-1)[0]
+    assert full[-1] > 1e-6
+
+
+def test_final_soft_cap_bounds_the_logits():
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 16)), jnp.int32)
+    capped = _logits(["model.final_logit_softcap=0.5", "model.init_std=1.0"], tokens)
+    plain = _logits(["model.init_std=1.0"], tokens)
+    assert np.abs(plain).max() > 1.0 and np.abs(capped).max() <= 0.5
+    np.testing.assert_allclose(capped, 0.5 * np.tanh(plain / 0.5), rtol=1e-5, atol=1e-6)
+
+
+def test_generation_with_a_cache_equals_recomputation(devices):
+    cfg = load_config(None, ["model.preset=tiny", "train.global_batch_size=8", "train.seq_len=16", *VARIANTS,
+                             "model.sliding_window=3", "mesh.fsdp=2", "mesh.tensor=4"])
+    engine = Engine.build(cfg, list(devices))
+    # Sinks of -2 to 2 (not their initial 0), so generation must get them right too.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.linspace(-2, 2, a.size).reshape(a.shape).astype(a.dtype) if _is_sinks(path) else a,
+        _params(engine))
+    assert np.abs(_sinks(params)).max() == 2
+    result = generate(engine, params, PROMPTS, max_new_tokens=6)
+    assert result.tokens == _recomputed(engine, params, PROMPTS, 6)
+
+
+def test_windows_count_as_the_band_they_compute():
+    m = ModelConfig(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4)
+    windowed = ModelConfig(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, sliding_window=1024,
+                           layer_types=("sliding", "full"))
+    full_layer = flops_per_token(m, 8192) / 2 - flops_per_token(m, 0) / 2
+    band = (1024 - 1024**2 / (2 * 8192)) / (8192 / 2)  # keys per query against full causal's
+    assert flops_per_token(windowed, 8192) - flops_per_token(m, 0) == pytest.approx(full_layer * (1 + band))
+
+
+@pytest.mark.parametrize(("platform", "overrides", "chosen", "why"), [
+    ("tpu", {"attn_logit_softcap": 30.0}, "xla", "model.attn_logit_softcap"),
+    ("tpu", {"attention_sinks": True}, "pallas", "VMEM"),
+    ("gpu", {"sliding_window": 128}, "cudnn", "auto: cudnn"),
+    ("gpu", {"attention_sinks": True, "compute_dtype": "bfloat16", "head_dim": 64}, "pallas", "model.attention_sinks"),
+])
+def test_auto_picks_an_implementation_that_computes_the_variants(platform, overrides, chosen, why):
+    got = resolve_backends(ModelConfig(**overrides), BackendsConfig(), platform)
+    assert got.attention == chosen and why in got.reason
+
+
+REFUSED = {
+    "sliding_without_window": (["model.layer_types=[sliding,full]"], "model.sliding_window is null"),
+    "window_without_sliding": (["model.layer_types=[full]", "model.sliding_window=4"], "no layer slides"),
+    "local_rope_without_sliding": (["model.rope_local_theta=10.0"], "model.rope_local_theta=10.0"),
+    "too_many_types": (["model.layer_types=[full,full,full]"], "more than model.num_layers=2"),
+    "pallas_softcap": (["backends.attention=pallas", "model.attn_logit_softcap=5.0"], "backends.attention=auto or xla"),
+    "cudnn_sinks": (["backends.attention=cudnn", "model.attention_sinks=true"], "model.attention_sinks"),
+    "ring_window": (["model.sliding_window=4", "mesh.sequence=4", "parallel.context_parallel=ring"],
+                    "context_parallel=ring does not take sliding layers"),
+    "pipeline_mixed": (["model.layer_types=[sliding,full]", "model.sliding_window=4", "mesh.pipeline=2"],
+                       "mixes full and sliding layers"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_combinations_not_run_are_refused_naming_the_keys(case):
+    overrides, message = REFUSED[case]
+    with pytest.raises(ConfigError, match=message):
+        cfg = load_config(None, ["model.preset=tiny", *overrides])
+        sizes = {**cfg.mesh.sizes(), "fsdp": 1}
+        check_layout(cfg, sizes, "gpu" if "cudnn" in case else "cpu")

@@ -33,6 +33,10 @@ LAYOUTS = {
     "allgather_sequence4": ["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=allgather"],
     "ulysses_sequence4": ["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=ulysses"],
     "documents_allgather": ["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=allgather"],
+    "documents_pallas_allgather": ["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=allgather",
+                                   "backends.attention=pallas", "backends.attention_blocks=[8,8]"],
+    "documents_pallas_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "backends.attention=pallas",
+                                 "backends.attention_blocks=[8,8]"],
 }
 
 
@@ -127,8 +131,9 @@ def test_windows_count_as_the_band_they_compute():
 
 
 @pytest.mark.parametrize(("platform", "overrides", "chosen", "why"), [
-    ("tpu", {"attn_logit_softcap": 30.0}, "xla", "model.attn_logit_softcap"),
-    ("tpu", {"attention_sinks": True}, "pallas", "VMEM"),
+    ("tpu", {"attn_logit_softcap": 30.0, "sliding_window": 128, "attention_sinks": True}, "pallas", "VMEM"),
+    ("gpu", {"attn_logit_softcap": 30.0, "compute_dtype": "bfloat16", "head_dim": 64}, "xla",
+     "model.attn_logit_softcap"),
     ("gpu", {"sliding_window": 128}, "cudnn", "auto: cudnn"),
     ("gpu", {"attention_sinks": True, "compute_dtype": "bfloat16", "head_dim": 64}, "pallas", "model.attention_sinks"),
 ])
@@ -142,7 +147,8 @@ REFUSED = {
     "window_without_sliding": (["model.layer_types=[full]", "model.sliding_window=4"], "no layer slides"),
     "local_rope_without_sliding": (["model.rope_local_theta=10.0"], "model.rope_local_theta=10.0"),
     "too_many_types": (["model.layer_types=[full,full,full]"], "more than model.num_layers=2"),
-    "pallas_softcap": (["backends.attention=pallas", "model.attn_logit_softcap=5.0"], "backends.attention=auto or xla"),
+    "pallas_gpu_window": (["backends.attention=pallas", "model.sliding_window=4", "model.compute_dtype=bfloat16"],
+                          "on GPU computes neither sliding layers"),
     "cudnn_sinks": (["backends.attention=cudnn", "model.attention_sinks=true"], "model.attention_sinks"),
     "ring_window": (["model.sliding_window=4", "mesh.sequence=4", "parallel.context_parallel=ring"],
                     "context_parallel=ring does not take sliding layers"),
@@ -157,4 +163,4 @@ def test_combinations_not_run_are_refused_naming_the_keys(case):
     with pytest.raises(ConfigError, match=message):
         cfg = load_config(None, ["model.preset=tiny", *overrides])
         sizes = {**cfg.mesh.sizes(), "fsdp": 1}
-        check_layout(cfg, sizes, "gpu" if "cudnn" in case else "cpu")
+        check_layout(cfg, sizes, "gpu" if "cudnn" in case or "gpu" in case else "cpu")

@@ -100,3 +100,69 @@ def test_bad_scoring_names_the_value():
         Scoring(window=0)
     with pytest.raises(ValueError, match="softcap=-1"):
         Scoring(softcap=-1.0)
+
+
+KERNEL_CASES = {
+    # (lq, lk, window, softcap, q_offset, blocks, documents)
+    "window_softcap_documents": (64, 64, 10, 3.0, 0, (16, 16), True),
+    "window_under_one_block": (48, 48, 3, None, 0, (16, 8), False),
+    "past_chunk_at_an_offset": (32, 32, 40, 2.0, 32, (8, 16), False),
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_tpu_kernels_compute_windows_caps_and_offsets_like_the_reference(case):
+    """The Pallas TPU kernels (interpreted), forward, log-sum-exp and every gradient, against the reference."""
+    from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
+    from spmd_train.kernels.flash_attention.kernel import poisoned_outputs
+
+    lq, lk, window, softcap, offset, blocks, documents = KERNEL_CASES[case]
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.normal(size=(2, lq, 4, 16)) * 2, jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, lk, 2, 16)) * 2, jnp.float32) for _ in range(2))
+    seg = None
+    if documents:
+        seg = jnp.asarray(np.sort(rng.integers(0, 3, (2, lq)), axis=1), jnp.int32)
+    w, u = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((2, lq, 4, 16), (2, 4, lq)))
+
+    def loss(attend):
+        def f(q, k, v):
+            out, lse = attend(q, k, v)
+            return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u)
+        return f
+
+    kernel = lambda q, k, v: flash_attention(q, k, v, segment_ids=seg, block_sizes=BlockSizes(*blocks),
+                                             return_lse=True, window=window, softcap=softcap, q_offset=offset,
+                                             interpret=True, backend="tpu")
+    reference = lambda q, k, v: dot_product_attention(q, k, v, segment_ids=seg, return_lse=True, q_offset=offset,
+                                                      scoring=Scoring(softcap=softcap, window=window))
+    with poisoned_outputs():
+        got, got_grads = jax.value_and_grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
+        out, lse = kernel(q, k, v)
+    want, want_grads = jax.value_and_grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+    want_out, want_lse = reference(q, k, v)
+    np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, r in zip(got_grads, want_grads, strict=True):
+        assert not np.isnan(np.asarray(g)).any()
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_a_window_bounds_the_kernel_grid_and_the_pairs_it_computes():
+    """8192 tokens in 512-wide blocks: a 1024 window's grid walks 4 of 16 K/V blocks per row block and computes the
+    diagonal block and the two before it (45 pairs, a third of full causal's 136); at any offset the pairs computed
+    are the brute-force count of blocks that hold a visible entry."""
+    from spmd_train.kernels.flash_attention.kernel import KernelPlan, band_steps, visible_pairs
+
+    plan = KernelPlan(scale=1.0, causal=True, block_q=512, block_k=512, q_len=8192, kv_len=8192, groups=4,
+                      interpret=False, window=1024)
+    assert band_steps(plan, 16, 16) == (4, 4)
+    full = visible_pairs(KernelPlan(**{**plan.__dict__, "window": None}), 16, 16)
+    assert full == 16 * 17 // 2 and visible_pairs(plan, 16, 16) == 16 + 15 + 14
+    small = KernelPlan(scale=1.0, causal=True, block_q=16, block_k=8, q_len=64, kv_len=64, groups=1,
+                       interpret=True, window=11, q_offset=24)
+    rows, cols = np.arange(64)[:, None] + 24, np.arange(64)[None, :]
+    seen = (cols <= rows) & (rows - cols < 11)
+    brute = sum(seen[i * 16:(i + 1) * 16, j * 8:(j + 1) * 8].any() for i in range(4) for j in range(8))
+    assert visible_pairs(small, 4, 8) == brute

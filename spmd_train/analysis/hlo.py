@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from spmd_train.analysis.hlo_text import Instruction, parse_computations
-from spmd_train.kernels.flash_attention.kernel import KERNEL_MATMULS, last_kv_block
+from spmd_train.kernels.flash_attention.kernel import KERNEL_MATMULS, KernelPlan, visible_pairs
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -323,23 +323,26 @@ def matmul_flops(hlo_text: str) -> float:
     return total
 
 
-_FLASH = re.compile(r"flash_attention_(fwd|dq|dkv)(_causal)?_q(\d+)_k(\d+)")
+_FLASH = re.compile(r"flash_attention_(fwd|dq|dkv)(_causal)?(?:_w(\d+))?(?:_o(\d+))?_q(\d+)_k(\d+)")
 
 
 def _flash_attention_flops(ins: Instruction, shapes: dict[str, str]) -> float:
-    """Matmul FLOPs inside one of our flash-attention kernels: per visible block pair, KERNEL_MATMULS
-    block matmuls of 2 x block_q x block_k x head_dim, over batch x query heads."""
+    """Matmul FLOPs inside one of our flash-attention kernels: per visible block pair (causality, window and
+    query offset from the kernel's name), KERNEL_MATMULS block matmuls of 2 x block_q x block_k x head_dim, over
+    batch x query heads."""
     m = _FLASH.match(ins.name.lstrip("%"))
     if not m or len(ins.operands) < 2:
         return 0.0
-    kind, causal, bq, bk = m.group(1), bool(m.group(2)), int(m.group(3)), int(m.group(4))
+    kind, causal = m.group(1), bool(m.group(2))
+    window, offset = (int(m.group(3)) if m.group(3) else None), int(m.group(4) or 0)
+    bq, bk = int(m.group(5)), int(m.group(6))
     q, k = _dims(shapes.get(ins.operands[0], "")), _dims(shapes.get(ins.operands[1], ""))
     if len(q) != 4 or len(k) != 4:
         return 0.0
     (b, h, lq, d), lk = q, k[2]
-    nq, nk = lq // bq, lk // bk
-    pairs = sum(min(nk, last_kv_block(i, bq, bk) + 1) for i in range(nq)) if causal else nq * nk
-    return KERNEL_MATMULS[kind] * 2.0 * b * h * pairs * bq * bk * d
+    plan = KernelPlan(scale=1.0, causal=causal, block_q=bq, block_k=bk, q_len=lq, kv_len=lk, groups=1,
+                      interpret=False, window=window, q_offset=offset)
+    return KERNEL_MATMULS[kind] * 2.0 * b * h * visible_pairs(plan, lq // bq, lk // bk) * bq * bk * d
 
 
 def _dims(shape: str) -> list[int]:

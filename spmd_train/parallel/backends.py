@@ -139,5 +139,7 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
 
 
 def _gpu_kernels_run(model: ModelConfig) -> bool:
-    """Whether the Mosaic GPU kernels take this model's attention (bfloat16 operands, 64-wide head tiles)."""
-    return jnp.dtype(model.compute_dtype) == jnp.bfloat16 and model.resolved_head_dim % 64 == 0
+    """Whether the Mosaic GPU kernels take this model's attention (bfloat16 operands, 64-wide head tiles, no window
+    or soft-cap yet)."""
+    plain = not set(model_variants(model)) - {"sinks"}
+    return jnp.dtype(model.compute_dtype) == jnp.bfloat16 and model.resolved_head_dim % 64 == 0 and plain

@@ -62,8 +62,9 @@ def _allgather(q, k, v, segments, n, kernel, scoring):
         return nothing(q)
 
     def behind(distance):
-        # Chunk `distance` chunks before the queries' own: a static offset, so the kernel masks the window itself.
-        return lambda q, k, v, seg: kernel(q, k, v, seg, distance == 0, True, scoring, distance * lc)
+        # Chunk `distance` chunks before the queries' own: a static offset, so the kernel masks the window itself
+        # (causal, which a chunk wholly in the past meets anyway, lets the kernels bound their grid by the band).
+        return lambda q, k, v, seg: kernel(q, k, v, seg, True, True, scoring, distance * lc)
 
     if scoring.window is None:  # every earlier chunk is wholly visible
         branches, reach = [future, behind(0), lambda q, k, v, seg: kernel(q, k, v, seg, False, True, scoring)], 1

@@ -57,18 +57,26 @@ def tpu_vmem_bytes(q_shape, kv_shape, dtype, block_sizes: BlockSizes | None = No
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale: float | None = None,
                     block_sizes: BlockSizes | None = None, return_lse: bool = False, interpret: bool | None = None,
-                    backend: str | None = None):
+                    backend: str | None = None, window: int | None = None, softcap: float | None = None,
+                    q_offset: int = 0):
     """Attention of q [batch, lq, heads, head_dim] over k, v [batch, lk, kv_heads, head_dim].
 
     Grouped-query attention when kv_heads divides heads (K/V are never repeated). `segment_ids`:
     None, one [batch, length] int array for both sides (packed sequences), or a
-    (q_segments [batch, lq], kv_segments [batch, lk]) pair. Causal attention needs lq == lk.
-    Returns the output in q's dtype, and with `return_lse` also the fp32 log-sum-exp
+    (q_segments [batch, lq], kv_segments [batch, lk]) pair. Query row r sits at position r + `q_offset`
+    (static), key column c at c; causal attention without an offset needs lq == lk. `window`: a query
+    sees only keys with q_pos - k_pos < window, and the kernels visit only the blocks that band touches;
+    `softcap`: scores become softcap * tanh(scores / softcap) (`ops.attention.dot_product_attention`
+    defines them all). Returns the output in q's dtype, and with `return_lse` also the fp32 log-sum-exp
     [batch, heads, lq] so blockwise results can be merged exactly. `backend` picks the kernels:
     "tpu" (Mosaic TPU) or "gpu" (Mosaic GPU, Hopper; bfloat16), by default the default device's.
     `interpret` defaults to True on CPU: the kernels then run on the host, slowly, for testing.
     """
-    q_seg, kv_seg = _check(q, k, v, causal, segment_ids)
+    q_seg, kv_seg = _check(q, k, v, causal and not q_offset, segment_ids)
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: a query must see at least itself (valid: 1 or more, or None)")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be positive (or None)")
     # Called alone, the default platform decides; the model passes both (`parallel.Backends`).
     device = jax.default_backend() if backend is None or interpret is None else None
     backend = backend or ("gpu" if device == "gpu" else "tpu")
@@ -79,14 +87,21 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     _b, lq, h, d = q.shape
     lk, kvh = k.shape[1], k.shape[2]
     if backend == "gpu":
+        if window is not None or softcap is not None or q_offset:
+            raise ValueError(f"the GPU flash-attention kernels take no window, soft-cap or query offset yet (got "
+                             f"window={window}, softcap={softcap}, q_offset={q_offset}): use backend='tpu' "
+                             "interpreted, or the XLA reference")
         block_q, block_k = _gpu_blocks(q, k, blocks)
     else:
         block_q, block_k = _tpu_blocks(q, k, blocks, interpret)
     lq_pad, lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
+    # Padded keys are masked by segment id -1 unless causality alone keeps every query off them.
+    pads_seen = lk_pad != lk and (not causal or q_offset + lq > lk)
     plan = KernelPlan(scale=float(softmax_scale if softmax_scale is not None else d**-0.5), causal=causal,
                       block_q=block_q, block_k=block_k, q_len=lq, kv_len=lk, groups=h // kvh, interpret=interpret,
                       poison=kernel.poison_requested(), gpu=backend == "gpu",
-                      segments=segment_ids is not None or (lk_pad != lk and not causal))
+                      segments=segment_ids is not None or pads_seen, window=window,
+                      softcap=None if softcap is None else float(softcap), q_offset=int(q_offset))
     # [b, l, h, d] -> [b, h, l_padded, d]; padded keys get segment id -1 so nothing attends to them.
     qt = _pad(jnp.swapaxes(q, 1, 2), 2, lq_pad)
     kt = _pad(jnp.swapaxes(k, 1, 2), 2, lk_pad)

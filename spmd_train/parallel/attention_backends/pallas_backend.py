@@ -14,11 +14,9 @@ def pallas_kernel(backends: Backends) -> Kernel:
     blocks = BlockSizes(*backends.blocks)
 
     def pallas(q, k, v, seg, causal, lse, scoring=FULL, q_offset=0):
-        if scoring.window is not None or scoring.softcap is not None or q_offset:
-            raise ValueError(f"the Pallas kernels compute neither windows nor soft-capped logits yet; got {scoring} "
-                             f"and q_offset={q_offset} (the config checks refuse these: see AttentionFacts.variants)")
         return flash_attention(q, k, v, causal=causal, segment_ids=seg, block_sizes=blocks, return_lse=lse,
-                               softmax_scale=scoring.scale, interpret=backends.interpret, backend=backends.kernels)
+                               softmax_scale=scoring.scale, window=scoring.window, softcap=scoring.softcap,
+                               q_offset=q_offset, interpret=backends.interpret, backend=backends.kernels)
     return pallas
 
 

@@ -164,3 +164,38 @@ def test_combinations_not_run_are_refused_naming_the_keys(case):
         cfg = load_config(None, ["model.preset=tiny", *overrides])
         sizes = {**cfg.mesh.sizes(), "fsdp": 1}
         check_layout(cfg, sizes, "gpu" if "cudnn" in case or "gpu" in case else "cpu")
+
+
+# --- Hugging Face config.json: which layers slide, both ways ---------------------------------------------------------
+
+
+def _qwen2(**fields):
+    return {"model_type": "qwen2", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "attention_bias": True, **fields}
+
+
+@pytest.mark.parametrize(("fields", "window", "types"), [
+    ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}, 64,
+     ("full", "full", "sliding", "sliding")),
+    ({"use_sliding_window": True, "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"] * 2},
+     64, ("sliding", "full", "sliding", "full")),
+    ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 4}, None, None),  # no layer slides
+    ({"use_sliding_window": False, "sliding_window": 64}, None, None),
+])
+def test_imported_layer_types_follow_the_checkpoint_and_export_back(fields, window, types):
+    from spmd_train.config.hf_config import hf_config, model_section
+
+    section = model_section(_qwen2(**fields))
+    assert section["sliding_window"] == window and section.get("layer_types") == types
+    model = ModelConfig(**section)
+    assert model_section(hf_config(model, _qwen2(**fields), dtype="float32")) == section
+
+
+def test_export_refuses_what_no_family_holds():
+    from spmd_train.config.hf_config import hf_config
+
+    for fields, named in (({"attn_logit_softcap": 50.0}, "model.attn_logit_softcap=50.0"),
+                          ({"attention_sinks": True}, "model.attention_sinks=True"),
+                          ({"sliding_window": 8, "layer_types": ("sliding", "full")}, "Mistral's config.json has no")):
+        with pytest.raises(ConfigError, match=named):
+            hf_config(ModelConfig(**fields), dtype="float32")

@@ -89,11 +89,46 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
                       "llama3)")
 
 
+_HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def _attention_layers(hf: Mapping[str, Any], window: int | None, layers: int) -> dict[str, Any]:
+    """model.sliding_window and model.layer_types from config.json: its `layer_types` when it lists them (Qwen's
+    derived from max_window_layers when it does not: layers from that index on slide), else every layer sliding
+    when the family's window is set (Mistral)."""
+    if window is None:
+        return {"sliding_window": None}
+    names = hf.get("layer_types")
+    if names is None and hf.get("max_window_layers") is not None and hf.get("use_sliding_window"):
+        names = ["sliding_attention" if i >= int(hf["max_window_layers"]) else "full_attention" for i in range(layers)]
+    if not names:
+        return {"sliding_window": window}
+    unknown = sorted({n for n in names if n not in _HF_LAYER_TYPES})
+    if unknown or len(names) != layers:
+        raise ConfigError(f"config.json: layer_types={list(names)} is not one entry per layer of "
+                          f"{', '.join(_HF_LAYER_TYPES)} (num_hidden_layers={layers})")
+    kinds = tuple(_HF_LAYER_TYPES[n] for n in names)
+    if "sliding" not in kinds:
+        return {"sliding_window": None}
+    return {"sliding_window": window, **({"layer_types": kinds} if "full" in kinds else {})}
+
+
+def _local_rope_theta(hf: Mapping[str, Any], theta: float) -> float | None:
+    """The sliding layers' RoPE base when config.json gives them their own (rope_local_base_freq, or rope_parameters
+    per layer type), else None."""
+    params = hf.get("rope_parameters") or {}
+    local = params.get("sliding_attention", {}).get("rope_theta") if isinstance(params, Mapping) else None
+    local = hf.get("rope_local_base_freq", local)
+    return None if local is None or float(local) == theta else float(local)
+
+
 def model_section(hf: Mapping[str, Any]) -> dict[str, Any]:
     """Our `model` section (a dict, as in a YAML file) for a Hugging Face config.json."""
     fam = family(hf)
     try:
         return _model_section(hf, fam)
+    except ConfigError:  # already names its field (a ValueError too, but not of the wrong type)
+        raise
     except KeyError as err:
         raise ConfigError(f"config.json of a {fam.model_type} model lacks {err.args[0]!r}") from None
     except (TypeError, ValueError) as err:
@@ -117,9 +152,13 @@ def _model_section(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
         "num_kv_heads": int(hf.get("num_key_value_heads") or heads), "d_ff": int(hf["intermediate_size"]),
         "vocab_size": int(hf["vocab_size"]), "rope_theta": theta, "rope_scaling": scaling,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm, "sliding_window": fam.window(hf),
+        "qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm,
+        **_attention_layers(hf, fam.window(hf), int(hf["num_hidden_layers"])),
         "compute_dtype": _DTYPES[dtype], "param_dtype": "float32",
     }
+    local_theta = _local_rope_theta(hf, theta)
+    if local_theta is not None and "sliding" in model.get("layer_types", ("sliding",) * bool(model["sliding_window"])):
+        model["rope_local_theta"] = local_theta
     head_dim = hf.get("head_dim")
     if head_dim and int(head_dim) != model["d_model"] // heads:
         model["head_dim"] = int(head_dim)
@@ -127,9 +166,29 @@ def _model_section(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
     return model
 
 
+def unexportable(model: ModelConfig, fam: Family | None = None) -> str | None:
+    """Why no registered family (or `fam`) can hold this model's attention variants, or None when one can: none
+    has sinks, soft-caps, a query scale or a separate local RoPE yet, and only families that write per-layer
+    kinds (Qwen's layer_types) hold a mix of full and sliding layers."""
+    fields = {"attention_sinks": model.attention_sinks, "attn_logit_softcap": model.attn_logit_softcap,
+              "final_logit_softcap": model.final_logit_softcap, "query_pre_attn_scalar": model.query_pre_attn_scalar,
+              "rope_local_theta": model.rope_local_theta}
+    held = [f"model.{k}={v}" for k, v in fields.items() if v not in (None, False)]
+    if held:
+        return (f"no supported Hugging Face family holds {', '.join(held)} yet (supported model_type: "
+                f"{', '.join(f.model_type for f in families())}); the model trains, it does not export")
+    if fam is not None and len(set(model.layer_kinds)) > 1 and not fam.layer_types:
+        return (f"{fam.title}'s config.json has no per-layer attention kinds, and model.layer_types="
+                f"{list(model.layer_types)} mixes full and sliding layers")
+    return None
+
+
 def infer_family(model: ModelConfig) -> Family:
     """The Hugging Face family a model of ours exports as: the first registered one that claims it (`Family.claims`)
     and can hold it (`Family.refusal`); ConfigError with the first claimant's refusal, or naming what none has."""
+    why = unexportable(model)
+    if why is not None:
+        raise ConfigError(why)
     claimants = [fam for fam in families() if fam.claims(model)]
     for fam in claimants:
         if fam.refusal(model) is None:
@@ -145,8 +204,11 @@ def hf_config(model: ModelConfig, base: Mapping[str, Any] | None = None, *, dtyp
     """The config.json of `model` saved in `dtype`: `base` (the imported checkpoint's, when there was one)
     with every architecture field rewritten, in the layout `base` used (legacy when there is none)."""
     fam = family(base) if base else infer_family(model)
-    if fam.moe != (model.moe is not None):  # the imported family cannot hold this model's MLPs
+    if fam.moe != (model.moe is not None) or unexportable(model, fam):  # the imported family cannot hold it
         fam = infer_family(model)
+    why = unexportable(model, fam)
+    if why is not None:
+        raise ConfigError(why)
     out = dict(base or {})
     legacy = not base or "rope_parameters" not in base
     for key in ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype", "head_dim"):

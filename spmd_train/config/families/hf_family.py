@@ -78,12 +78,15 @@ def write_plain_window(model: ModelConfig, out: dict[str, Any]) -> None:
 
 
 def write_qwen_window(model: ModelConfig, out: dict[str, Any]) -> None:
-    """Qwen's use_sliding_window and sliding_window; layer_types dropped when it no longer describes the model."""
+    """Qwen's use_sliding_window, sliding_window and per-layer layer_types (max_window_layers is read only when
+    layer_types is absent, so the list alone says which layers slide)."""
     out["use_sliding_window"] = model.sliding_window is not None
     if model.sliding_window is not None:
         out["sliding_window"] = model.sliding_window
+        out["layer_types"] = [f"{kind}_attention" for kind in model.layer_kinds]
+        return
     types = out.get("layer_types") or []
-    if len(types) != model.num_layers or (model.sliding_window is None and set(types) != {"full_attention"}):
+    if len(types) != model.num_layers or set(types) != {"full_attention"}:
         out.pop("layer_types", None)  # per-layer attention kinds no longer describe this model
 
 
@@ -120,6 +123,8 @@ class Family:
     """Its MLPs are mixtures of experts in every layer (model.moe)."""
     window: Callable[[Mapping[str, Any]], int | None] = plain_window
     """model.sliding_window from its config.json."""
+    layer_types: bool = False
+    """Its config.json says which layers slide (`layer_types`), so it holds a mix of full and sliding layers."""
     read: Callable[[Mapping[str, Any], dict[str, Any]], None] = _nothing
     """read(config.json, model section): its own fields into our model section (Mixtral's experts), refusing
     the ones that change the computation and that the model does not implement."""

@@ -18,4 +18,4 @@ def both_biases_and_norms(model: ModelConfig) -> str | None:
 
 
 QWEN2 = register_family(Family("qwen2", "Qwen2ForCausalLM", "Qwen2", _claims, qkv_bias=True, window=qwen_window,
-                               write=write_qwen_window, refusal=both_biases_and_norms))
+                               layer_types=True, write=write_qwen_window, refusal=both_biases_and_norms))

@@ -19,4 +19,4 @@ def _write(model: ModelConfig, out: dict[str, Any]) -> None:
 
 
 QWEN3 = register_family(Family("qwen3", "Qwen3ForCausalLM", "Qwen3", _claims, qk_norm=True, window=qwen_window,
-                               write=_write, refusal=both_biases_and_norms))
+                               layer_types=True, write=_write, refusal=both_biases_and_norms))

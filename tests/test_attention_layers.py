@@ -62,6 +62,26 @@ def test_every_variant_trains_on_a_sharded_mesh_like_one_device(reference, devic
     assert relative_error(params, ref_params) <= 2e-5
 
 
+PIPELINES = {
+    # Chunk 0 holds one sliding layer, chunk 1 full, sliding, full: the short chunk's padding rows have kinds too.
+    "gpipe_uneven_p2": ["mesh.pipeline=2", "mesh.fsdp=4", "parallel.pipeline_schedule=gpipe",
+                        "parallel.pipeline_layers=[1,3]"],
+    "interleaved_p2_v2": ["mesh.pipeline=2", "mesh.fsdp=4", "parallel.pipeline_schedule=interleaved_1f1b",
+                          "parallel.virtual_stages=2"],
+    "zb_v_p2": ["mesh.pipeline=2", "mesh.fsdp=4", "parallel.pipeline_schedule=zb_v", "parallel.virtual_stages=2"],
+}
+
+
+@pytest.mark.parametrize("case", fast_cases(PIPELINES, fast=["gpipe_uneven_p2"]))
+def test_pipelines_run_mixed_layers_like_one_device(reference, devices, case):
+    """Each stage chunk runs its own layers' kinds (full and sliding alternate, so every chunk of two or more layers
+    mixes them), under fused, interleaved and split-backward schedules."""
+    ref_losses, ref_params = reference
+    losses, params, engine, _ = run_steps([*PIPELINES[case], *VARIANTS], devices)
+    assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5, (losses, ref_losses)
+    assert relative_error(engine.model_params(params), ref_params) <= 2e-5
+
+
 def test_ring_attention_takes_sinks_and_soft_caps_like_one_device(devices):
     full_layers = [v for v in VARIANTS if "sliding" not in v and "rope_local" not in v]
     ref_losses, ref_params, _, _ = run_steps(["mesh.fsdp=1", *full_layers], devices[:1])
@@ -152,8 +172,6 @@ REFUSED = {
     "cudnn_sinks": (["backends.attention=cudnn", "model.attention_sinks=true"], "model.attention_sinks"),
     "ring_window": (["model.sliding_window=4", "mesh.sequence=4", "parallel.context_parallel=ring"],
                     "context_parallel=ring does not take sliding layers"),
-    "pipeline_mixed": (["model.layer_types=[sliding,full]", "model.sliding_window=4", "mesh.pipeline=2"],
-                       "mixes full and sliding layers"),
 }
 
 

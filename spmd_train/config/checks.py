@@ -127,11 +127,6 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
         raise ConfigError(f"parallel.pipeline_layers=[{', '.join(map(str, layers))}] splits the layers into stages, "
                           "but mesh.pipeline=1 runs one stage "
                           f"(valid: balanced or null, or mesh.pipeline={len(layers)})")
-    kinds = sorted(set(cfg.model.layer_kinds))
-    if sizes["pipeline"] > 1 and len(kinds) > 1:
-        raise ConfigError(f"model.layer_types={list(cfg.model.layer_types)} mixes full and sliding layers, which "
-                          f"pipeline stages do not run yet (mesh.pipeline={sizes['pipeline']}); valid: "
-                          "mesh.pipeline=1, or one kind of layer")
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
     check_context(cfg, sizes)

@@ -34,7 +34,7 @@ HeadFn = Callable[[Any, jax.Array, Any], jax.Array]
 
 def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks: Any, head: Any, inputs: jax.Array,
                  targets: Any, *, context: Any = None, mesh: jax.sharding.Mesh | None = None,
-                 extras: bool = False, chunk_rows: Any = None) -> tuple:
+                 extras: bool = False, chunk_rows: Any = None, chunk_kinds: Any = None) -> tuple:
     """Loss and gradients of the mean over microbatches of head_fn(stages(inputs[i]), targets[i]).
 
     `blocks` has the layers stacked on axis 0 in storage order (split over `pipeline`: device d
@@ -48,6 +48,8 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     `mesh` is the device mesh (default: the one set with `jax.set_mesh`); inside another
     shard_map the enclosing abstract mesh is used. `chunk_rows` [stages, virtual] (uneven stages): how many leading
     rows of each stored chunk are layers, passed to stage_fn as `rows=` (the rest of the chunk is padding).
+    `chunk_kinds` [stages, virtual, rows per chunk, ...]: the attention kind of each stored row's layers, passed to
+    stage_fn as `kinds=` (models mixing full and sliding layers).
     """
     sched = plan.schedule
     p, v, m = sched.stages, sched.virtual, sched.microbatches
@@ -55,10 +57,10 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         raise ValueError(f"inputs has {inputs.shape[0]} microbatches, the schedule {m}")
     rows = jnp.asarray(plan.rows)
     col = {name: i for i, name in enumerate(FIELDS)}  # split-backward plans: their own columns, pipeline_split
-    padded = chunk_rows is not None
-    if padded and sched.split_backward:
+    tables = {name: table for name, table in (("rows", chunk_rows), ("kinds", chunk_kinds)) if table is not None}
+    if chunk_rows is not None and sched.split_backward:
         raise ValueError(f"uneven chunks (chunk_rows) need a fused schedule, not {sched.name}")
-    run_stage = executor_stage(stage_fn, has_context=context is not None, extras=extras, padded=padded)
+    run_stage = executor_stage(stage_fn, has_context=context is not None, extras=extras, chunk_keys=tuple(tables))
     context = () if context is None else context
     # The loss term's cotangent: it enters the mean over microbatches like each microbatch's loss.
     term_ct = jnp.asarray(1 / m, jnp.float32)
@@ -70,18 +72,18 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         chunk_params = lambda k: jax.tree.map(lambda a: a[k], chunks)
         x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
         of_microbatch = lambda tree, mb: jax.tree.map(lambda a: a[mb], tree)
-        # What a chunk's stage function gets beside (params, x): the microbatch's context, and with uneven stages
-        # the number of its stored rows that are layers.
-        if padded:
-            table = jnp.asarray(chunk_rows, jnp.int32)
-            chunk_context = lambda mb, k: (table[stage, k], of_microbatch(context, mb))
+        # What a chunk's stage function gets beside (params, x): the microbatch's context, and the chunk's rows of
+        # the tables (with uneven stages the number of its stored rows that are layers, with mixed layers their kinds).
+        arrays = {name: jnp.asarray(table, jnp.int32) for name, table in tables.items()}
+        if arrays:
+            chunk_context = lambda mb, k: ({n: a[stage, k] for n, a in arrays.items()}, of_microbatch(context, mb))
         else:
             chunk_context = lambda mb, k: of_microbatch(context, mb)
         vjp_layout = _VjpLayout.of(run_stage, chunk_params(0), x_like, chunk_context(0, 0))
         stats = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), vjp_layout.stats)
         if sched.split_backward:
             grads, head_grads, loss, d_inputs, stats = run_split_ticks(plan, run_stage, head_fn, chunks, head, inputs,
-                                                                       targets, context, vjp_layout, stats)
+                                                                       targets, chunk_context, vjp_layout, stats)
             return _finish(grads, head_grads, loss, d_inputs, stats, m)
 
         acts = jnp.zeros((plan.act_slots + 1, *x_like.shape), x_like.dtype)  # + 1: the spare slot
@@ -151,15 +153,15 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
 
 
 def executor_stage(stage_fn: StageFn, *, has_context: bool = True, extras: bool = False,
-                   padded: bool = False) -> Callable:
+                   chunk_keys: tuple[str, ...] = ()) -> Callable:
     """stage_fn as the executor runs it: (params, x, context) -> ((y, loss term), statistics), for `jax.vjp` with
-    has_aux (a stage without extras has the loss term 0 and no statistics)."""
+    has_aux (a stage without extras has the loss term 0 and no statistics). With `chunk_keys` the context is
+    ({key: the chunk's row of that table}, the microbatch's context) and stage_fn takes the keys as keywords."""
 
     def run(params, x, context):
         kw = {}
-        if padded:  # context = (rows of the chunk that are layers, the microbatch's context)
-            rows, context = context
-            kw = {"rows": rows}
+        if chunk_keys:
+            kw, context = context
         out = stage_fn(params, x, context, **kw) if has_context else stage_fn(params, x, **kw)
         y, term, stats = out if extras else (out, jnp.zeros((), jnp.float32), {})
         return (y, jnp.asarray(term, jnp.float32)), stats
@@ -220,10 +222,11 @@ class _VjpLayout:
 
 
 def stash_layout(stage_fn: StageFn, params: Any, x: Any, context: Any = (), *, extras: bool = False,
-                 padded: bool = False) -> _VjpLayout:
+                 chunk_info: dict[str, Any] | None = None) -> _VjpLayout:
     """How a stage's VJP, stage_fn(params, x, context), splits into weights and stashed residuals (`.stashed`:
-    their shapes), abstractly (`extras` as in `run_pipeline`; padded: stage_fn takes `rows=`, and so does the
-    trace, with a traced count)."""
-    if padded:
-        context = (jax.ShapeDtypeStruct((), jnp.int32), context)
-    return _VjpLayout.of(executor_stage(stage_fn, extras=extras, padded=padded), params, x, context)
+    their shapes), abstractly (`extras` as in `run_pipeline`; `chunk_info`: the abstract chunk rows of
+    `run_pipeline`'s tables, {"rows": ..., "kinds": ...}, which stage_fn takes as keywords)."""
+    keys = tuple(chunk_info or ())
+    if keys:
+        context = (chunk_info, context)
+    return _VjpLayout.of(executor_stage(stage_fn, extras=extras, chunk_keys=keys), params, x, context)

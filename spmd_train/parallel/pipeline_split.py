@@ -38,11 +38,11 @@ def head_on_last_chunk(head_fn: Callable, head: Any, y: jax.Array, target: Any, 
 
 
 def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, chunks: Any, head: Any,
-                    inputs: jax.Array, targets: Any, context: Any, vjp_layout: Any,
+                    inputs: jax.Array, targets: Any, chunk_context: Callable, vjp_layout: Any,
                     stats: Any) -> tuple[Any, Any, Any, Any, Any]:
     """One stage's (grads [v, ...], head grads, loss, d inputs, statistics summed per chunk) from running the plan's
     F, B and W ops; `run_stage` as the fused executor runs it: (params, x, context) -> ((y, loss term), statistics),
-    `stats` the zero statistics accumulators."""
+    `chunk_context(microbatch, chunk)` what it takes as context, `stats` the zero statistics accumulators."""
     p, m, last = plan.schedule.stages, plan.schedule.microbatches, plan.schedule.stages * plan.schedule.virtual - 1
     col = {name: i for i, name in enumerate(plan.fields)}
     stage = jax.lax.axis_index(AXIS)
@@ -50,7 +50,7 @@ def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, 
     of_microbatch = lambda tree, mb: jax.tree.map(lambda a: a[mb], tree)
     x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
     # Traced once, abstractly, on what the forward runs: B and W are slices of that one fused backward.
-    split = split_vjp(run_stage, chunk_params(0), x_like, of_microbatch(context, 0), has_aux=True)
+    split = split_vjp(run_stage, chunk_params(0), x_like, chunk_context(0, 0), has_aux=True)
     term_ct = jnp.asarray(1 / m, jnp.float32)  # the stage's loss term enters the mean over microbatches
 
     bufs = jnp.zeros((plan.act_slots + 1, *x_like.shape), x_like.dtype)  # + 1: the spare slot
@@ -68,7 +68,7 @@ def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, 
         bufs, stash, saved, grads, head_grads, loss, d_inputs, stats = carry
         mb, k, read = row[col["microbatch"]], row[col["chunk"]], row[col["read"]]
         x = jnp.where(read < 0, inputs[mb], bufs[read])
-        params, ctx = chunk_params(k), of_microbatch(context, mb)
+        params, ctx = chunk_params(k), chunk_context(mb, k)
         (y, _), vjp, stats_mb = jax.vjp(lambda params, x: run_stage(params, x, ctx), params, x, has_aux=True)
         stats = jax.tree.map(lambda acc, s: acc.at[k].add(s), stats, stats_mb)
         slot = row[col["stash"]]

@@ -22,7 +22,7 @@ from spmd_train.config.schedule_facts import names_where, schedule_facts, spoken
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 from spmd_train.models.flops import balanced_depths
-from spmd_train.models.transformer import RESIDUAL, apply_blocks
+from spmd_train.models.transformer import RESIDUAL, apply_blocks, attention_kinds, layer_kind_ids
 from spmd_train.ops import cross_entropy
 from spmd_train.parallel.pipeline import executor_stage, run_pipeline, stash_layout
 from spmd_train.parallel.pipeline_plan import PipelinePlan, build_plan
@@ -88,6 +88,15 @@ def model_rows(order: np.ndarray, rows: int) -> np.ndarray:
     return inverse
 
 
+def chunk_kinds_table(cfg: Config, order: np.ndarray, stages: int, virtual: int) -> np.ndarray | None:
+    """[stage, local chunk, stored row(, layer of an MoE group)] -> the attention kind of the layer stored there
+    (`models.transformer.layer_kind_ids`; padding rows take kind 0), or None when every layer is one kind."""
+    if len(attention_kinds(cfg.model)) == 1:
+        return None
+    stored = layer_kind_ids(cfg.model)[np.maximum(order, 0)]
+    return stored.reshape(stages, virtual, -1, *stored.shape[1:])
+
+
 def chunk_rows_table(depths: list[int], stages: int, virtual: int, placement: str) -> np.ndarray:
     """[stage, local chunk] -> rows of the model chunk it runs (the rest of its stored rows are padding)."""
     return np.array([[depths[_model_chunk(d, k, stages, placement)] for k in range(virtual)] for d in range(stages)])
@@ -114,6 +123,7 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
     order = layer_order(cfg.model.stack_rows, sched.stages, sched.virtual, sched.placement, depths)
     model_order = model_rows(order, cfg.model.stack_rows)
     rows_table = chunk_rows_table(depths, sched.stages, sched.virtual, sched.placement) if uneven else None
+    kinds_table = chunk_kinds_table(cfg, order, sched.stages, sched.virtual)
 
     def value_and_grad(params: Any, batch: Any):
         blocks = params["blocks"]
@@ -142,7 +152,7 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
         context = {name: split(a) for name, a in docs.items()} or None
         loss, block_grads, head_grads, d_x, *stats = run_pipeline(
             stage_fn, head_fn, plan, blocks, rest, x, (split(targets), None if weights is None else split(weights)),
-            context=context, mesh=mesh, extras=moe is not None, chunk_rows=rows_table)
+            context=context, mesh=mesh, extras=moe is not None, chunk_rows=rows_table, chunk_kinds=kinds_table)
         (embed_grads,) = embed_vjp(d_x)
         grads = jax.tree.map(lambda a, b: a + b, head_grads, embed_grads)
         metrics = {"loss": loss, **(_router_metrics(stats[0], model_order) if stats else {})}
@@ -157,13 +167,14 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
 
     documents: the microbatch's {"segments", "positions"} or {"positions"} (ring attention's zigzag order), or
     none. padded: uneven stages, the function takes `rows` (how
-    many leading rows of the chunk are layers; the rest are padding it skips)."""
+    many leading rows of the chunk are layers; the rest are padding it skips). With full and sliding layers mixed it
+    takes `kinds`, the chunk's rows of `chunk_kinds_table`."""
     model, moe = cfg.model, cfg.model.moe
 
-    def stage_fn(chunk, x, documents=None, rows=None):
+    def stage_fn(chunk, x, documents=None, rows=None, kinds=None):
         docs = dict(documents or {})
         y, stats = apply_blocks(block_graphdef, chunk, x, model, cfg.parallel.remat, **docs,
-                                rows=rows if padded else None)
+                                rows=rows if padded else None, kinds=kinds)
         if moe is None:
             return y
         # The objective takes the mean of each router loss over all MoE layers: this chunk's layers' sum / their count.
@@ -194,10 +205,21 @@ def stash_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_
     `tensor` count whole: exact without tensor parallelism, an upper bound with it.
     """
     padded = len(set(chunk_depths(cfg, plan.schedule.stages))) > 1
-    layout = stash_layout(_stage_fn(cfg, block_graphdef, padded), *_chunk_inputs(cfg, block_shapes, plan,
-                                                                                  rows_per_device),
-                          extras=cfg.model.moe is not None, padded=padded)
+    chunk, x, docs = _chunk_inputs(cfg, block_shapes, plan, rows_per_device)
+    info = _chunk_info(cfg, chunk, padded)
+    layout = stash_layout(_stage_fn(cfg, block_graphdef, padded), chunk, x, docs, extras=cfg.model.moe is not None,
+                          chunk_info=info)
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stashed)
+
+
+def _chunk_info(cfg: Config, chunk: Any, padded: bool) -> dict[str, jax.ShapeDtypeStruct]:
+    """The abstract rows of `run_pipeline`'s chunk tables a stage function takes: `rows` when stages are uneven,
+    `kinds` when full and sliding layers mix."""
+    info = {"rows": jax.ShapeDtypeStruct((), jnp.int32)} if padded else {}
+    if len(attention_kinds(cfg.model)) > 1:
+        per_chunk = jax.tree.leaves(chunk)[0].shape[0]
+        info["kinds"] = jax.ShapeDtypeStruct((per_chunk, *layer_kind_ids(cfg.model).shape[1:]), jnp.int32)
+    return info
 
 
 def saved_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_shapes: Any, plan: PipelinePlan,
@@ -205,8 +227,9 @@ def saved_bytes_per_microbatch(cfg: Config, block_graphdef: nnx.GraphDef, block_
     """Bytes a split-backward schedule's B hands to its W for one (microbatch, chunk) on a device (upper bound, as
     `stash_bytes_per_microbatch`): the values `split_backward.split_vjp` finds W reads."""
     chunk, x, docs = _chunk_inputs(cfg, block_shapes, plan, rows_per_device)
-    stage = executor_stage(_stage_fn(cfg, block_graphdef), extras=cfg.model.moe is not None)
-    return split_vjp(stage, chunk, x, docs, has_aux=True).saved_bytes
+    info = _chunk_info(cfg, chunk, padded=False)
+    stage = executor_stage(_stage_fn(cfg, block_graphdef), extras=cfg.model.moe is not None, chunk_keys=tuple(info))
+    return split_vjp(stage, chunk, x, (info, docs) if info else docs, has_aux=True).saved_bytes
 
 
 def _chunk_inputs(cfg: Config, block_shapes: Any, plan: PipelinePlan, rows_per_device: int) -> tuple:

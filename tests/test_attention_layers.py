@@ -82,11 +82,18 @@ def test_pipelines_run_mixed_layers_like_one_device(reference, devices, case):
     assert relative_error(engine.model_params(params), ref_params) <= 2e-5
 
 
-def test_ring_attention_takes_sinks_and_soft_caps_like_one_device(devices):
-    full_layers = [v for v in VARIANTS if "sliding" not in v and "rope_local" not in v]
-    ref_losses, ref_params, _, _ = run_steps(["mesh.fsdp=1", *full_layers], devices[:1])
-    losses, params, _, _ = run_steps(["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=ring",
-                                      *full_layers], devices)
+@pytest.mark.parametrize("kernel", fast_cases(["xla", "pallas", "xla_documents"], fast=["xla_documents"]))
+def test_ring_attention_runs_every_variant_like_one_device(devices, kernel, corpus):
+    """Full layers go round the ring, sliding ones swap their neighbours' tails (`parallel.halo`): 32 tokens over
+    sequence=2 are 4 zigzag chunks of 8, and a window of 6 reaches 5 keys into the chunk before."""
+    longer = [*VARIANTS, "model.sliding_window=6", "train.seq_len=32", "train.global_batch_size=16"]
+    if kernel.endswith("documents"):
+        longer += [*token_files(corpus), "data.document_mask=true"]
+    ref_losses, ref_params, _, _ = run_steps(["mesh.fsdp=1", *longer], devices[:1])
+    blocks = ["backends.attention=pallas", "backends.attention_blocks=[8,8]"] if kernel == "pallas" else []
+
+    losses, params, _, _ = run_steps(["mesh.fsdp=4", "mesh.sequence=2", "parallel.context_parallel=ring",
+                                      *longer, *blocks], devices)
     assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5
     assert relative_error(params, ref_params) <= 2e-5
 
@@ -170,8 +177,8 @@ REFUSED = {
     "pallas_gpu_window": (["backends.attention=pallas", "model.sliding_window=4", "model.compute_dtype=bfloat16"],
                           "on GPU computes neither sliding layers"),
     "cudnn_sinks": (["backends.attention=cudnn", "model.attention_sinks=true"], "model.attention_sinks"),
-    "ring_window": (["model.sliding_window=4", "mesh.sequence=4", "parallel.context_parallel=ring"],
-                    "context_parallel=ring does not take sliding layers"),
+    "ring_window_past_a_chunk": (["model.sliding_window=5", "mesh.sequence=4", "parallel.context_parallel=ring",
+                                  "train.seq_len=16"], "model.sliding_window=5 reaches past the 2-token chunk"),
 }
 
 
@@ -217,3 +224,39 @@ def test_export_refuses_what_no_family_holds():
                           ({"sliding_window": 8, "layer_types": ("sliding", "full")}, "Mistral's config.json has no")):
         with pytest.raises(ConfigError, match=named):
             hf_config(ModelConfig(**fields), dtype="float32")
+
+
+def test_a_windowed_ring_layer_sends_its_neighbours_the_window_not_the_ring(devices):
+    """Compiled forward and backward over sequence=4 with 8 query heads on 2 K/V heads of 16 and 256 tokens (zigzag
+    chunks of 32): a window of 8 moves 2 x 7 keys and values each way per device; the full ring moves 3 whole
+    blocks of 64 keys and values, and its gradients back, about 20x the bytes."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from spmd_train.analysis.hlo import parse_collectives
+    from spmd_train.ops.attention import Scoring
+    from spmd_train.parallel.attention_dispatch import local_kernel
+    from spmd_train.parallel.backends import Backends
+    from spmd_train.parallel.context import context_attention
+
+    n, b, length, h, kvh, d = 4, 1, 256, 8, 2, 16
+    mesh = Mesh(np.array(devices[:n]), ("sequence",))
+    split = P(None, "sequence")
+    kernel = local_kernel(Backends(platform="cpu", attention="xla"))
+    shapes = [jax.ShapeDtypeStruct((b, length, heads, d), jnp.float32) for heads in (h, kvh, kvh)]
+
+    def sent(window):
+        attend = lambda q, k, v: context_attention(q, k, v, None, how="ring", ways=n, kernel=kernel,
+                                                   scoring=Scoring(window=window))
+        sharded = jax.shard_map(attend, mesh=mesh, in_specs=(split,) * 3, out_specs=split, check_vma=False)
+        step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(sharded(q, k, v)), argnums=(0, 1, 2)))
+        ops = parse_collectives(step.lower(*shapes).compile().as_text(), n)
+        assert {op.kind for op in ops} == {"collective-permute"}
+        return sum(op.bytes_per_execution * op.executions for op in ops)
+
+    halo = sent(8)
+    # Forward: 7 keys and 7 values (2 heads x 16, fp32) and 7 segment ids up and down; backward: the keys' and
+    # values' gradients home again.
+    kv_tail = 7 * kvh * d * 4
+    assert halo == 2 * (2 * kv_tail + 7 * 4) + 2 * 2 * kv_tail
+    assert sent(None) > 15 * halo

@@ -145,9 +145,12 @@ def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
     refuse(ulysses_whole_heads(how, m.num_heads, sizes["tensor"], n))
     refuse(attention_merges_no_blocks(how, cfg.backends.attention, n))
     refuse(ring_outside_pipeline(how, n, sizes["pipeline"]))
-    if how == "ring" and "sliding" in m.layer_kinds:
-        raise ConfigError(f"parallel.context_parallel=ring does not take sliding layers yet (model.sliding_window="
-                          f"{m.sliding_window}); valid: parallel.context_parallel=allgather or ulysses")
+    chunk = cfg.train.seq_len // (2 * n)
+    if how == "ring" and "sliding" in m.layer_kinds and m.sliding_window - 1 > chunk:
+        raise ConfigError(f"parallel.context_parallel=ring swaps each zigzag chunk's window with its neighbours, and "
+                          f"model.sliding_window={m.sliding_window} reaches past the {chunk}-token chunk before it "
+                          f"(train.seq_len={cfg.train.seq_len} / (2 x mesh.sequence={n})); valid: "
+                          f"model.sliding_window up to {chunk + 1}, or parallel.context_parallel=allgather or ulysses")
     refuse(ring_zigzag_chunks(how, cfg.train.seq_len, n))
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from spmd_train.ops.attention import FULL, Scoring
 from spmd_train.parallel.blockwise import empty, finish, merge, nothing
+from spmd_train.parallel.halo import halo_attention
 from spmd_train.parallel.head_groups import kv_repeats
 from spmd_train.parallel.ring import AXIS, ring_attention
 
@@ -31,13 +32,13 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Ar
                       ways: int, kernel: Kernel, scoring: Scoring = FULL, return_lse: bool = False):
     """Causal attention of this device's chunk of queries over the whole sequence, `ways` chunks on `sequence`
     (and the log-sum-exp [b, h, lq] of its rows with `return_lse`). `scoring` as the kernels take it; `ring`
-    takes no window (the config checks refuse it)."""
+    with a window swaps chunk tails with its neighbours instead (`parallel.halo`)."""
     if how not in IMPLEMENTATIONS:
         raise ValueError(f"parallel.context_parallel={how!r} is not an implementation "
                          f"(valid: {', '.join(IMPLEMENTATIONS)})")
     if how == "ring":
-        if scoring.window is not None:
-            raise ValueError(f"ring attention takes no window (got {scoring}): the config checks refuse this")
+        if scoring.window is not None:  # the window's keys sit in the neighbours' chunks: no ring needed
+            return halo_attention(q, k, v, segments, ways, kernel, scoring, return_lse=return_lse)
         return ring_attention(q, k, v, segments, ways, functools.partial(kernel, scoring=scoring),
                               return_lse=return_lse)
     if how == "allgather":

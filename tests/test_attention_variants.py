@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from spmd_train.ops.attention import Scoring, dot_product_attention, with_sinks
+from tests.tiers import fast_cases
 
 
 def _naive(q, k, v, *, causal, window, softcap, scale, q_offset, segments, sinks):
@@ -110,7 +111,7 @@ KERNEL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", KERNEL_CASES)
+@pytest.mark.parametrize("case", fast_cases(KERNEL_CASES, fast=["window_softcap_documents"]))
 def test_tpu_kernels_compute_windows_caps_and_offsets_like_the_reference(case):
     """The Pallas TPU kernels (interpreted), forward, log-sum-exp and every gradient, against the reference."""
     from spmd_train.kernels.flash_attention import BlockSizes, flash_attention

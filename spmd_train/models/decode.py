@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from spmd_train.models.layers import weight
@@ -21,23 +22,37 @@ from spmd_train.ops.attention import FULL, Scoring
 from spmd_train.sharding.constrain import constrain
 
 CACHE_AXES = (None, "batch", None, "kv_heads", "head_dim")
-"""Logical axes of the cache [layers, batch, max_len, kv_heads, head_dim]: rows over the batch axes, K/V heads
+"""Logical axes of the cache [layers, batch, slots, kv_heads, head_dim]: rows over the batch axes, K/V heads
 over `tensor`, like the activations they came from. Its length is never split: a step writes one slot."""
 
 
 class Cache(NamedTuple):
-    """Every layer's keys and values [layers, batch, max_len, kv_heads, head_dim], in model layer order."""
+    """Keys and values of the full layers [full layers, batch, max_len, kv_heads, head_dim], and of the sliding
+    layers in a ring of their window's slots [sliding layers, batch, window, kv_heads, head_dim] (slot t at t mod
+    window), each in model layer order; a kind the model lacks has 0 layers."""
 
     k: jax.Array
     v: jax.Array
+    k_local: jax.Array
+    v_local: jax.Array
+
+
+def cache_shapes(cfg, batch: int, max_len: int) -> Cache:
+    """The cache's shapes and dtypes for `batch` rows of `max_len` slots: a sliding layer's does not grow with
+    max_len (it holds model.sliding_window slots at most)."""
+    kinds = cfg.layer_kinds
+    full, local = kinds.count("full"), kinds.count("sliding")
+    ring = min(cfg.sliding_window or 0, max_len)
+    tail = (cfg.num_kv_heads, cfg.resolved_head_dim)
+    big = jax.ShapeDtypeStruct((full, batch, max_len, *tail), jnp.dtype(cfg.compute_dtype))
+    small = jax.ShapeDtypeStruct((local, batch, ring, *tail), jnp.dtype(cfg.compute_dtype))
+    return Cache(big, big, small, small)
 
 
 def empty_cache(model: Transformer, batch: int, max_len: int) -> Cache:
     """A zero cache for `batch` rows of `max_len` tokens."""
-    cfg = model.cfg
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
-    zeros = constrain(jnp.zeros(shape, cfg.compute_dtype), CACHE_AXES)
-    return Cache(zeros, zeros)
+    return Cache(*(constrain(jnp.zeros(s.shape, s.dtype), CACHE_AXES)
+                   for s in cache_shapes(model.cfg, batch, max_len)))
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scoring: Scoring = FULL,
@@ -64,28 +79,61 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
 
 
 def _block_step(block: Block, x: jax.Array, rope: tuple, mask: jax.Array, cache: Cache, layer: jax.Array,
-                start: jax.Array, kind: jax.Array, slots: jax.Array) -> tuple[jax.Array, Cache]:
-    """`Block.__call__` for tokens at cache slots start .. start + l - 1, reading and writing cache layer `layer`,
-    whose attention kind is `kind` (an index into `attention_kinds`, traced)."""
-    attn = block.attn
+                start: jax.Array, kind: jax.Array, pads: jax.Array) -> tuple[jax.Array, Cache]:
+    """`Block.__call__` for tokens at cache slots start .. start + l - 1, reading and writing the cache of model
+    layer `layer` (its index among the layers of its kind, traced), whose attention kind is `kind` (an index into
+    `attention_kinds`, traced); `mask` [b, l, max_len]: the full layers' visible slots."""
+    attn, kinds = block.attn, block.attn.scorings
     cos = jnp.stack([c for c, _ in rope])[kind]
     sin = jnp.stack([s for _, s in rope])[kind]
     q, k, v = attn.project(constrain(block.attn_norm(x), RESIDUAL), cos, sin)
-    dt = cache.k.dtype
-    where = (layer, 0, start, 0, 0)
-    ks = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(dt), where), CACHE_AXES)
-    vs = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(dt), where), CACHE_AXES)
-    k_layer = constrain(ks[layer], CACHE_AXES[1:])
-    v_layer = constrain(vs[layer], CACHE_AXES[1:])
-    windows = [sc.window for sc in attn.scorings]
-    if any(w is not None for w in windows):  # a full layer's "window" reaches past every slot
-        window = jnp.asarray([cache.k.shape[2] + 1 if w is None else w for w in windows])[kind]
-        mask = mask & (slots[None, :, None] - jnp.arange(cache.k.shape[2])[None, None, :] < window)
     sinks = weight(attn.sinks, jnp.float32) if attn.has_sinks else None
-    x = x + attn.output(cached_attention(q, k_layer, v_layer, mask, attn.scorings[0], sinks))
+    branches = [_full_step if sc.window is None else _sliding_step for sc in kinds]
+    run = lambda i: lambda q, k, v, cache: branches[i](q, k, v, cache, layer, start, mask, pads, kinds[i], sinks)
+    if len(kinds) == 1:
+        out, cache = run(0)(q, k, v, cache)
+    else:
+        out, cache = jax.lax.switch(kind, [run(i) for i in range(len(kinds))], q, k, v, cache)
+    x = x + attn.output(out)
     out = block.mlp(constrain(block.mlp_norm(x), RESIDUAL))
     out = out[0] if isinstance(out, tuple) else out  # an MoE layer's router statistics are not needed
-    return constrain(x + out, RESIDUAL), Cache(ks, vs)
+    return constrain(x + out, RESIDUAL), cache
+
+
+def _full_step(q, k, v, cache: Cache, layer, start, mask, pads, scoring: Scoring, sinks):
+    """A full layer: write the new keys and values at their slots, attend over every slot up to each query's."""
+    j = layer
+    dt = cache.k.dtype
+    ks = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(dt), (j, 0, start, 0, 0)), CACHE_AXES)
+    vs = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(dt), (j, 0, start, 0, 0)), CACHE_AXES)
+    out = cached_attention(q, constrain(ks[j], CACHE_AXES[1:]), constrain(vs[j], CACHE_AXES[1:]), mask, scoring, sinks)
+    return out, cache._replace(k=ks, v=vs)
+
+
+def _sliding_step(q, k, v, cache: Cache, layer, start, mask, pads, scoring: Scoring, sinks):
+    """A sliding layer: attend over the ring (the slots before `start` it still holds) and the new tokens, then
+    keep the last window of the new tokens in the ring, so its memory does not grow with the generated length."""
+    j = layer
+    ring_k, ring_v = cache.k_local[j], cache.v_local[j]
+    size, length = ring_k.shape[1], q.shape[1]
+    entries = jnp.arange(size)
+    held = start - 1 - jnp.mod(start - 1 - entries, size)  # the latest slot before `start` at each entry (< 0: none)
+    key_slots = jnp.concatenate([held, start + jnp.arange(length)])
+    q_slots = start + jnp.arange(length)
+    visible = ((key_slots[None, None, :] <= q_slots[None, :, None])
+               & (q_slots[None, :, None] - key_slots[None, None, :] < scoring.window)
+               & (key_slots[None, None, :] >= jnp.maximum(pads, 0)[:, None, None]))
+    dt = ring_k.dtype
+    keys = jnp.concatenate([ring_k, k.astype(dt)], axis=1)
+    values = jnp.concatenate([ring_v, v.astype(dt)], axis=1)
+    out = cached_attention(q, keys, values, visible, scoring, sinks)
+    kept = min(length, size)  # static: more new tokens than the ring holds keep their last `size`
+    at = jnp.mod(start + length - kept + jnp.arange(kept), size)
+    ring_k = ring_k.at[:, at].set(k[:, length - kept:].astype(dt))
+    ring_v = ring_v.at[:, at].set(v[:, length - kept:].astype(dt))
+    k_local = constrain(cache.k_local.at[j].set(ring_k), CACHE_AXES)
+    v_local = constrain(cache.v_local.at[j].set(ring_v), CACHE_AXES)
+    return out, cache._replace(k_local=k_local, v_local=v_local)
 
 
 def forward_cached(model: Transformer, tokens: jax.Array, pads: jax.Array, start: jax.Array | int,
@@ -102,6 +150,9 @@ def forward_cached(model: Transformer, tokens: jax.Array, pads: jax.Array, start
     positions = constrain(jnp.maximum(slots[None, :] - pads[:, None], 0), ("batch", "length"))
     rope = rope_of(cfg, length, positions)
     kinds = jnp.asarray(layer_kind_ids(cfg).reshape(-1))
+    # Each layer's index among the layers of its own kind: its row of the full or of the sliding cache.
+    layer_kinds = np.asarray(cfg.layer_kinds)
+    among = jnp.asarray([int((layer_kinds[:i] == kind).sum()) for i, kind in enumerate(layer_kinds)])
     keys = jnp.arange(max_len)
     mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pads[:, None, None])
 
@@ -119,19 +170,19 @@ def forward_cached(model: Transformer, tokens: jax.Array, pads: jax.Array, start
             def sublayer(carry, xs):
                 p, j = xs
                 i = g * every + j
-                return _block_step(nnx.merge(dense_def, p), carry[0], rope, mask, carry[1], i, start, kinds[i],
-                                   slots), None
+                return _block_step(nnx.merge(dense_def, p), carry[0], rope, mask, carry[1], among[i], start,
+                                   kinds[i], pads), None
 
             (x, cache), _ = jax.lax.scan(sublayer, (x, cache), (dense_stack, jnp.arange(every - 1)))
             i = g * every + every - 1
-            return _block_step(merged.moe, x, rope, mask, cache, i, start, kinds[i], slots), None
+            return _block_step(merged.moe, x, rope, mask, cache, among[i], start, kinds[i], pads), None
 
         (x, cache), _ = jax.lax.scan(group, (x, cache), (stacked, jnp.arange(cfg.num_layers // every)))
     else:
         def layer(carry, xs):
             params, i = xs
-            return _block_step(nnx.merge(graphdef, params), carry[0], rope, mask, carry[1], i, start, kinds[i],
-                               slots), None
+            return _block_step(nnx.merge(graphdef, params), carry[0], rope, mask, carry[1], among[i], start,
+                               kinds[i], pads), None
 
         (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
     if last_only:

@@ -180,14 +180,14 @@ def _programs(engine: Engine, rows: int, length: int, max_new: int, greedy: bool
                                    engine.param_shapes, param_sh)
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=token_sh)
     pads = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sh)
-    cache_sh_tree = decode.Cache(cache_sh, cache_sh)
+    cache_sh_tree = decode.Cache(cache_sh, cache_sh, cache_sh, cache_sh)
     prefill_c = jax.jit(prefill, out_shardings=(cache_sh_tree, row_sh)).lower(
         abstract_params, tokens, pads, key_arg, scalar, count, scalar).compile()
-    kv = jax.ShapeDtypeStruct((cfg.num_layers, rows, max_len, cfg.num_kv_heads, cfg.resolved_head_dim),
-                              cfg.compute_dtype, sharding=cache_sh)
+    kv = decode.Cache(*(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cache_sh)
+                        for s in decode.cache_shapes(cfg, rows, max_len)))
     first = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sh)
     # The cache is donated: the loop writes it in place (one copy of it, not two, at the peak).
     decode_c = jax.jit(run_decode, out_shardings=(replicated, cache_sh_tree), donate_argnums=1).lower(
-        abstract_params, decode.Cache(kv, kv), first, pads, key_arg, scalar, count, scalar).compile()
+        abstract_params, kv, first, pads, key_arg, scalar, count, scalar).compile()
     cache[key] = {"prefill": prefill_c, "decode": decode_c, "token_sharding": token_sh, "row_sharding": row_sh}
     return {**cache[key], "compile_s": time.perf_counter() - start}

@@ -72,7 +72,8 @@ PIPELINES = {
 }
 
 
-@pytest.mark.parametrize("case", fast_cases(PIPELINES, fast=["gpipe_uneven_p2"]))
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PIPELINES)
 def test_pipelines_run_mixed_layers_like_one_device(reference, devices, case):
     """Each stage chunk runs its own layers' kinds (full and sliding alternate, so every chunk of two or more layers
     mixes them), under fused, interleaved and split-backward schedules."""
@@ -135,6 +136,7 @@ def test_final_soft_cap_bounds_the_logits():
     np.testing.assert_allclose(capped, 0.5 * np.tanh(plain / 0.5), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_generation_with_a_cache_equals_recomputation(devices):
     cfg = load_config(None, ["model.preset=tiny", "train.global_batch_size=8", "train.seq_len=16", *VARIANTS,
                              "model.sliding_window=3", "mesh.fsdp=2", "mesh.tensor=4"])
@@ -270,3 +272,22 @@ def test_a_sliding_layers_cache_does_not_grow_with_the_generated_length():
     short, long = cache_shapes(m, 4, 1024 + 16), cache_shapes(m, 4, 8192 + 16)
     assert short.k_local.shape == long.k_local.shape == (5, 4, 128, m.num_kv_heads, m.resolved_head_dim)
     assert (short.k.shape[0], short.k.shape[2], long.k.shape[2]) == (1, 1040, 8208)
+
+
+@pytest.mark.tpu_aot
+def test_describe_counts_a_windowed_layers_kernel_flops_on_a_tpu_slice():
+    """Compiled for v5e:2x2 at 2048 tokens in 512 x 512 blocks: full causal attention runs 10 block pairs per head,
+    a 512-token window 7 (each row block's own and the one before it), and describe's compiled attention FLOPs
+    scale exactly so; the model count scales by the band's area."""
+    from spmd_train.analysis import describe
+
+    def attention(extra):
+        cfg = load_config(None, ["model.preset=tiny", "model.d_model=256", "model.num_heads=2", "model.num_kv_heads=2",
+                                 "train.seq_len=2048", "train.global_batch_size=4", "mesh.fsdp=4", "mesh.tensor=1",
+                                 "backends.attention=pallas", "backends.attention_blocks=[512,512]", *extra])
+        d = describe(cfg, topology="v5e:2x2").per_device
+        return d["attention_flops"], d["model_attention_flops"]
+
+    (full, full_model), (window, window_model) = attention([]), attention(["model.sliding_window=512"])
+    assert window / full == pytest.approx(7 / 10, rel=1e-9)
+    assert window_model / full_model == pytest.approx((512 - 512**2 / 4096) / 1024, rel=1e-9)

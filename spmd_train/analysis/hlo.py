@@ -286,7 +286,12 @@ def _matching_brace(text: str) -> int:
     return len(text) - 1
 
 
-def matmul_flops(hlo_text: str) -> float:
+def attention_kernel_flops(hlo_text: str) -> float:
+    """The part of `matmul_flops` inside our flash-attention kernels (0 when the program runs none)."""
+    return matmul_flops(hlo_text, kernels_only=True)
+
+
+def matmul_flops(hlo_text: str, *, kernels_only: bool = False) -> float:
     """FLOPs of the dots and convolutions one execution of the module runs, loop trip counts included.
 
     XLA's own cost analysis counts a while-loop body once whatever its trip count, which
@@ -309,7 +314,7 @@ def matmul_flops(hlo_text: str) -> float:
             if ins.opcode == "custom-call":
                 total += times * _flash_attention_flops(ins, shapes)
                 continue
-            if ins.opcode not in ("dot", "convolution") or len(ins.operands) < 2:
+            if kernels_only or ins.opcode not in ("dot", "convolution") or len(ins.operands) < 2:
                 continue
             out = _dims(ins.shape)
             if ins.opcode == "dot":

@@ -106,6 +106,11 @@ def renderables(report: Any) -> list[RenderableType]:
         ratio = d["flops"] / d["model_flops"] if d["model_flops"] else float("nan")
         out.append(f"FLOPs per device per step: compiled program {d['flops']:.4g}, model {d['model_flops']:.4g} "
                    f"(ratio {ratio:.2f}); XLA cost analysis, loop bodies counted once: {d['xla_cost_flops']:.4g}")
+        if d.get("attention_flops"):
+            att, model_att = d["attention_flops"], d["model_attention_flops"]
+            out.append(f"  of which attention in our kernels: compiled {att:.4g}, model {model_att:.4g} (ratio "
+                       f"{att / model_att:.2f}: remat recomputes the forward kernel, and the kernels compute the "
+                       "blocks on the diagonal and at the window's edge whole)")
 
     coll = Table(title="Collectives per step (bytes each device sends, bandwidth-optimal)", title_justify="left")
     for col in ("op", "mesh axes", "group", "count", "bytes / device"):

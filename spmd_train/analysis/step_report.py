@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from spmd_train.analysis.analytic import analytic_layout, analytic_section
 from spmd_train.analysis.collectives import CollectiveSummary, collectives_of
 from spmd_train.analysis.context_report import compiled_over_sequence, context_section
-from spmd_train.analysis.hlo import matmul_flops
+from spmd_train.analysis.hlo import attention_kernel_flops, matmul_flops
 from spmd_train.analysis.moe_report import moe_section
 from spmd_train.analysis.param_rows import ParamRow, bytes_per_device, param_rows
 from spmd_train.analysis.pipeline_report import PIPELINE_COLLECTIVES_NOTE, PipelineReport, pipeline_report
@@ -158,6 +158,8 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     rows = param_rows(engine, state.params)
     opt_bytes = bytes_per_device(state.opt_state)
     model_flops = flops_per_token(cfg.model, t.seq_len) * t.global_batch_size * t.seq_len / mesh.size
+    model_attention_flops = (flops_per_token(cfg.model, t.seq_len) - flops_per_token(cfg.model, 0)) * (
+        t.global_batch_size * t.seq_len / mesh.size)
     device = mesh.devices.flat[0]
     spec = device_spec(device.device_kind)
     try:
@@ -174,7 +176,8 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
             per_device={"param_bytes": sum(r.bytes_per_device for r in rows), "opt_state_bytes": opt_bytes,
                         "batch_bytes": batch_bytes,
                         "argument_bytes": None, "output_bytes": None, "temp_bytes": None, "alias_bytes": None,
-                        "peak_bytes": None, "flops": None, "model_flops": model_flops, "xla_cost_flops": None},
+                        "peak_bytes": None, "flops": None, "model_flops": model_flops, "xla_cost_flops": None,
+                        "attention_flops": None, "model_attention_flops": model_attention_flops},
             collectives=[], hbm_bytes=spec.hbm_bytes if spec else None, fits=False,
             compile_seconds=time.perf_counter() - start,
             notes=["does not fit: " + str(err).split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0]],
@@ -202,6 +205,8 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         "peak_bytes": peak,
         "flops": matmul_flops(hlo),
         "model_flops": model_flops,
+        "attention_flops": attention_kernel_flops(hlo) or None,
+        "model_attention_flops": model_attention_flops,
         "xla_cost_flops": float(cost.get("flops", float("nan"))) if cost else float("nan"),
     }
     collectives = collectives_of(hlo, mesh)
@@ -215,7 +220,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         # Each tick of the pipeline loop runs one branch of a `lax.switch` (idle, forward or
         # backward), but a static count of the program has to add up every branch on every tick.
         pipeline = replace(pipeline, compiled_flops_all_branches=per_device["flops"])
-        per_device["flops"] = model_flops
+        per_device["flops"], per_device["attention_flops"] = model_flops, None
         notes += [PIPELINE_FLOPS_NOTE, PIPELINE_COLLECTIVES_NOTE]
     return StepReport(
         mesh=dict(mesh.shape),

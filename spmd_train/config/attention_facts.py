@@ -55,7 +55,7 @@ ask for them."""
 
 def model_variants(model: Any) -> tuple[str, ...]:
     """The variants a `ModelConfig` uses, in `VARIANTS` order."""
-    used = {"window": "sliding" in model.layer_kinds, "softcap": model.attn_logit_softcap is not None,
+    used = {"window": "sliding" in model.attention_kinds, "softcap": model.attn_logit_softcap is not None,
             "sinks": model.attention_sinks}
     return tuple(v for v in VARIANTS if used[v])
 

@@ -91,7 +91,7 @@ def check_config(cfg: Config) -> None:
 
 def check_layer_types(m) -> None:
     """model.layer_types against the window, the layer count and the sliding layers' RoPE base."""
-    kinds = m.layer_kinds
+    kinds = m.attention_kinds
     if len(m.layer_types) > m.num_layers:
         raise ConfigError(f"model.layer_types lists {len(m.layer_types)} layers, more than model.num_layers="
                           f"{m.num_layers} (valid: at most {m.num_layers}; a shorter list repeats over the layers)")
@@ -146,7 +146,7 @@ def check_context(cfg: Config, sizes: Mapping[str, int]) -> None:
     refuse(attention_merges_no_blocks(how, cfg.backends.attention, n))
     refuse(ring_outside_pipeline(how, n, sizes["pipeline"]))
     chunk = cfg.train.seq_len // (2 * n)
-    if how == "ring" and "sliding" in m.layer_kinds and m.sliding_window - 1 > chunk:
+    if how == "ring" and "sliding" in m.attention_kinds and m.sliding_window - 1 > chunk:
         raise ConfigError(f"parallel.context_parallel=ring swaps each zigzag chunk's window with its neighbours, and "
                           f"model.sliding_window={m.sliding_window} reaches past the {chunk}-token chunk before it "
                           f"(train.seq_len={cfg.train.seq_len} / (2 x mesh.sequence={n})); valid: "

@@ -177,7 +177,7 @@ def unexportable(model: ModelConfig, fam: Family | None = None) -> str | None:
     if held:
         return (f"no supported Hugging Face family holds {', '.join(held)} yet (supported model_type: "
                 f"{', '.join(f.model_type for f in families())}); the model trains, it does not export")
-    if fam is not None and len(set(model.layer_kinds)) > 1 and not fam.layer_types:
+    if fam is not None and len(model.attention_kinds) > 1 and not fam.layer_types:
         return (f"{fam.title}'s config.json has no per-layer attention kinds, and model.layer_types="
                 f"{list(model.layer_types)} mixes full and sliding layers")
     return None

@@ -132,9 +132,21 @@ class ModelConfig:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
     @property
+    def layer_pattern(self) -> tuple[str, ...]:
+        """The attention kinds the layers repeat: `layer_types`, or its default (one kind for every layer)."""
+        return self.layer_types or (("sliding",) if self.sliding_window is not None else ("full",))
+
+    @property
+    def attention_kinds(self) -> frozenset[str]:
+        """The kinds some layer has, from the pattern alone (cheap whatever num_layers is)."""
+        return frozenset(self.layer_pattern[: self.num_layers])
+
+    @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention, "full" or "sliding" (`layer_types` repeated over the layers, or its default)."""
-        pattern = self.layer_types or (("sliding",) if self.sliding_window is not None else ("full",))
+        """Each layer's attention, "full" or "sliding" (`layer_types` repeated over the layers, or its default).
+
+        One entry per layer: for building the model, not for checks that run before num_layers is known sane."""
+        pattern = self.layer_pattern
         return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
 
     def window_of(self, kind: str) -> int | None:

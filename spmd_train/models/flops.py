@@ -66,10 +66,21 @@ def layer_windows(m: ModelConfig) -> tuple[int | None, ...]:
     return tuple(m.window_of(kind) for kind in m.layer_kinds)
 
 
+def window_counts(m: ModelConfig) -> tuple[tuple[int | None, int], ...]:
+    """(window, how many layers have it) per attention kind, from the repeated pattern (cheap at any depth)."""
+    pattern, n = m.layer_pattern, m.num_layers
+    whole, rest = divmod(n, len(pattern))
+    counts: dict[str, int] = {}
+    for i, kind in enumerate(pattern):
+        counts[kind] = counts.get(kind, 0) + whole + (i < rest)
+    return tuple((m.window_of(kind), count) for kind, count in sorted(counts.items()) if count)
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) under the convention above."""
     hd = m.resolved_head_dim
-    return 6.0 * matmul_params(m) + sum(attention_flops(m.num_heads, hd, w, seq_len) for w in layer_windows(m))
+    return 6.0 * matmul_params(m) + sum(count * attention_flops(m.num_heads, hd, w, seq_len)
+                                        for w, count in window_counts(m))
 
 
 # --- per layer, and split into pipeline chunks: where the pipelined step runs each part ----------------

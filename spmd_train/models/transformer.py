@@ -121,7 +121,7 @@ class Attention(nnx.Module):
 
 def attention_kinds(cfg: ModelConfig) -> tuple[str, ...]:
     """The attention kinds the model's layers use, sorted: ("full",), ("sliding",) or ("full", "sliding")."""
-    return tuple(sorted(set(cfg.layer_kinds)))
+    return tuple(sorted(cfg.attention_kinds))
 
 
 def layer_scoring(cfg: ModelConfig, kind: str) -> Scoring:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from spmd_train.config.field_types import DTYPE_BYTES
 from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
-from spmd_train.models.flops import attention_flops, layer_windows, matmul_params, moe_layer_count
+from spmd_train.models.flops import attention_flops, matmul_params, moe_layer_count, window_counts
 from spmd_train.models.param_specs import model_params
 
 
@@ -61,8 +61,8 @@ class ModelShape:
     params: tuple[ParamGroup, ...]
     matmul_params: int
     """Parameters a token's matmuls use (`models.flops.matmul_params`): what '6N' counts."""
-    windows: tuple[int | None, ...]
-    """Each layer's attention window in model order (None: full causal attention)."""
+    windows: tuple[tuple[int | None, int], ...]
+    """(attention window, number of layers with it) per kind of layer (None: full causal attention)."""
     qkv_bias: bool = False
     """Biases on Q/K/V (model.qkv_bias)."""
     qk_norm: bool = False
@@ -80,7 +80,7 @@ class ModelShape:
             num_shared_experts=moe.num_shared_experts if moe else 0,
             param_bytes=DTYPE_BYTES[m.param_dtype], compute_bytes=DTYPE_BYTES[m.compute_dtype],
             params=_param_groups(m), matmul_params=matmul_params(m),
-            windows=layer_windows(m), qkv_bias=m.qkv_bias,
+            windows=window_counts(m), qkv_bias=m.qkv_bias,
             qk_norm=m.qk_norm,
         )
 
@@ -124,7 +124,7 @@ class ModelShape:
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of every layer's scores and weighted values (`models.flops.attention_flops`)."""
-        return sum(attention_flops(self.num_heads, self.head_dim, w, seq_len) for w in self.windows)
+        return sum(count * attention_flops(self.num_heads, self.head_dim, w, seq_len) for w, count in self.windows)
 
 
 def _param_groups(m: ModelConfig) -> tuple[ParamGroup, ...]:

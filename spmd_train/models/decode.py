@@ -18,7 +18,7 @@ from flax import nnx
 
 from spmd_train.models.layers import weight
 from spmd_train.models.transformer import RESIDUAL, Block, MoEGroup, Transformer, layer_kind_ids, rope_of
-from spmd_train.ops.attention import FULL, Scoring
+from spmd_train.ops.attention import FULL, Scoring, visible
 from spmd_train.sharding.constrain import constrain
 
 CACHE_AXES = (None, "batch", None, "kv_heads", "head_dim")
@@ -102,8 +102,7 @@ def _block_step(block: Block, x: jax.Array, rope: tuple, mask: jax.Array, cache:
 
 def _full_step(q, k, v, cache: Cache, layer, start, mask, pads, scoring: Scoring, sinks):
     """A full layer: write the new keys and values at their slots, attend over every slot up to each query's."""
-    j = layer
-    dt = cache.k.dtype
+    j, dt = layer, cache.k.dtype
     ks = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(dt), (j, 0, start, 0, 0)), CACHE_AXES)
     vs = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(dt), (j, 0, start, 0, 0)), CACHE_AXES)
     out = cached_attention(q, constrain(ks[j], CACHE_AXES[1:]), constrain(vs[j], CACHE_AXES[1:]), mask, scoring, sinks)
@@ -120,13 +119,12 @@ def _sliding_step(q, k, v, cache: Cache, layer, start, mask, pads, scoring: Scor
     held = start - 1 - jnp.mod(start - 1 - entries, size)  # the latest slot before `start` at each entry (< 0: none)
     key_slots = jnp.concatenate([held, start + jnp.arange(length)])
     q_slots = start + jnp.arange(length)
-    visible = ((key_slots[None, None, :] <= q_slots[None, :, None])
-               & (q_slots[None, :, None] - key_slots[None, None, :] < scoring.window)
-               & (key_slots[None, None, :] >= jnp.maximum(pads, 0)[:, None, None]))
+    seen = visible(q_slots[None, :, None], key_slots[None, None, :], causal=True, window=scoring.window)
+    seen = seen & (key_slots[None, None, :] >= pads[:, None, None])  # slots before a row's padding end are padding
     dt = ring_k.dtype
     keys = jnp.concatenate([ring_k, k.astype(dt)], axis=1)
     values = jnp.concatenate([ring_v, v.astype(dt)], axis=1)
-    out = cached_attention(q, keys, values, visible, scoring, sinks)
+    out = cached_attention(q, keys, values, seen, scoring, sinks)
     kept = min(length, size)  # static: more new tokens than the ring holds keep their last `size`
     at = jnp.mod(start + length - kept + jnp.arange(kept), size)
     ring_k = ring_k.at[:, at].set(k[:, length - kept:].astype(dt))

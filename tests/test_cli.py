@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from spmd_train import load_config
+from spmd_train.train import interrupts
 from tests.runs import cli, main_in_process, uncached_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,6 +209,33 @@ def test_a_ctrl_c_inside_a_gc_callback_prints_no_traceback_and_is_remembered():
     # The Ctrl-C leaves no trace; anything else unraisable is still reported as Python reports it.
     assert "KeyboardInterrupt" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
     assert "ValueError: other" in proc.stderr, proc.stderr
+
+
+class _RaisesWhenCollected:
+    def __init__(self, err: Exception):
+        self.err = err
+
+    def __del__(self):
+        raise self.err
+
+
+def test_the_ctrl_c_hook_keeps_the_clis_quiet_orbax_teardown(capsys):
+    # main() installs the CLI's unraisable hook (Orbax's writers abandoned on a closed event loop are noise), then the
+    # Ctrl-C hook on top; the Ctrl-C hook used to hand everything else to Python's own, so a disk-full stop printed a
+    # traceback per abandoned write (1 CI run, 40 of them). Both hooks must act, in the order main() installs them.
+    from spmd_train.cli.main import _quiet_unraisable
+
+    saved = sys.unraisablehook, signal.getsignal(signal.SIGINT)
+    try:
+        sys.unraisablehook = _quiet_unraisable
+        interrupts.install()
+        _RaisesWhenCollected(RuntimeError("Event loop is closed"))
+        assert capsys.readouterr().err == ""
+        _RaisesWhenCollected(ValueError("other"))
+        assert "ValueError: other" in capsys.readouterr().err
+    finally:
+        sys.unraisablehook = saved[0]
+        signal.signal(signal.SIGINT, saved[1])
 
 
 @pytest.mark.tpu_aot

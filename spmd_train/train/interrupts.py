@@ -6,7 +6,8 @@ once the step has compiled, before the training loop puts its own stop-at-the-ne
 A SIGINT that lands in a callback Python cannot unwind (jax's garbage-collection callback, a finalizer) is
 "unraisable": Python printed it as "Exception ignored in ..." with a traceback and went on (seen in 1 CI run of
 test_ctrl_c_while_compiling_exits_130_with_one_line); `install` also puts a `sys.unraisablehook` in place that
-drops such a KeyboardInterrupt silently, since `raise_if_interrupted` raises it where it can stop the run.
+drops such a KeyboardInterrupt silently, since `raise_if_interrupted` raises it where it can stop the run, and hands
+everything else to the hook that was there before (the CLI's, which quiets Orbax's teardown noise).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import threading
 
 _interrupted = threading.Event()
+_previous_hook = sys.__unraisablehook__
 
 
 def on_sigint(signum: int, frame: object) -> None:
@@ -25,17 +27,20 @@ def on_sigint(signum: int, frame: object) -> None:
 
 
 def on_unraisable(args) -> None:
-    """sys.unraisablehook: a remembered Ctrl-C is dropped without a traceback; anything else goes to Python's hook."""
+    """sys.unraisablehook: a remembered Ctrl-C is dropped without a traceback; anything else goes to the hook before."""
     if issubclass(args.exc_type, KeyboardInterrupt) and _interrupted.is_set():
         return
-    sys.__unraisablehook__(args)
+    _previous_hook(args)
 
 
 def install() -> None:
     """Use `on_sigint` for SIGINT in this process (main thread only, as `signal` requires), and `on_unraisable`."""
+    global _previous_hook
     if threading.current_thread() is threading.main_thread():
         _interrupted.clear()
         signal.signal(signal.SIGINT, on_sigint)
+        if sys.unraisablehook is not on_unraisable:  # installed twice (main() called again): keep the first chain
+            _previous_hook = sys.unraisablehook
         sys.unraisablehook = on_unraisable
 
 

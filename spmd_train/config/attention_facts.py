@@ -48,7 +48,8 @@ class AttentionFacts:
 
 VARIANTS = {"window": "sliding layers (model.sliding_window)",
             "softcap": "soft-capped logits (model.attn_logit_softcap)",
-            "sinks": "attention sinks (model.attention_sinks)"}
+            "sinks": "attention sinks (model.attention_sinks)",
+            "mla": "value heads of another width than query and key heads (model.mla)"}
 """The attention variants beyond full causal attention an implementation may or may not compute, and the keys that
 ask for them."""
 
@@ -56,7 +57,7 @@ ask for them."""
 def model_variants(model: Any) -> tuple[str, ...]:
     """The variants a `ModelConfig` uses, in `VARIANTS` order."""
     used = {"window": "sliding" in model.attention_kinds, "softcap": model.attn_logit_softcap is not None,
-            "sinks": model.attention_sinks}
+            "sinks": model.attention_sinks, "mla": model.resolved_v_head_dim != model.resolved_head_dim}
     return tuple(v for v in VARIANTS if used[v])
 
 

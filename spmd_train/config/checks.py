@@ -32,7 +32,8 @@ def check_config(cfg: Config) -> None:
             f"model.num_kv_heads={m.num_kv_heads} is invalid: it must divide model.num_heads={m.num_heads} "
             f"(valid: {divisors(m.num_heads)})"
         )
-    if m.resolved_head_dim < 2 or m.resolved_head_dim % 2:
+    check_mla(m)
+    if m.mla is None and (m.resolved_head_dim < 2 or m.resolved_head_dim % 2):
         raise ConfigError(
             f"model.head_dim={m.resolved_head_dim} is invalid: rotary embeddings need an even head_dim >= 2 "
             "(set model.head_dim, or model.d_model and model.num_heads so d_model // num_heads is even)"
@@ -87,6 +88,29 @@ def check_config(cfg: Config) -> None:
                 f"mesh.dcn.{axis}={factor} is invalid: a slow-link factor must divide "
                 f"mesh.{axis}={size} (valid: {divisors(size) if size > 0 else 'a divisor of the filled size'})"
             )
+
+
+def check_mla(m) -> None:
+    """model.mla against the grouped-query keys it replaces: no K/V groups, no head_dim, no biases or q/k norms."""
+    a = m.mla
+    if a is None:
+        return
+    if m.num_kv_heads != m.num_heads:
+        raise ConfigError(f"model.mla with model.num_kv_heads={m.num_kv_heads}: every head expands its own keys and "
+                          f"values from the latent, there are no K/V groups (valid: model.num_kv_heads="
+                          f"{m.num_heads}, model.num_heads)")
+    if m.head_dim is not None:
+        raise ConfigError(f"model.head_dim={m.head_dim} with model.mla: MLA's head widths are model.mla."
+                          "qk_nope_head_dim + qk_rope_head_dim (queries, keys) and model.mla.v_head_dim (values) "
+                          "(valid: model.head_dim=null)")
+    held = [f"model.{k}=true" for k in ("qkv_bias", "qk_norm") if getattr(m, k)]
+    if held:
+        raise ConfigError(f"{' and '.join(held)} with model.mla: MLA has no Q/K/V biases and normalises its latents "
+                          "(model.mla's q and kv norms), not each head (valid: model.qkv_bias=false, "
+                          "model.qk_norm=false)")
+    if a.qk_rope_head_dim < 2 or a.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.mla.qk_rope_head_dim={a.qk_rope_head_dim} is invalid: rotary embeddings turn "
+                          "pairs of values (valid: an even number >= 2, DeepSeek's 64)")
 
 
 def check_layer_types(m) -> None:

@@ -59,6 +59,27 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values expanded per head from one low-rank
+    latent per token, plus one RoPE key shared by every head; the names are DeepSeek's config.json keys."""
+
+    __pydantic_config__ = STRICT
+
+    kv_lora_rank: PositiveInt
+    """Width of the compressed key/value latent of each token (DeepSeek-V2/V3: 512)."""
+    qk_nope_head_dim: PositiveInt
+    """Per-head width of the query and key parts without RoPE, expanded from the latents (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: PositiveInt
+    """Per-head width of the rotated query part; the rotated key of this width is one per token, shared by every
+    head (DeepSeek-V3: 64; even)."""
+    v_head_dim: PositiveInt
+    """Per-head value width, expanded from the key/value latent (DeepSeek-V3: 128)."""
+    q_lora_rank: PositiveInt | None = None
+    """Width of the compressed query latent (DeepSeek-V3: 1536); null: queries projected from the residual stream
+    directly (DeepSeek-V2-Lite)."""
+
+
+@dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequencies stretched for long context: Llama 3.1's per-band rule, or plain linear interpolation."""
 
@@ -125,11 +146,27 @@ class ModelConfig:
     param_dtype: DType = "float32"
     moe: MoEConfig | None = None
     """Mixture-of-experts layers; null: a dense model."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention in every layer (then num_kv_heads = num_heads, head_dim null); null: grouped-query
+    attention."""
 
     @property
     def resolved_head_dim(self) -> int:
-        """Per-head width: `head_dim` when set, else d_model // num_heads."""
+        """Per-head width of queries and keys: `head_dim` when set, else d_model // num_heads; with MLA
+        qk_nope_head_dim + qk_rope_head_dim."""
+        if self.mla is not None:
+            return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def resolved_v_head_dim(self) -> int:
+        """Per-head width of values: the query/key width, or MLA's v_head_dim."""
+        return self.mla.v_head_dim if self.mla is not None else self.resolved_head_dim
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Per-head width RoPE rotates: the whole query/key head, or MLA's qk_rope_head_dim."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.resolved_head_dim
 
     @property
     def layer_pattern(self) -> tuple[str, ...]:

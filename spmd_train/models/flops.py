@@ -1,8 +1,9 @@
 """Model FLOPs of a training step, by the convention every MFU number in this project uses.
 
 Per token: 6 x the parameters that take part in matmuls (MoE: those a token is active in) plus causal
-attention, 12 x heads x head_dim x the keys a query sees on average, per layer: seq / 2 for a full layer
-(6 x seq x heads x head_dim), window - window^2 / (2 seq) for a sliding one (the band's area over seq);
+attention, 6 x heads x (qk width + v width) x the keys a query sees on average, per layer: seq / 2 for a full
+layer (6 x seq x heads x head_dim with equal widths), window - window^2 / (2 seq) for a sliding one (the band's
+area over seq); MLA's scores are qk_nope_head_dim + qk_rope_head_dim wide, its weighted values v_head_dim;
 remat and MoE dispatch overhead are not counted. Also split
 per layer (`layer_flops_per_token`) for pipeline stages, and `balanced_depths`, the cheapest contiguous split.
 
@@ -40,12 +41,24 @@ def matmul_params(m: ModelConfig) -> int:
     Without MoE this is every matmul parameter; with MoE, MoE layers count their active
     parameters only (`active_moe_mlp_params`), so MFU measures the work a token really does.
     """
-    hd = m.resolved_head_dim
-    attention = m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads)
+    attention = attention_matmul_params(m)
     dense_mlp = 3 * m.d_model * m.d_ff
     moe = moe_layer_count(m)
     mlp = (m.num_layers - moe) * dense_mlp + moe * active_moe_mlp_params(m)
     return m.num_layers * attention + mlp + m.d_model * m.vocab_size
+
+
+def attention_matmul_params(m: ModelConfig) -> int:
+    """One layer's attention projection weights (biases, norms and sinks aside): Q, K, V and O, or MLA's latent
+    down-projections, their per-head expansions and O."""
+    d, h = m.d_model, m.num_heads
+    a = m.mla
+    if a is None:
+        return d * m.resolved_head_dim * (2 * h + 2 * m.num_kv_heads)
+    qk = m.resolved_head_dim
+    query = d * h * qk if a.q_lora_rank is None else a.q_lora_rank * (d + h * qk)
+    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
+    return query + kv + h * a.v_head_dim * d
 
 
 def keys_per_query(window: int | None, seq_len: int) -> float:
@@ -56,9 +69,12 @@ def keys_per_query(window: int | None, seq_len: int) -> float:
     return window - window * window / (2 * seq_len)
 
 
-def attention_flops(heads: int, head_dim: int, window: int | None, seq_len: int) -> float:
-    """Training FLOPs per token of one layer's scores and weighted values (QK^T and PV, forward + backward)."""
-    return 12.0 * keys_per_query(window, seq_len) * heads * head_dim
+def attention_flops(heads: int, head_dim: int, window: int | None, seq_len: int, v_head_dim: int | None = None
+                    ) -> float:
+    """Training FLOPs per token of one layer's scores (q/k `head_dim` wide) and weighted values (`v_head_dim`,
+    default `head_dim`): QK^T and PV, forward + backward."""
+    v = head_dim if v_head_dim is None else v_head_dim
+    return 6.0 * keys_per_query(window, seq_len) * heads * (head_dim + v)
 
 
 def layer_windows(m: ModelConfig) -> tuple[int | None, ...]:
@@ -78,8 +94,8 @@ def window_counts(m: ModelConfig) -> tuple[tuple[int | None, int], ...]:
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) under the convention above."""
-    hd = m.resolved_head_dim
-    return 6.0 * matmul_params(m) + sum(count * attention_flops(m.num_heads, hd, w, seq_len)
+    hd, dv = m.resolved_head_dim, m.resolved_v_head_dim
+    return 6.0 * matmul_params(m) + sum(count * attention_flops(m.num_heads, hd, w, seq_len, dv)
                                         for w, count in window_counts(m))
 
 
@@ -88,11 +104,11 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 def layer_flops_per_token(m: ModelConfig, seq_len: int) -> np.ndarray:
     """Training FLOPs per token of each model layer (forward + backward), in model order."""
-    hd = m.resolved_head_dim
-    projections = 6.0 * m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads)
+    hd, dv = m.resolved_head_dim, m.resolved_v_head_dim
+    projections = 6.0 * attention_matmul_params(m)
     dense, moe = 6.0 * 3 * m.d_model * m.d_ff, 6.0 * active_moe_mlp_params(m)
     every = m.moe_every
-    return np.array([projections + attention_flops(m.num_heads, hd, w, seq_len)
+    return np.array([projections + attention_flops(m.num_heads, hd, w, seq_len, dv)
                      + (moe if every and (i + 1) % every == 0 else dense) for i, w in enumerate(layer_windows(m))])
 
 

@@ -1,4 +1,4 @@
-"""Parameters with logical axes, and the matmul that uses a stored (possibly sharded) weight."""
+"""Parameters with logical axes, the matmul that uses a stored (possibly sharded) weight, and RMSNorm."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.mesh_schema import STACKING_AXES
+from spmd_train.config.model_schema import ModelConfig
+from spmd_train.models.param_specs import norm_params
 from spmd_train.sharding.constrain import constrain, stored_param
 
 
@@ -92,3 +94,20 @@ def _compute_layout(value: jax.Array, names: tuple[str, ...], dtype, *, pinned: 
     # all-to-all into bf16 (XLA reduces the gradient in bf16 either way) and costs about 1 GiB more
     # peak memory for Llama-3-8B at fsdp 64 (10.63 vs 9.66 GiB; docs/describe.md).
     return constrain((value if pinned else stored_param(value, names)).astype(dtype), names)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis with a learned scale; statistics in fp32.
+
+    The residual stream's norms span `embed`; Qwen3's query/key norms span each head's `head_dim`; MLA's latent
+    norms span `q_lora` or `kv_lora`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, stack: int | None = None, axis: str = "embed"):
+        self.eps = cfg.norm_eps
+        self.scale = param(None, *norm_params(cfg, axis)["scale"], std=None, dtype=cfg.param_dtype, stack=stack)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * weight(self.scale, jnp.float32)).astype(x.dtype)

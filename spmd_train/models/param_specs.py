@@ -18,8 +18,12 @@ EXPERT_DOWN_AXES = ("experts", "expert_mlp", "embed")
 
 
 def norm_params(cfg: ModelConfig, axis: str = "embed") -> dict[str, Spec]:
-    """An RMSNorm's scale over the residual stream (`embed`) or over each head (`head_dim`, Qwen3's q/k norms)."""
-    return {"scale": ((cfg.d_model if axis == "embed" else cfg.resolved_head_dim,), (axis,))}
+    """An RMSNorm's scale over the residual stream (`embed`), each head (`head_dim`, Qwen3's q/k norms) or one of
+    MLA's latents (`q_lora`, `kv_lora`)."""
+    sizes = {"embed": cfg.d_model, "head_dim": cfg.resolved_head_dim}
+    if cfg.mla is not None:
+        sizes |= {"q_lora": cfg.mla.q_lora_rank, "kv_lora": cfg.mla.kv_lora_rank}
+    return {"scale": ((sizes[axis],), (axis,))}
 
 
 def attention_params(cfg: ModelConfig) -> dict[str, Spec]:
@@ -33,6 +37,29 @@ def attention_params(cfg: ModelConfig) -> dict[str, Spec]:
     if cfg.qkv_bias:
         out |= {"bq": ((h, hd), ("heads", "head_dim")), "bk": ((kv, hd), ("kv_heads", "head_dim")),
                 "bv": ((kv, hd), ("kv_heads", "head_dim"))}
+    return out
+
+
+def mla_params(cfg: ModelConfig) -> dict[str, Spec]:
+    """Multi-head latent attention's projections (DeepSeek-V2's layout), its latent norms and optional sinks.
+
+    wq_a and wq_b (or wq without a query latent) give each head's query, nope then rope part; wkv_a gives the
+    key/value latent and, in its last qk_rope_head_dim columns, the one rotated key every head shares; wkv_b expands
+    the normalised latent into each head's key (nope part) and value."""
+    a, d, h = cfg.mla, cfg.d_model, cfg.num_heads
+    qk, nope, v = cfg.resolved_head_dim, a.qk_nope_head_dim, a.v_head_dim
+    out: dict[str, Spec] = {}
+    if a.q_lora_rank is None:
+        out["wq"] = ((d, h, qk), ("embed", "heads", "head_dim"))
+    else:
+        out |= {"wq_a": ((d, a.q_lora_rank), ("embed", "q_lora")), "q_norm.scale": norm_params(cfg, "q_lora")["scale"],
+                "wq_b": ((a.q_lora_rank, h, qk), ("q_lora", "heads", "head_dim"))}
+    out |= {"wkv_a": ((d, a.kv_lora_rank + a.qk_rope_head_dim), ("embed", "kv_lora")),
+            "kv_norm.scale": norm_params(cfg, "kv_lora")["scale"],
+            "wkv_b": ((a.kv_lora_rank, h, nope + v), ("kv_lora", "heads", "head_dim")),
+            "wo": ((h, v, d), ("heads", "head_dim", "embed"))}
+    if cfg.attention_sinks:
+        out["sinks"] = ((h,), ("heads",))
     return out
 
 
@@ -67,7 +94,7 @@ def table_params(cfg: ModelConfig) -> dict[str, Spec]:
 def block_params(cfg: ModelConfig, *, moe: bool) -> dict[str, Spec]:
     """One layer (`Block`): its two norms, attention and a dense or MoE feed-forward, by dot-joined path."""
     out = {"attn_norm.scale": norm_params(cfg)["scale"], "mlp_norm.scale": norm_params(cfg)["scale"]}
-    out |= {f"attn.{k}": v for k, v in attention_params(cfg).items()}
+    out |= {f"attn.{k}": v for k, v in (mla_params(cfg) if cfg.mla else attention_params(cfg)).items()}
     if cfg.qk_norm:
         out |= {f"attn.{n}.scale": norm_params(cfg, "head_dim")["scale"] for n in ("q_norm", "k_norm")}
     out |= {f"mlp.{k}": v for k, v in (moe_params(cfg) if moe else mlp_params(cfg)).items()}

@@ -1,7 +1,8 @@
 """Decoder-only Llama-style transformer in Flax NNX.
 
 RMSNorm, rotary embeddings (optionally Llama 3.1-scaled), SwiGLU MLP, grouped-query attention (optionally
-with Q/K/V biases as in Qwen2, or per-head Q/K norms as in Qwen3), tied or untied embeddings.
+with Q/K/V biases as in Qwen2, or per-head Q/K norms as in Qwen3) or multi-head latent attention
+(DeepSeek-V2, `models.mla`), tied or untied embeddings.
 The layers' parameters are stacked on a leading `layers` axis and run with `lax.scan`, so
 compile time does not grow with depth. The model speaks logical axis names only
 (`constrain`); which mesh axes they land on is decided outside.
@@ -15,10 +16,11 @@ import numpy as np
 from flax import nnx
 
 from spmd_train.config.model_schema import BackendsConfig, ModelConfig
-from spmd_train.models.layers import Pinned, dense, param, pin, weight
+from spmd_train.models.layers import Pinned, RMSNorm, dense, param, pin, weight
+from spmd_train.models.mla import MLAttention
 from spmd_train.models.moe import MoE
 from spmd_train.models.padded_row import padded_row
-from spmd_train.models.param_specs import attention_params, mlp_params, norm_params, table_params
+from spmd_train.models.param_specs import attention_params, mlp_params, table_params
 from spmd_train.models.remat import apply_remat
 from spmd_train.ops.attention import Scoring
 from spmd_train.ops.rope import apply_rope, rope_tables
@@ -26,22 +28,6 @@ from spmd_train.parallel import Backends, attention, resolve_backends
 from spmd_train.sharding.constrain import constrain
 
 RESIDUAL = ("batch", "norm_length", "embed")
-
-
-class RMSNorm(nnx.Module):
-    """Root-mean-square norm over the last axis with a learned scale; statistics in fp32.
-
-    The residual stream's norms span `embed`; Qwen3's query/key norms span each head's `head_dim`.
-    """
-
-    def __init__(self, cfg: ModelConfig, *, stack: int | None = None, axis: str = "embed"):
-        self.eps = cfg.norm_eps
-        self.scale = param(None, *norm_params(cfg, axis)["scale"], std=None, dtype=cfg.param_dtype, stack=stack)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * weight(self.scale, jnp.float32)).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -139,11 +125,12 @@ def layer_kind_ids(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_of(cfg: ModelConfig, length: int, positions: jax.Array | None) -> tuple:
-    """(cos, sin) per attention kind: sliding layers take model.rope_local_theta, unscaled, when it is set."""
+    """(cos, sin) per attention kind over the rotated width (`rope_head_dim`): sliding layers take
+    model.rope_local_theta, unscaled, when it is set."""
     def tables(kind):
         if kind == "sliding" and cfg.rope_local_theta is not None:
-            return rope_tables(length, cfg.resolved_head_dim, cfg.rope_local_theta, positions)
-        return rope_tables(length, cfg.resolved_head_dim, cfg.rope_theta, positions, scaling=cfg.rope_scaling)
+            return rope_tables(length, cfg.rope_head_dim, cfg.rope_local_theta, positions)
+        return rope_tables(length, cfg.rope_head_dim, cfg.rope_theta, positions, scaling=cfg.rope_scaling)
     return tuple(tables(kind) for kind in attention_kinds(cfg))
 
 
@@ -177,7 +164,11 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack=None, moe: bool = False):
         self.attn_norm = RMSNorm(cfg, stack=stack)
-        self.attn = Attention(cfg, rngs, backends, stack=stack)
+        if cfg.mla is None:
+            self.attn = Attention(cfg, rngs, backends, stack=stack)
+        else:
+            scorings = tuple(layer_scoring(cfg, kind) for kind in attention_kinds(cfg))
+            self.attn = MLAttention(cfg, rngs, backends, scorings=scorings, stack=stack)
         self.mlp_norm = RMSNorm(cfg, stack=stack)
         self.mlp = MoE(cfg, rngs, backends, stack=stack) if moe else MLP(cfg, rngs, stack=stack)
 

@@ -80,7 +80,12 @@ def check_request(prompts: Any, vocab_size: int, *, max_new_tokens: Any, tempera
 
 
 def check_engine(engine: Engine) -> None:
-    """Refuse an engine `generate` cannot run on: one with pipeline stages (generation uses no schedule)."""
+    """Refuse an engine `generate` cannot run on: one with pipeline stages (generation uses no schedule), or an MLA
+    model (its compressed-latent cache is not written yet)."""
+    if engine.cfg.model.mla is not None:
+        raise ConfigError("generate has no decode cache for multi-head latent attention yet (model.mla is set: its "
+                          "cache would hold each token's kv_lora_rank + qk_rope_head_dim latent, not per-head K/V); "
+                          "train and evaluate the model, or generate from a model with model.mla=null")
     if engine.mesh.shape["pipeline"] > 1:
         raise ConfigError(f"generate runs without the pipeline schedule, but mesh.pipeline="
                           f"{engine.mesh.shape['pipeline']} (valid: mesh.pipeline=1; a pipelined run's checkpoint "

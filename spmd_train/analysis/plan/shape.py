@@ -67,6 +67,8 @@ class ModelShape:
     """Biases on Q/K/V (model.qkv_bias)."""
     qk_norm: bool = False
     """Per-head RMSNorm scales on Q and K (model.qk_norm)."""
+    v_head_dim: int | None = None
+    """Per-head value width when it is not head_dim (MLA's v_head_dim; head_dim is then the query/key width)."""
 
     @classmethod
     def from_config(cls, m: ModelConfig) -> ModelShape:
@@ -81,7 +83,7 @@ class ModelShape:
             param_bytes=DTYPE_BYTES[m.param_dtype], compute_bytes=DTYPE_BYTES[m.compute_dtype],
             params=_param_groups(m), matmul_params=matmul_params(m),
             windows=window_counts(m), qkv_bias=m.qkv_bias,
-            qk_norm=m.qk_norm,
+            qk_norm=m.qk_norm, v_head_dim=m.resolved_v_head_dim if m.mla is not None else None,
         )
 
     @property
@@ -124,7 +126,8 @@ class ModelShape:
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of every layer's scores and weighted values (`models.flops.attention_flops`)."""
-        return sum(count * attention_flops(self.num_heads, self.head_dim, w, seq_len) for w, count in self.windows)
+        return sum(count * attention_flops(self.num_heads, self.head_dim, w, seq_len, self.v_head_dim)
+                   for w, count in self.windows)
 
 
 def _param_groups(m: ModelConfig) -> tuple[ParamGroup, ...]:

@@ -177,7 +177,7 @@ REFUSED = {
     "local_rope_without_sliding": (["model.rope_local_theta=10.0"], "model.rope_local_theta=10.0"),
     "too_many_types": (["model.layer_types=[full,full,full]"], "more than model.num_layers=2"),
     "pallas_gpu_window": (["backends.attention=pallas", "model.sliding_window=4", "model.compute_dtype=bfloat16"],
-                          "on GPU computes neither sliding layers"),
+                          "on GPU does not compute sliding layers"),
     "cudnn_sinks": (["backends.attention=cudnn", "model.attention_sinks=true"], "model.attention_sinks"),
     "ring_window_past_a_chunk": (["model.sliding_window=5", "mesh.sequence=4", "parallel.context_parallel=ring",
                                   "train.seq_len=16"], "model.sliding_window=5 reaches past the 2-token chunk"),

@@ -109,10 +109,11 @@ def _pallas_on_gpu(model: Any, backends: Any, platform: str) -> None:
         raise ConfigError(f"backends.attention=pallas on GPU needs model.compute_dtype=bfloat16 (the kernels feed "
                           f"wgmma bfloat16 operands); got {model.compute_dtype}: set it, or use "
                           "backends.attention=cudnn or xla")
-    if set(model_variants(model)) - {"sinks"}:
-        raise ConfigError("backends.attention=pallas on GPU computes neither sliding layers nor soft-capped logits "
-                          f"yet (the model uses {', '.join(VARIANTS[v] for v in model_variants(model))}): use "
-                          "backends.attention=xla (or cudnn for windows alone)")
+    lacking = [v for v in model_variants(model) if v != "sinks"]
+    if lacking:
+        what = " or ".join(VARIANTS[v] for v in lacking)
+        raise ConfigError(f"backends.attention=pallas on GPU does not compute {what} yet: use backends.attention=xla "
+                          "(or cudnn for windows alone)")
     if model.resolved_head_dim % 64:
         raise ConfigError(f"backends.attention=pallas on GPU needs a head_dim that is a multiple of 64; got "
                           f"{model.resolved_head_dim}: use backends.attention=cudnn or xla")
@@ -122,7 +123,7 @@ def _pallas_on_gpu(model: Any, backends: Any, platform: str) -> None:
 
 
 register_attention_facts(AttentionFacts("pallas", label="our Pallas kernels", check=_pallas_on_gpu,
-                                        variants=("window", "softcap", "sinks")))
+                                        variants=("window", "softcap", "sinks", "mla")))
 register_attention_facts(AttentionFacts("cudnn", label="cuDNN through jax", platforms=("gpu",),
                                         needs="NVIDIA GPUs (cuDNN's fused attention)", returns_lse=False,
                                         variants=("window",)))

@@ -8,7 +8,10 @@ the context-parallel schemes of `parallel.context` on each device's chunk of the
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.ops.attention import FULL, Scoring, with_sinks
@@ -22,7 +25,7 @@ from spmd_train.sharding.constrain import active_layout
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backends: Backends, segments: jax.Array | None = None,
               scoring: Scoring = FULL, sinks: jax.Array | None = None) -> jax.Array:
-    """Causal grouped-query attention, q [b, l, h, d] and k/v [b, l, kvh, d] -> [b, l, h, d].
+    """Causal grouped-query attention, q [b, l, h, d], k [b, l, kvh, d] and v [b, l, kvh, dv] -> [b, l, h, dv].
 
     `backends` (resolved when the engine was built) says which implementation runs and how, and
     with `sequence` > 1 which context-parallel scheme joins the devices' chunks of the sequence.
@@ -31,6 +34,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backends: Backends, s
     attention over the keys through its log-sum-exp (`ops.attention.with_sinks`), outside any kernel."""
     layout = active_layout()
     backend = attention_backend(backends.attention)
+    dv = v.shape[-1]
+    if dv != q.shape[-1] and not (backend.partitioned and backends.context is None):
+        # MLA: values of another width than queries and keys. Kernels and context-parallel schemes take one width;
+        # zero value columns add zero outputs, zero q/k columns zero scores (the scale fixed first): exact.
+        out = attention(*_widened(q, k, v), backends=backends, segments=segments, sinks=sinks,
+                        scoring=dataclasses.replace(scoring, scale=_scale(scoring, q.shape[-1])))
+        return out[..., :dv]
     local = backend.kernel(backends)
     lse = sinks is not None
     if backends.context is not None and layout is not None:
@@ -48,6 +58,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backends: Backends, s
         else:
             result = _per_device(kernel, q, k, v, segments, layout, length=(), lse=lse)
     return with_sinks(*result, sinks) if lse else result
+
+
+def _scale(scoring: Scoring, width: int) -> float:
+    return scoring.scale if scoring.scale is not None else width**-0.5
+
+
+def _widened(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v zero-padded on their last axis to the widest of them."""
+    width = max(q.shape[-1], v.shape[-1])
+    return tuple(jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])]) for x in (q, k, v))
 
 
 def local_kernel(backends: Backends) -> Kernel:

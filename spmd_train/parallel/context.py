@@ -9,7 +9,6 @@ Derivation (collectives, bytes, load balance): docs/context.md#allgather-default
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -37,15 +36,6 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Ar
     if how not in IMPLEMENTATIONS:
         raise ValueError(f"parallel.context_parallel={how!r} is not an implementation "
                          f"(valid: {', '.join(IMPLEMENTATIONS)})")
-    d, dv = q.shape[-1], v.shape[-1]
-    if d != dv:
-        # MLA's values are another width than its queries and keys; the schemes move and merge one width. Zero
-        # value columns add zero outputs, zero q/k columns zero scores (the scale is fixed first): exact.
-        scoring = dataclasses.replace(scoring, scale=scoring.scale if scoring.scale is not None else d**-0.5)
-        q, k, v = (_widen(x, max(d, dv)) for x in (q, k, v))
-        result = context_attention(q, k, v, segments, how=how, ways=ways, kernel=kernel, scoring=scoring,
-                                   return_lse=return_lse)
-        return (result[0][..., :dv], result[1]) if return_lse else result[..., :dv]
     if how == "ring":
         if scoring.window is not None:  # the window's keys sit in the neighbours' chunks: no ring needed
             return halo_attention(q, k, v, segments, ways, kernel, scoring, return_lse=return_lse)
@@ -56,10 +46,6 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Ar
     else:
         return _ulysses(q, k, v, segments, ways, kernel, scoring, return_lse)
     return (out, lse) if return_lse else out
-
-
-def _widen(x: jax.Array, width: int) -> jax.Array:
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
 def _gather(x: jax.Array) -> jax.Array:

@@ -1,0 +1,235 @@
+"""Multi-head latent attention (model.mla): the layer against DeepSeek-V2's math in float64 numpy, sharded and
+context-parallel runs against one device, the Pallas kernels on values of another width, the keys it refuses, and
+its parameters and FLOPs as the planner counts them."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.config import load_config
+from spmd_train.config.model_schema import BackendsConfig
+from spmd_train.models.flops import flops_per_token, layer_flops_per_token, matmul_params
+from spmd_train.models.mla import MLAttention
+from spmd_train.models.transformer import Transformer, rope_of
+from spmd_train.ops.attention import Scoring
+from spmd_train.parallel import resolve_backends
+from tests.runs import main_in_process, relative_error, run_steps
+from tests.tiers import fast_cases
+
+MLA = ["model.num_kv_heads=8", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
+       "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6"]
+"""The tiny model (8 heads of d_model 64) with MLA: queries and keys 12 wide, values 6."""
+Q_LORA = [*MLA, "model.mla.q_lora_rank=24"]
+
+
+def _model(overrides):
+    return load_config(None, ["model.preset=tiny", *overrides]).model
+
+
+# --- the layer against an independent float64 implementation ---------------------------------------------------
+
+
+def _rms(x, scale, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _rope(x, theta):
+    """Rotate-half RoPE of x [b, l, ..., r] at positions 0 .. l - 1."""
+    r, length = x.shape[-1], x.shape[1]
+    angles = np.arange(length)[:, None] * theta ** (-np.arange(0, r, 2) / r)  # [l, r / 2]
+    cos, sin = (f(angles).reshape(1, length, *(1,) * (x.ndim - 3), r // 2) for f in (np.cos, np.sin))
+    first, second = x[..., : r // 2], x[..., r // 2:]
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def _deepseek_mla(x, p, m, window):
+    """DeepSeek-V2's MLA as its paper writes it: scores are the nope parts' product plus the rope parts' (the
+    rotated key shared by every head), scaled by 1 / sqrt(nope + rope); causal (and windowed) softmax over values."""
+    a = m.mla
+    if a.q_lora_rank is None:
+        q = np.einsum("bld,dhk->blhk", x, p["wq"])
+    else:
+        q = np.einsum("blr,rhk->blhk", _rms(x @ p["wq_a"], p["q_norm"], m.norm_eps), p["wq_b"])
+    q_nope, q_rope = q[..., : a.qk_nope_head_dim], _rope(q[..., a.qk_nope_head_dim:], m.rope_theta)
+    kv = x @ p["wkv_a"]
+    latent, k_rope = _rms(kv[..., : a.kv_lora_rank], p["kv_norm"], m.norm_eps), _rope(kv[..., a.kv_lora_rank:],
+                                                                                       m.rope_theta)
+    expanded = np.einsum("blr,rhk->blhk", latent, p["wkv_b"])
+    k_nope, v = expanded[..., : a.qk_nope_head_dim], expanded[..., a.qk_nope_head_dim:]
+    scores = (np.einsum("bqhn,bkhn->bhqk", q_nope, k_nope) + np.einsum("bqhr,bkr->bhqk", q_rope, k_rope))
+    scores /= np.sqrt(a.qk_nope_head_dim + a.qk_rope_head_dim)
+    length = x.shape[1]
+    i, j = np.arange(length)[:, None], np.arange(length)[None, :]
+    seen = (j <= i) & ((i - j < window) if window else True)
+    scores = np.where(seen, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bqhv,hvd->bqd", np.einsum("bhqk,bkhv->bqhv", weights, v), p["wo"])
+
+
+LAYER_CASES = {"q_lora": (Q_LORA, None), "no_q_lora_window": (MLA, 5)}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_layer_equals_deepseek_math_forward_and_gradient(case):
+    overrides, window = LAYER_CASES[case]
+    m = _model(overrides)
+    layer = MLAttention(m, nnx.Rngs(0), resolve_backends(m, BackendsConfig(), "cpu"),
+                        scorings=(Scoring(window=window),))
+    rng = np.random.default_rng(0)
+    for norm in ("q_norm", "kv_norm"):  # scales other than ones, so a norm applied wrongly shows
+        if hasattr(layer, norm):
+            scale = getattr(layer, norm).scale
+            scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, scale.shape), jnp.float32)
+    graphdef, params = nnx.split(layer)
+    x = jnp.asarray(rng.normal(size=(2, 9, m.d_model)), jnp.float32)
+    cot = rng.normal(size=(2, 9, m.d_model))
+    rope = rope_of(m, 9, None)
+
+    def flat(state):  # {"wq_a": ..., "q_norm": ...}, float64
+        tree = nnx.to_pure_dict(state)
+        return {k: np.asarray(v["scale"] if isinstance(v, dict) else v, np.float64) for k, v in tree.items()}
+
+    def loss(params, x):
+        return jnp.sum(nnx.merge(graphdef, params)(x, rope) * cot)
+
+    p64 = flat(params)
+    want = _deepseek_mla(np.asarray(x, np.float64), p64, m, window)
+    np.testing.assert_allclose(nnx.merge(graphdef, params)(x, rope), want, rtol=2e-5, atol=2e-6)
+    grads = jax.grad(loss, argnums=(0, 1))(params, x)
+    g64 = flat(grads[0])
+    assert set(g64) == set(p64) == ({"wq_a", "q_norm", "wq_b"} if case == "q_lora" else {"wq"}) | {
+        "wkv_a", "kv_norm", "wkv_b", "wo"}
+    # Each parameter's (and the input's) gradient against a central difference of the float64 math along a random
+    # direction: exact up to O(eps^2) and the fp32 gradient's rounding.
+    f = lambda p, x: float(np.sum(_deepseek_mla(x, p, m, window) * cot))
+    x64, eps = np.asarray(x, np.float64), 1e-5
+    for name in [*p64, "x"]:
+        u = rng.normal(size=x64.shape if name == "x" else p64[name].shape)
+        moved = lambda s, name=name, u=u: ((p64, x64 + s * u) if name == "x" else ({**p64, name: p64[name] + s * u},
+                                                                                 x64))
+        numeric = (f(*moved(eps)) - f(*moved(-eps))) / (2 * eps)
+        analytic = float(np.sum((np.asarray(grads[1]) if name == "x" else g64[name]) * u))
+        assert abs(analytic - numeric) <= 1e-4 * max(1.0, abs(numeric)), (name, analytic, numeric)
+
+
+# --- whole models: sharded, context-parallel and kernel runs equal one device ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_device(devices):
+    """Three steps of the tiny MLA model (query latent, sinks-free, full layers) on one device."""
+    losses, params, engine, _ = run_steps([*Q_LORA, "mesh.fsdp=1"], devices[:1])
+    assert engine.backends.attention == "xla"
+    return losses, params
+
+
+LAYOUTS = {
+    "fsdp4_tensor2": ["mesh.fsdp=4", "mesh.tensor=2"],
+    "allgather_sequence2_fsdp2_tensor2": ["mesh.fsdp=2", "mesh.tensor=2", "mesh.sequence=2"],
+    "ulysses_sequence4_fsdp2": ["mesh.fsdp=2", "mesh.sequence=4", "parallel.context_parallel=ulysses"],
+    "ring_sequence2_fsdp4": ["mesh.fsdp=4", "mesh.sequence=2", "parallel.context_parallel=ring"],
+    "pipeline2_fsdp2_tensor2": ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2"],
+    "pallas_interpreted_fsdp4_tensor2": ["mesh.fsdp=4", "mesh.tensor=2", "backends.attention=pallas",
+                                         "backends.attention_blocks=[8,8]"],
+}
+
+
+@pytest.mark.parametrize("layout", fast_cases(LAYOUTS, fast=["fsdp4_tensor2", "allgather_sequence2_fsdp2_tensor2"]))
+def test_mla_model_on_a_mesh_equals_one_device(one_device, devices, layout):
+    """Values 6 wide against queries and keys 12 wide: XLA partitions them as they are, the context-parallel schemes
+    and the Pallas kernels take them zero-padded to 12 (exact), pipeline stages run MLA layers."""
+    ref_losses, ref_params = one_device
+    losses, params, engine, _ = run_steps([*Q_LORA, *LAYOUTS[layout]], devices)
+    assert engine.mesh.size == 8
+    assert engine.backends.attention == ("pallas" if "pallas" in layout else "xla")
+    assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5, (losses, ref_losses)
+    assert relative_error(params, ref_params) <= 1e-5
+
+
+# --- refusals: exit 2 naming the keys ---------------------------------------------------------------------------
+
+REFUSED = {
+    "kv_groups": (MLA[1:], "model.num_kv_heads=4: every head expands its own keys and values"),
+    "head_dim": ([*MLA, "model.head_dim=16"], "model.head_dim=16 with model.mla"),
+    "qk_norm_and_bias": ([*MLA, "model.qk_norm=true", "model.qkv_bias=true"],
+                         "model.qkv_bias=true and model.qk_norm=true with model.mla"),
+    "odd_rope": ([*MLA, "model.mla.qk_rope_head_dim=3"], "model.mla.qk_rope_head_dim=3 is invalid"),
+    "zero_rank": ([*MLA, "model.mla.kv_lora_rank=0"], "model.mla.kv_lora_rank=0 is invalid"),
+    "missing_widths": (["model.num_kv_heads=8", "model.mla.kv_lora_rank=16"],
+                       "model.mla.qk_nope_head_dim is required.*model.mla.v_head_dim is required"),
+    "zero_query_rank": ([*MLA, "model.mla.q_lora_rank=0"], "model.mla.q_lora_rank=0 is invalid"),
+    "yarn": ([*MLA, "model.rope_scaling.type=yarn", "model.rope_scaling.factor=40"],
+             "model.rope_scaling.type='yarn' is invalid: Input should be 'llama3' or 'linear'"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_bad_mla_configs_exit_2_naming_the_keys(case, capsys, tmp_path):
+    overrides, message = REFUSED[case]
+    code, _, err = main_in_process("train", "configs/tiny.yaml", f"run.dir={tmp_path}", *overrides, capsys=capsys)
+    assert code == 2, err
+    assert pytest.importorskip("re").search(message, err), err
+
+
+def test_kernels_that_take_one_width_are_refused_or_passed_over_with_the_reason():
+    """cuDNN (GPU) and the Mosaic GPU kernels do not take MLA: `auto` falls back to XLA saying why; asked for by
+    name they exit 2. On TPU `auto` keeps the Pallas kernels, which take the zero-padded values."""
+    from spmd_train.config.checks import check_layout
+    from spmd_train.errors import ConfigError
+
+    bf16 = [*Q_LORA, "model.compute_dtype=bfloat16"]
+    m = _model(bf16)
+    gpu = resolve_backends(m, BackendsConfig(), "gpu")
+    assert gpu.attention == "xla" and "cudnn does not compute value heads of another width" in gpu.reason
+    assert resolve_backends(m, BackendsConfig(), "tpu").attention == "pallas"
+    for name, says in (("cudnn", "backends.attention=cudnn does not compute value heads of another width than query "
+                                 r"and key heads \(model.mla\) \(valid: backends.attention=auto or pallas or xla"),
+                       ("pallas", "backends.attention=pallas on GPU does not compute value heads of another width")):
+        cfg = load_config(None, ["model.preset=tiny", *bf16, f"backends.attention={name}"])
+        with pytest.raises(ConfigError, match=says):
+            check_layout(cfg, {**cfg.mesh.sizes(), "fsdp": 1}, "gpu")
+
+
+def test_generate_and_export_refuse_mla(capsys, tmp_path):
+    from spmd_train.config.hf_config import infer_family
+    from spmd_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no supported Hugging Face family holds model.mla yet"):
+        infer_family(_model(MLA))
+    run = tmp_path / "run"
+    (run / "checkpoints" / "3").mkdir(parents=True)  # refused before any checkpoint is read
+    model = {"preset": "tiny", "num_kv_heads": 8, "mla": {"kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                                                           "qk_rope_head_dim": 4, "v_head_dim": 6}}
+    (run / "config.json").write_text(json.dumps({"model": model}))
+    code, _, err = main_in_process("generate", str(run), "--prompt-ids", "1,2,3", capsys=capsys)
+    assert code == 2 and "generate has no decode cache for multi-head latent attention yet" in err, err
+
+
+# --- parameters and FLOPs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [Q_LORA, MLA], ids=["q_lora", "no_q_lora"])
+def test_parameters_and_flops_count_mla_projections(overrides):
+    """The planner's parameter list (from models.param_specs) is the model's, and the FLOPs count each projection
+    once and attention as scores 12 wide plus values 6 wide."""
+    m = _model(overrides)
+    d, h, layers, seq = 64, 8, 2, 16
+    query = 64 * 24 + 24 + 24 * h * 12 if "model.mla.q_lora_rank=24" in overrides else d * h * 12
+    attention = query + d * (16 + 4) + 16 + 16 * h * (8 + 6) + h * 6 * d  # ... + kv_norm + wkv_b + wo
+    layer = attention + 2 * d + 3 * d * 128
+    total = layers * layer + d + 2 * 256 * d
+    abstract = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
+    built = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert ModelShape.from_config(m).total_params == built == total
+    norms = 24 + 16 if "model.mla.q_lora_rank=24" in overrides else 16
+    assert matmul_params(m) == layers * (attention - norms + 3 * d * 128) + d * 256
+    scores_and_values = 6.0 * (seq / 2) * h * (12 + 6)
+    assert flops_per_token(m, seq) == pytest.approx(6.0 * matmul_params(m) + layers * scores_and_values)
+    assert layer_flops_per_token(m, seq).sum() + 6.0 * d * 256 == pytest.approx(flops_per_token(m, seq))
+    assert ModelShape.from_config(m).attention_flops_per_token(seq) == pytest.approx(layers * scores_and_values)

@@ -152,6 +152,19 @@ def test_mla_model_on_a_mesh_equals_one_device(one_device, devices, layout):
     assert relative_error(params, ref_params) <= 1e-5
 
 
+@pytest.mark.slow
+def test_mla_composes_with_mixed_layers_sinks_softcaps_and_query_scale(devices):
+    """Sliding and full MLA layers (a `lax.switch` per layer), sinks, soft-capped logits and a query scale: sharded
+    on fsdp 2 x tensor 2 x sequence 2 (ring: sliding layers swap window tails) like one device."""
+    variants = [*Q_LORA, "model.sliding_window=3", "model.layer_types=[sliding,full]", "model.attention_sinks=true",
+                "model.attn_logit_softcap=5.0", "model.query_pre_attn_scalar=20.0"]
+    ref_losses, ref_params, _, _ = run_steps([*variants, "mesh.fsdp=1"], devices[:1])
+    losses, params, _, _ = run_steps([*variants, "mesh.fsdp=2", "mesh.tensor=2", "mesh.sequence=2",
+                                      "parallel.context_parallel=ring"], devices)
+    assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5, (losses, ref_losses)
+    assert relative_error(params, ref_params) <= 1e-5
+
+
 # --- refusals: exit 2 naming the keys ---------------------------------------------------------------------------
 
 REFUSED = {

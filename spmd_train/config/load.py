@@ -262,7 +262,7 @@ def _describe_validation_error(err: pydantic.ValidationError) -> str:
             msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
             if e["type"] in ("dataclass_type", "dict_type"):  # pydantic's JSON word "object" means little in YAML
                 msg = "it is a section: give its keys (section.key=value, or {key: value} in YAML)"
-            if e["type"] == "missing":  # the input pydantic shows is the whole section, not this key's value
+            if e["type"] == "missing" and isinstance(e["input"], dict):  # pydantic shows the section, not the key
                 problems.append(f"{key} is required (no default)")
             else:
                 problems.append(f"{key}={e['input']!r} is invalid: {msg}")

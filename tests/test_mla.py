@@ -2,8 +2,6 @@
 context-parallel runs against one device, the Pallas kernels on values of another width, the keys it refuses, and
 its parameters and FLOPs as the planner counts them."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,19 +207,80 @@ def test_kernels_that_take_one_width_are_refused_or_passed_over_with_the_reason(
             check_layout(cfg, {**cfg.mesh.sizes(), "fsdp": 1}, "gpu")
 
 
-def test_generate_and_export_refuse_mla(capsys, tmp_path):
+def test_export_refuses_mla():
     from spmd_train.config.hf_config import infer_family
     from spmd_train.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no supported Hugging Face family holds model.mla yet"):
         infer_family(_model(MLA))
-    run = tmp_path / "run"
-    (run / "checkpoints" / "3").mkdir(parents=True)  # refused before any checkpoint is read
-    model = {"preset": "tiny", "num_kv_heads": 8, "mla": {"kv_lora_rank": 16, "qk_nope_head_dim": 8,
-                                                           "qk_rope_head_dim": 4, "v_head_dim": 6}}
-    (run / "config.json").write_text(json.dumps({"model": model}))
-    code, _, err = main_in_process("generate", str(run), "--prompt-ids", "1,2,3", capsys=capsys)
-    assert code == 2 and "generate has no decode cache for multi-head latent attention yet" in err, err
+
+
+# --- generation from the compressed cache -------------------------------------------------------------------------
+
+
+def test_the_cache_holds_the_latent_and_the_rope_key_per_token_and_layer():
+    """kv_lora_rank + qk_rope_head_dim = 20 values per token per layer (DeepSeek-V3: 576), not 2 x heads x widths
+    (8 x (12 + 6) = 144 here; DeepSeek-V3: 128 x 320 = 40,960)."""
+    from spmd_train.models.decode import cache_shapes
+
+    m = _model([*Q_LORA, "model.sliding_window=3", "model.layer_types=[sliding,full]"])
+    shapes = cache_shapes(m, 4, 40)
+    assert (shapes.k.shape, shapes.v.shape) == ((1, 4, 40, 1, 16 + 4), (1, 4, 40, 1, 0))
+    assert (shapes.k_local.shape, shapes.v_local.shape) == ((1, 4, 3, 1, 16 + 4), (1, 4, 3, 1, 0))
+    per_token_and_layer = sum(np.prod(s.shape[3:]) for s in shapes[:2])
+    assert per_token_and_layer == m.mla.kv_lora_rank + m.mla.qk_rope_head_dim == 20
+
+
+def test_cached_logits_equal_the_training_forward():
+    """A prefill of 6 tokens, then one decode step, from the latent cache: the logits of the model's own forward pass
+    over the 7 tokens (sliding and full layers, sinks, soft-caps, a query latent; every weight, norm scales and sinks
+    included, drawn from N(0, 0.3^2), so attention is far from uniform and a wrong scale or rotation shows)."""
+    from spmd_train.models.decode import empty_cache, forward_cached
+
+    m = _model([*Q_LORA, "model.sliding_window=3", "model.layer_types=[sliding,full]", "model.attention_sinks=true",
+                "model.attn_logit_softcap=4.0"])
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.3, a.dtype), state)
+    tokens = jnp.asarray(rng.integers(0, 256, (2, 7)), jnp.int32)
+
+    @jax.jit
+    def run(state, tokens):
+        model, pads = nnx.merge(graphdef, state), jnp.zeros((2,), jnp.int32)
+        prefill, cache = forward_cached(model, tokens[:, :6], pads, 0, empty_cache(model, 2, 8))
+        return model(tokens), prefill, forward_cached(model, tokens[:, 6:], pads, 6, cache)[0]
+
+    want, prefill, step = run(state, tokens)
+    np.testing.assert_allclose(prefill, want[:, :6], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(step[:, 0], want[:, 6], rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(want[:, 6]) - np.asarray(want[:, 5])).max() > 0.1  # the logits depend on the tokens
+
+
+GENERATE = {"one_device": ([], False), "fsdp2_tensor4": (["mesh.fsdp=2", "mesh.tensor=4"], False),
+            "mixed_layers_sinks_softcap": (["mesh.fsdp=2", "mesh.tensor=4", "model.sliding_window=3",
+                                            "model.layer_types=[sliding,full]", "model.attention_sinks=true",
+                                            "model.attn_logit_softcap=2.0"], True)}
+
+
+@pytest.mark.parametrize("case", fast_cases(GENERATE, fast=["fsdp2_tensor4"]))
+def test_generation_from_the_compressed_cache_equals_recomputation(devices, case):
+    """Greedy tokens from the latent cache (queries absorbed into latent space) equal the argmax of the full
+    forward pass over each sequence so far, for every row of a ragged batch."""
+    from spmd_train.train.engine import Engine
+    from spmd_train.train.generation import generate
+    from tests.test_generate import PROMPTS, _params, _recomputed
+
+    overrides, sinks = GENERATE[case]
+    cfg = load_config(None, ["model.preset=tiny", "train.global_batch_size=8", "train.seq_len=16", *Q_LORA,
+                             *overrides])
+    engine = Engine.build(cfg, list(devices[:1] if case == "one_device" else devices))
+    params = _params(engine)
+    if sinks:  # sinks of -2 to 2, not their initial 0, so the cache path must apply them
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, a: jnp.linspace(-2, 2, a.size).reshape(a.shape).astype(a.dtype)
+            if getattr(path[-1], "key", None) == "sinks" else a, params)
+    result = generate(engine, params, PROMPTS, max_new_tokens=6)
+    assert result.tokens == _recomputed(engine, params, PROMPTS, 6)
 
 
 # --- parameters and FLOPs ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Details: docs/generate.md#how-it-works
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from spmd_train.models.layers import weight
+from spmd_train.models.mla import MLAttention
 from spmd_train.models.transformer import RESIDUAL, Block, MoEGroup, Transformer, layer_kind_ids, rope_of
 from spmd_train.ops.attention import FULL, Scoring, visible
 from spmd_train.sharding.constrain import constrain
@@ -24,17 +26,27 @@ from spmd_train.sharding.constrain import constrain
 CACHE_AXES = (None, "batch", None, "kv_heads", "head_dim")
 """Logical axes of the cache [layers, batch, slots, kv_heads, head_dim]: rows over the batch axes, K/V heads
 over `tensor`, like the activations they came from. Its length is never split: a step writes one slot."""
+LATENT_AXES = (None, "batch", None, None, "kv_lora")
+"""Logical axes of an MLA model's cache [layers, batch, slots, 1, kv_lora_rank + qk_rope_head_dim]: one entry per
+token that every head reads, so it is not split over heads."""
 
 
 class Cache(NamedTuple):
     """Keys and values of the full layers [full layers, batch, max_len, kv_heads, head_dim], and of the sliding
     layers in a ring of their window's slots [sliding layers, batch, window, kv_heads, head_dim] (slot t at t mod
-    window), each in model layer order; a kind the model lacks has 0 layers."""
+    window), each in model layer order; a kind the model lacks has 0 layers. With MLA the keys are each token's
+    compressed entry [.., 1, kv_lora_rank + qk_rope_head_dim] (latent, rotated shared key) and the values are empty:
+    attention reads the latents as values (`MLAttention.absorbed`)."""
 
     k: jax.Array
     v: jax.Array
     k_local: jax.Array
     v_local: jax.Array
+
+
+def cache_axes(cfg) -> tuple[str | None, ...]:
+    """The logical axes of the model's cache arrays: `CACHE_AXES`, or `LATENT_AXES` with MLA."""
+    return CACHE_AXES if cfg.mla is None else LATENT_AXES
 
 
 def cache_shapes(cfg, batch: int, max_len: int) -> Cache:
@@ -43,22 +55,25 @@ def cache_shapes(cfg, batch: int, max_len: int) -> Cache:
     kinds = cfg.layer_kinds
     full, local = kinds.count("full"), kinds.count("sliding")
     ring = min(cfg.sliding_window or 0, max_len)
-    tail = (cfg.num_kv_heads, cfg.resolved_head_dim)
-    big = jax.ShapeDtypeStruct((full, batch, max_len, *tail), jnp.dtype(cfg.compute_dtype))
-    small = jax.ShapeDtypeStruct((local, batch, ring, *tail), jnp.dtype(cfg.compute_dtype))
-    return Cache(big, big, small, small)
+    dt = jnp.dtype(cfg.compute_dtype)
+    if cfg.mla is None:
+        k_tail = v_tail = (cfg.num_kv_heads, cfg.resolved_head_dim)
+    else:
+        k_tail, v_tail = (1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim), (1, 0)
+    return Cache(*(jax.ShapeDtypeStruct((n, batch, slots, *tail), dt) for n, slots in ((full, max_len), (local, ring))
+                   for tail in (k_tail, v_tail)))
 
 
 def empty_cache(model: Transformer, batch: int, max_len: int) -> Cache:
     """A zero cache for `batch` rows of `max_len` tokens."""
-    return Cache(*(constrain(jnp.zeros(s.shape, s.dtype), CACHE_AXES)
-                   for s in cache_shapes(model.cfg, batch, max_len)))
+    axes = cache_axes(model.cfg)
+    return Cache(*(constrain(jnp.zeros(s.shape, s.dtype), axes) for s in cache_shapes(model.cfg, batch, max_len)))
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scoring: Scoring = FULL,
                      sinks: jax.Array | None = None) -> jax.Array:
-    """q [b, l, h, d] against a cache k/v [b, T, kvh, d] -> [b, l, h, d]; `mask` [b, l, T]: which keys each query sees
-    (the window included); `scoring`'s scale and soft-cap and the `sinks` [h] as in training.
+    """q [b, l, h, d] against a cache k [b, T, kvh, d], v [b, T, kvh, dv] -> [b, l, h, dv]; `mask` [b, l, T]: which keys
+    each query sees (the window included); `scoring`'s scale and soft-cap and the `sinks` [h] as in training.
 
     The numerics of `ops.attention.dot_product_attention` (grouped-query, fp32 scores and softmax).
     """
@@ -75,7 +90,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     else:
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, h // kvh, 1, 1), (*s.shape[:-1], 1))
         p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
-    return jnp.einsum("bkglm,bmkd->blkgd", p.astype(v.dtype), v).reshape(b, lq, h, d).astype(q.dtype)
+    return jnp.einsum("bkglm,bmkd->blkgd", p.astype(v.dtype), v).reshape(b, lq, h, v.shape[-1]).astype(q.dtype)
 
 
 def _block_step(block: Block, x: jax.Array, rope: tuple, mask: jax.Array, cache: Cache, layer: jax.Array,
@@ -86,30 +101,46 @@ def _block_step(block: Block, x: jax.Array, rope: tuple, mask: jax.Array, cache:
     attn, kinds = block.attn, block.attn.scorings
     cos = jnp.stack([c for c, _ in rope])[kind]
     sin = jnp.stack([s for _, s in rope])[kind]
-    q, k, v = attn.project(constrain(block.attn_norm(x), RESIDUAL), cos, sin)
+    x_in = constrain(block.attn_norm(x), RESIDUAL)
+    if isinstance(attn, MLAttention):  # the compressed cache: attention in latent space, values the latents
+        q, k = attn.absorbed(x_in, cos, sin)
+        v, output, latent, axes = k[..., :0], attn.absorbed_output, attn.kv_rank, LATENT_AXES
+        kinds = tuple(dataclasses.replace(sc, scale=attn.scale(sc)) for sc in kinds)
+    else:
+        (q, k, v), output, latent, axes = attn.project(x_in, cos, sin), attn.output, None, CACHE_AXES
     sinks = weight(attn.sinks, jnp.float32) if attn.has_sinks else None
     branches = [_full_step if sc.window is None else _sliding_step for sc in kinds]
-    run = lambda i: lambda q, k, v, cache: branches[i](q, k, v, cache, layer, start, mask, pads, kinds[i], sinks)
+
+    def run(i):
+        return lambda q, k, v, cache: branches[i](q, k, v, cache, layer, start, mask, pads, kinds[i], sinks,
+                                                  latent=latent, axes=axes)
+
     if len(kinds) == 1:
         out, cache = run(0)(q, k, v, cache)
     else:
         out, cache = jax.lax.switch(kind, [run(i) for i in range(len(kinds))], q, k, v, cache)
-    x = x + attn.output(out)
+    x = x + output(out)
     out = block.mlp(constrain(block.mlp_norm(x), RESIDUAL))
     out = out[0] if isinstance(out, tuple) else out  # an MoE layer's router statistics are not needed
     return constrain(x + out, RESIDUAL), cache
 
 
-def _full_step(q, k, v, cache: Cache, layer, start, mask, pads, scoring: Scoring, sinks):
+def _values(keys: jax.Array, values: jax.Array, latent: int | None) -> jax.Array:
+    """The values attention reads: the cached ones, or (MLA, `latent` wide) the latent part of the cached keys."""
+    return values if latent is None else keys[..., :latent]
+
+
+def _full_step(q, k, v, cache: Cache, layer, start, mask, pads, scoring: Scoring, sinks, *, latent, axes):
     """A full layer: write the new keys and values at their slots, attend over every slot up to each query's."""
     j, dt = layer, cache.k.dtype
-    ks = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(dt), (j, 0, start, 0, 0)), CACHE_AXES)
-    vs = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(dt), (j, 0, start, 0, 0)), CACHE_AXES)
-    out = cached_attention(q, constrain(ks[j], CACHE_AXES[1:]), constrain(vs[j], CACHE_AXES[1:]), mask, scoring, sinks)
+    ks = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(dt), (j, 0, start, 0, 0)), axes)
+    vs = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(dt), (j, 0, start, 0, 0)), axes)
+    keys = constrain(ks[j], axes[1:])
+    out = cached_attention(q, keys, _values(keys, constrain(vs[j], axes[1:]), latent), mask, scoring, sinks)
     return out, cache._replace(k=ks, v=vs)
 
 
-def _sliding_step(q, k, v, cache: Cache, layer, start, mask, pads, scoring: Scoring, sinks):
+def _sliding_step(q, k, v, cache: Cache, layer, start, mask, pads, scoring: Scoring, sinks, *, latent, axes):
     """A sliding layer: attend over the ring (the slots before `start` it still holds) and the new tokens, then
     keep the last window of the new tokens in the ring, so its memory does not grow with the generated length."""
     j = layer
@@ -124,13 +155,13 @@ def _sliding_step(q, k, v, cache: Cache, layer, start, mask, pads, scoring: Scor
     dt = ring_k.dtype
     keys = jnp.concatenate([ring_k, k.astype(dt)], axis=1)
     values = jnp.concatenate([ring_v, v.astype(dt)], axis=1)
-    out = cached_attention(q, keys, values, seen, scoring, sinks)
+    out = cached_attention(q, keys, _values(keys, values, latent), seen, scoring, sinks)
     kept = min(length, size)  # static: more new tokens than the ring holds keep their last `size`
     at = jnp.mod(start + length - kept + jnp.arange(kept), size)
     ring_k = ring_k.at[:, at].set(k[:, length - kept:].astype(dt))
     ring_v = ring_v.at[:, at].set(v[:, length - kept:].astype(dt))
-    k_local = constrain(cache.k_local.at[j].set(ring_k), CACHE_AXES)
-    v_local = constrain(cache.v_local.at[j].set(ring_v), CACHE_AXES)
+    k_local = constrain(cache.k_local.at[j].set(ring_k), axes)
+    v_local = constrain(cache.v_local.at[j].set(ring_v), axes)
     return out, cache._replace(k_local=k_local, v_local=v_local)
 
 

@@ -52,7 +52,7 @@ class MLAttention(nnx.Module):
         self.has_sinks = cfg.attention_sinks
         if self.has_sinks:
             self.sinks = param(None, *specs["sinks"], std=0.0, **kw)
-        self.kv_rank, self.nope, self.heads = a.kv_lora_rank, a.qk_nope_head_dim, cfg.num_heads
+        self.kv_rank, self.nope, self.rope_dim = a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim
         self.scorings = scorings
         self.compute_dtype = cfg.compute_dtype
         self.backends = backends
@@ -76,20 +76,48 @@ class MLAttention(nnx.Module):
             out = jax.lax.switch(kind, [branch(i) for i in range(len(self.scorings))], q, k_nope, k_rope, v)
         return self.output(out)
 
-    def latent_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """The residual stream -> queries [b, l, heads, nope + rope] (before RoPE), the keys' nope parts
-        [b, l, heads, nope], the shared key's rope part [b, l, 1, rope] (before RoPE) and values [b, l, heads, v]."""
+    def queries(self, x: jax.Array) -> jax.Array:
+        """The residual stream -> queries [b, l, heads, nope + rope] before RoPE."""
         dt = self.compute_dtype
         if self.q_lora:
             latent = constrain(dense("bld,dr->blr", x, self.wq_a, dt), ("batch", "length", "q_lora"))
-            q = dense("blr,rhk->blhk", self.q_norm(latent), self.wq_b, dt)
-        else:
-            q = dense("bld,dhk->blhk", x, self.wq, dt)
-        q = constrain(q, HEADS)
-        kv = constrain(dense("bld,dr->blr", x, self.wkv_a, dt), ("batch", "length", "kv_lora"))
-        latent, k_rope = kv[..., : self.kv_rank], kv[..., self.kv_rank:]
-        expanded = constrain(dense("blr,rhk->blhk", self.kv_norm(latent), self.wkv_b, dt), KV_HEADS)
-        return q, expanded[..., : self.nope], k_rope[:, :, None, :], expanded[..., self.nope:]
+            return constrain(dense("blr,rhk->blhk", self.q_norm(latent), self.wq_b, dt), HEADS)
+        return constrain(dense("bld,dhk->blhk", x, self.wq, dt), HEADS)
+
+    def latent(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The residual stream -> each token's normalised key/value latent [b, l, kv_lora_rank] and its shared key's
+        rope part [b, l, 1, rope] before RoPE."""
+        kv = constrain(dense("bld,dr->blr", x, self.wkv_a, self.compute_dtype), ("batch", "length", "kv_lora"))
+        return self.kv_norm(kv[..., : self.kv_rank]), kv[:, :, None, self.kv_rank:]
+
+    def latent_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The residual stream -> queries [b, l, heads, nope + rope] (before RoPE), the keys' nope parts
+        [b, l, heads, nope], the shared key's rope part [b, l, 1, rope] (before RoPE) and values [b, l, heads, v]."""
+        latent, k_rope = self.latent(x)
+        expanded = constrain(dense("blr,rhk->blhk", latent, self.wkv_b, self.compute_dtype), KV_HEADS)
+        return self.queries(x), expanded[..., : self.nope], k_rope, expanded[..., self.nope:]
+
+    def absorbed(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """For attention over the compressed cache: queries [b, l, heads, kv_lora_rank + rope] whose nope part is
+        taken into latent space (q_nope . wkv_b's key columns, so q.k = q_latent . latent + q_rope . k_rope), and each
+        token's cache entry [b, l, 1, kv_lora_rank + rope]: its normalised latent, then its rotated shared key.
+        Attention over the entries with the latents as values, then `absorbed_output`, is this layer's attention."""
+        q = self.queries(x)
+        latent, k_rope = self.latent(x)
+        w = weight(self.wkv_b, self.compute_dtype)[..., : self.nope]
+        q_latent = jnp.einsum("blhn,rhn->blhr", q[..., : self.nope], w)
+        q = jnp.concatenate([q_latent, apply_rope(q[..., self.nope:], cos, sin).astype(q_latent.dtype)], axis=-1)
+        return constrain(q, HEADS), jnp.concatenate([latent[:, :, None], apply_rope(k_rope, cos, sin)], axis=-1)
+
+    def absorbed_output(self, out: jax.Array) -> jax.Array:
+        """Attention output in latent space [b, l, heads, kv_lora_rank] -> the residual stream's update (through
+        wkv_b's value columns, then wo)."""
+        w = weight(self.wkv_b, self.compute_dtype)[..., self.nope:]
+        return self.output(jnp.einsum("blhr,rhv->blhv", out, w))
+
+    def scale(self, scoring: Scoring) -> float:
+        """The softmax scale of `scoring`: its own, else 1 / sqrt(nope + rope), the queries' width before absorption."""
+        return scoring.scale if scoring.scale is not None else (self.nope + self.rope_dim) ** -0.5
 
     def rotate(self, q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, cos: jax.Array, sin: jax.Array
                ) -> tuple[jax.Array, jax.Array]:

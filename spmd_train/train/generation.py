@@ -80,12 +80,7 @@ def check_request(prompts: Any, vocab_size: int, *, max_new_tokens: Any, tempera
 
 
 def check_engine(engine: Engine) -> None:
-    """Refuse an engine `generate` cannot run on: one with pipeline stages (generation uses no schedule), or an MLA
-    model (its compressed-latent cache is not written yet)."""
-    if engine.cfg.model.mla is not None:
-        raise ConfigError("generate has no decode cache for multi-head latent attention yet (model.mla is set: its "
-                          "cache would hold each token's kv_lora_rank + qk_rope_head_dim latent, not per-head K/V); "
-                          "train and evaluate the model, or generate from a model with model.mla=null")
+    """Refuse an engine `generate` cannot run on: one with pipeline stages (generation uses no schedule)."""
     if engine.mesh.shape["pipeline"] > 1:
         raise ConfigError(f"generate runs without the pipeline schedule, but mesh.pipeline="
                           f"{engine.mesh.shape['pipeline']} (valid: mesh.pipeline=1; a pipelined run's checkpoint "
@@ -163,7 +158,7 @@ def _programs(engine: Engine, rows: int, length: int, max_new: int, greedy: bool
     replicated = NamedSharding(mesh, P())
     token_sh = NamedSharding(mesh, layout.activation_spec(P("batch", None)))
     row_sh = NamedSharding(mesh, layout.activation_spec(P("batch")))
-    cache_sh = NamedSharding(mesh, layout.activation_spec(P(*decode.CACHE_AXES)))
+    cache_sh = NamedSharding(mesh, layout.activation_spec(P(*decode.cache_axes(cfg))))
     param_sh = engine.state_shardings.params
 
     def prefill(params, tokens, pads, key, temperature, top_k, top_p):

@@ -305,3 +305,23 @@ def test_parameters_and_flops_count_mla_projections(overrides):
     assert flops_per_token(m, seq) == pytest.approx(6.0 * matmul_params(m) + layers * scores_and_values)
     assert layer_flops_per_token(m, seq).sum() + 6.0 * d * 256 == pytest.approx(flops_per_token(m, seq))
     assert ModelShape.from_config(m).attention_flops_per_token(seq) == pytest.approx(layers * scores_and_values)
+
+
+@pytest.mark.tpu_aot
+def test_pallas_kernels_compile_mla_for_a_tpu_slice_at_the_query_key_width():
+    """Compiled for v5e:2x2 with the Pallas kernels: MLA (queries and keys 128 wide, values 64) runs the kernels of a
+    128-wide head, padding included, where the model count charges the values at their own width (0.75 of it)."""
+    from spmd_train.analysis import describe
+
+    def attention(extra):
+        cfg = load_config(None, ["model.preset=tiny", "model.d_model=256", "model.num_heads=2", "model.num_kv_heads=2",
+                                 "train.seq_len=1024", "train.global_batch_size=4", "mesh.fsdp=4", "mesh.tensor=1",
+                                 "backends.attention=pallas", "backends.attention_blocks=[512,512]", *extra])
+        d = describe(cfg, topology="v5e:2x2").per_device
+        return d["attention_flops"], d["model_attention_flops"]
+
+    (gqa, gqa_model) = attention(["model.head_dim=128"])
+    (mla, mla_model) = attention(["model.mla.kv_lora_rank=64", "model.mla.qk_nope_head_dim=64",
+                                  "model.mla.qk_rope_head_dim=64", "model.mla.v_head_dim=64"])
+    assert mla == gqa > 0
+    assert mla_model / gqa_model == pytest.approx((128 + 64) / (2 * 128), rel=1e-9)

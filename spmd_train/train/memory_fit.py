@@ -40,7 +40,12 @@ def describe_run(cfg: Any, mesh_shape: dict[str, int]) -> str:
     m = cfg.model
     axes = " x ".join(f"{a} {n}" for a, n in mesh_shape.items() if n > 1) or "one device"
     attention = ""
-    if m.num_heads * m.resolved_head_dim != m.d_model:  # otherwise the attention weights follow from d_model
+    if m.mla is not None:
+        a = m.mla
+        attention = (f"num_heads={m.num_heads}, mla.q_lora_rank={a.q_lora_rank}, mla.kv_lora_rank={a.kv_lora_rank}, "
+                     f"mla.qk_nope_head_dim={a.qk_nope_head_dim}, mla.qk_rope_head_dim={a.qk_rope_head_dim}, "
+                     f"mla.v_head_dim={a.v_head_dim}, ")
+    elif m.num_heads * m.resolved_head_dim != m.d_model:  # otherwise the attention weights follow from d_model
         attention = f"num_heads={m.num_heads}, num_kv_heads={m.num_kv_heads}, head_dim={m.resolved_head_dim}, "
     moe = ""
     if m.moe is not None and m.moe.num_experts > 1:

@@ -3,8 +3,9 @@
 Each token's keys and values come from one low-rank latent (kv_lora_rank wide, RMS-normalised) expanded per head,
 and queries optionally from a second latent (q_lora_rank). RoPE turns only the last qk_rope_head_dim channels of
 each query and one rotated key per token that every head shares (the "decoupled" RoPE key, which keeps the latent
-position-free so a decode cache could hold the latent alone). Queries and keys are qk_nope_head_dim +
-qk_rope_head_dim wide, values v_head_dim: the attention implementations take values of another width.
+position-free, so the decode cache holds the latent and that key alone: `absorbed`, `models.decode`). Queries and
+keys are qk_nope_head_dim + qk_rope_head_dim wide, values v_head_dim: the attention implementations take values of
+another width.
 """
 
 from __future__ import annotations

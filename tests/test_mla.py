@@ -207,12 +207,14 @@ def test_kernels_that_take_one_width_are_refused_or_passed_over_with_the_reason(
             check_layout(cfg, {**cfg.mesh.sizes(), "fsdp": 1}, "gpu")
 
 
-def test_export_refuses_mla():
-    from spmd_train.config.hf_config import infer_family
+def test_hugging_face_export_and_import_refuse_mla():
+    from spmd_train.config.hf_config import family, infer_family
     from spmd_train.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no supported Hugging Face family holds model.mla yet"):
         infer_family(_model(MLA))
+    with pytest.raises(ConfigError, match="unsupported architecture: model_type='deepseek_v3'"):
+        family({"model_type": "deepseek_v3", "kv_lora_rank": 512})
 
 
 # --- generation from the compressed cache -------------------------------------------------------------------------

@@ -372,10 +372,13 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "-m", "tests.golden_layouts", *(["--write"] if args.write else []), "--config", name]
         failed += subprocess.run(command, cwd=ROOT, check=False).returncode != 0
 
-    # As in tests/conftest.py: simulated CPU devices, set before jax initialises its backend.
+    # As in tests/conftest.py: simulated CPU devices and the suite's compiler flags (buffer assignment, so the
+    # recorded memory, depends on them), set before jax initialises its backend.
+    from tests.runs import TEST_XLA_FLAGS
+
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={count}").strip()
+                               + f" --xla_force_host_platform_device_count={count} {TEST_XLA_FLAGS}").strip()
     import jax
 
     jax.config.update("jax_num_cpu_devices", count)

@@ -8,6 +8,7 @@ holding a `model:` section) and `mesh.preset` (a file `meshes/NAME.yaml` holding
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -65,6 +66,14 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml(text: str) -> Any:
+    # A copy of the parse: callers merge into what they get. Loading a config reads the same preset and rules files
+    # several times (each preset, the rules table, every planner candidate), and PyYAML's pure-Python parser was a
+    # fifth of the config fuzzer's time.
+    return copy.deepcopy(_parsed(text))
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
 
 

@@ -262,19 +262,44 @@ def prefill(model: Transformer, tokens: jax.Array, pads: jax.Array, max_len: int
     return cache, choose(logits[:, 0], jax.random.fold_in(key, 0), sampling)
 
 
+class Decoded(NamedTuple):
+    """What `decode` made: tokens [batch, steps] (row b's own are its first lengths[b]; the rest, zeros or tokens
+    made after its stop, are not part of it), `lengths` [batch], `stopped` [batch] (whether the row's last own token
+    is a stop id), and `steps_run` (scalar: the tokens the loop made per row, the first included; < steps when every
+    row stopped early)."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+    steps_run: jax.Array
+
+
 def decode(model: Transformer, cache: Cache, first: jax.Array, pads: jax.Array, prompt_len: int, steps: int,
-           key: jax.Array, sampling: Sampling) -> tuple[jax.Array, Cache]:
-    """(`steps` new tokens per row [batch, steps], the first being `first` (from `prefill`), the final cache): one
-    forward pass of one token per step in a `fori_loop` (compiled once). Returning the cache lets a caller donate
-    it, so the loop updates it in place instead of in a copy."""
-    out = jnp.zeros((first.shape[0], steps), jnp.int32).at[:, 0].set(first)
+           key: jax.Array, sampling: Sampling, stop_ids: jax.Array) -> tuple[Decoded, Cache]:
+    """Up to `steps` new tokens per row, the first being `first` (from `prefill`), and the final cache: one forward
+    pass of one token per step in a `while_loop` (compiled once) that ends when every row has made one of
+    `stop_ids` [n] (a value: other ids of the same count reuse the program) or after `steps` tokens. Returning the
+    cache lets a caller donate it, so the loop updates it in place instead of in a copy."""
+    batch = first.shape[0]
+    out = jnp.zeros((batch, steps), jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, stop_ids)
     graphdef, state = nnx.split(model)
 
-    def step(i, carry):
-        out, cache = carry
+    def going(carry):
+        i, _, done, _, _ = carry
+        return (i < steps) & ~jnp.all(done)
+
+    def step(carry):
+        i, out, done, lengths, cache = carry
         previous = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)  # [batch, 1], at slot prompt_len + i - 1
         logits, cache = forward_cached(nnx.merge(graphdef, state), previous, pads, prompt_len + i - 1, cache)
         token = choose(logits[:, 0], jax.random.fold_in(key, i), sampling)
-        return jax.lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1), cache
+        # A finished row keeps stepping with the others (one program for the batch); what it makes is not its own.
+        lengths = jnp.where(done, lengths, i + 1)
+        done = done | jnp.isin(token, stop_ids)
+        return i + 1, jax.lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1), done, lengths, cache
 
-    return jax.lax.fori_loop(1, steps, step, (out, cache))
+    start = (jnp.int32(1), out, done, jnp.ones((batch,), jnp.int32), cache)
+    steps_run, out, done, lengths, cache = jax.lax.while_loop(going, step, start)
+    return Decoded(out, lengths, done, steps_run), cache
+

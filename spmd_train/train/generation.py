@@ -1,8 +1,8 @@
 """`generate`: new tokens for a batch of prompts from an engine's parameters, under the engine's mesh and layout.
 
-Two programs, each compiled once per (rows, padded prompt length, max_new_tokens, greedy or sampled): the
-prefill and the decode loop (`models.decode`). The token length is never split, MoE layers drop nothing, and
-with mesh.pipeline > 1 `generate` refuses.
+Two programs, each compiled once per (rows, padded prompt length, max_new_tokens, greedy or sampled, number of
+stop ids): the prefill and the decode loop (`models.decode`), which ends when every row has made a stop id. The
+token length is never split, MoE layers drop nothing, and with mesh.pipeline > 1 `generate` refuses.
 
 Details: docs/generate.md#how-it-works
 """
@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +31,14 @@ from spmd_train.sharding.constrain import use_layout
 from spmd_train.sharding.layout import Layout
 from spmd_train.train.engine import Engine
 
+Finish = Literal["stop id", "length"]
+"""How a row of `generate` ended: at one of the stop ids (its last token), or after max_new_tokens."""
+
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """The new tokens of each prompt (prompt tokens not included) and how long making them took."""
+    """The new tokens of each prompt (prompt tokens not included; a row that stopped ends with its stop id), how each
+    row ended, and how long making them took."""
 
     tokens: list[list[int]]
     prefill_s: float
@@ -42,6 +47,11 @@ class GenerateResult:
     """Seconds of the decode loop (every new token after the first)."""
     compile_s: float
     """Seconds spent compiling both programs in this call (0 when they were compiled by an earlier call)."""
+    finish: list[Finish] = dataclasses.field(default_factory=list)
+    """Per row: "stop id" (its last token is a stop id) or "length" (it made max_new_tokens)."""
+    steps_run: int = 0
+    """New tokens the decode loop made per row, the first included: below max_new_tokens when every row stopped
+    early (the loop ended there, on the device)."""
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -56,8 +66,14 @@ class GenerateResult:
 
 
 def check_request(prompts: Any, vocab_size: int, *, max_new_tokens: Any, temperature: Any, top_k: Any,
-                  top_p: Any) -> None:
+                  top_p: Any, stop_ids: Any = ()) -> None:
     """Refuse (ConfigError naming the value and what is valid) a request `generate` cannot serve."""
+    if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+        raise ConfigError(f"stop_ids={stop_ids!r} (valid: a list of token ids)")
+    for t in stop_ids:
+        if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ConfigError(f"stop id {t!r} (valid: integers from 0 to {vocab_size - 1}, "
+                              f"model.vocab_size={vocab_size})")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens!r} (valid: an integer >= 1)")
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
@@ -89,15 +105,18 @@ def check_engine(engine: Engine) -> None:
 
 def generate(engine: Engine, params: Any, prompts: list[list[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int = 0) -> GenerateResult:
-    """`max_new_tokens` new tokens for each prompt (a list of token ids) from `params` (stored as the engine stores
-    them), greedy at temperature 0, else sampled (top_k, top_p, seeded: the same call gives the same tokens).
+             seed: int = 0, stop_ids: Sequence[int] = ()) -> GenerateResult:
+    """Up to `max_new_tokens` new tokens for each prompt (a list of token ids) from `params` (stored as the engine
+    stores them), greedy at temperature 0, else sampled (top_k, top_p, seeded: the same call gives the same tokens).
 
-    Each prompt's tokens are those it gets alone (greedy; up to floating-point ties), whatever the other prompts.
+    A row ends at its first token among `stop_ids` (kept as its last token, as Hugging Face's `generate` keeps the
+    end-of-sequence id); the loop ends when every row has. Each prompt's tokens are those it gets alone (greedy; up
+    to floating-point ties), whatever the other prompts.
     """
     cfg = engine.cfg
     vocab = cfg.model.vocab_size
-    check_request(prompts, vocab, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    check_request(prompts, vocab, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                  stop_ids=stop_ids)
     check_engine(engine)
     greedy = temperature == 0
     # Rows: a multiple of the devices the batch is split over (dummy rows repeat the first prompt).
@@ -110,7 +129,8 @@ def generate(engine: Engine, params: Any, prompts: list[list[int]], *, max_new_t
         prompt = prompts[i] if i < len(prompts) else prompts[0]
         pads[i] = length - len(prompt)
         tokens[i, pads[i]:] = prompt
-    programs = _programs(engine, rows, length, max_new_tokens, greedy)
+    stops = np.asarray([int(t) for t in dict.fromkeys(stop_ids)], np.int32)
+    programs = _programs(engine, rows, length, max_new_tokens, greedy, len(stops))
     compile_s = programs.pop("compile_s")
     key = jax.random.key(seed)
     scalars = (jnp.float32(1.0 if greedy else temperature), jnp.int32(top_k or vocab),
@@ -123,11 +143,15 @@ def generate(engine: Engine, params: Any, prompts: list[list[int]], *, max_new_t
     first.block_until_ready()
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    out, cache = programs["decode"](params, cache, first, pads, key, *scalars)
-    out = np.asarray(jax.device_get(out))
+    stops = jax.device_put(stops, NamedSharding(engine.mesh, P()))
+    made, cache = programs["decode"](params, cache, first, pads, key, *scalars, stops)
+    made = jax.device_get(made)
     del cache
     decode_s = time.perf_counter() - start
-    return GenerateResult([out[i].tolist() for i in range(len(prompts))], prefill_s, decode_s, compile_s)
+    n = len(prompts)
+    tokens = [made.tokens[i, : made.lengths[i]].tolist() for i in range(n)]
+    finish: list[Finish] = ["stop id" if made.stopped[i] else "length" for i in range(n)]
+    return GenerateResult(tokens, prefill_s, decode_s, compile_s, finish, int(made.steps_run))
 
 
 def generation_backends(backends: Backends, moe_experts: int, experts_per_token: int) -> Backends:
@@ -142,10 +166,10 @@ def generation_layout(layout: Layout) -> Layout:
     return dataclasses.replace(layout, activations={**layout.activations, "length": (), "norm_length": ()})
 
 
-def _programs(engine: Engine, rows: int, length: int, max_new: int, greedy: bool) -> dict[str, Any]:
+def _programs(engine: Engine, rows: int, length: int, max_new: int, greedy: bool, num_stops: int) -> dict[str, Any]:
     """The compiled prefill and decode programs for this shape, built once per engine and shape."""
     cache = vars(engine).setdefault("_generate_programs", {})  # Engine is frozen; its __dict__ is not
-    key = (rows, length, max_new, greedy)
+    key = (rows, length, max_new, greedy, num_stops)
     if key in cache:
         return {**cache[key], "compile_s": 0.0}
     cfg, mesh = engine.cfg.model, engine.mesh
@@ -166,11 +190,11 @@ def _programs(engine: Engine, rows: int, length: int, max_new: int, greedy: bool
             model = nnx.merge(graphdef, params)
             return decode.prefill(model, tokens, pads, max_len, key, decode.Sampling(greedy, temperature, top_k, top_p))
 
-    def run_decode(params, cache, first, pads, key, temperature, top_k, top_p):
+    def run_decode(params, cache, first, pads, key, temperature, top_k, top_p, stop_ids):
         with use_layout(layout):
             model = nnx.merge(graphdef, params)
             return decode.decode(model, cache, first, pads, length, max_new, key,
-                                 decode.Sampling(greedy, temperature, top_k, top_p))
+                                 decode.Sampling(greedy, temperature, top_k, top_p), stop_ids)
 
     start = time.perf_counter()
     key_arg = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
@@ -187,7 +211,9 @@ def _programs(engine: Engine, rows: int, length: int, max_new: int, greedy: bool
                         for s in decode.cache_shapes(cfg, rows, max_len)))
     first = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sh)
     # The cache is donated: the loop writes it in place (one copy of it, not two, at the peak).
-    decode_c = jax.jit(run_decode, out_shardings=(replicated, cache_sh_tree), donate_argnums=1).lower(
-        abstract_params, kv, first, pads, key_arg, scalar, count, scalar).compile()
+    stop_ids = jax.ShapeDtypeStruct((num_stops,), jnp.int32, sharding=replicated)
+    made_sh = decode.Decoded(replicated, replicated, replicated, replicated)
+    decode_c = jax.jit(run_decode, out_shardings=(made_sh, cache_sh_tree), donate_argnums=1).lower(
+        abstract_params, kv, first, pads, key_arg, scalar, count, scalar, stop_ids).compile()
     cache[key] = {"prefill": prefill_c, "decode": decode_c, "token_sharding": token_sh, "row_sharding": row_sh}
     return {**cache[key], "compile_s": time.perf_counter() - start}

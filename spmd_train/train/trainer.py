@@ -182,7 +182,7 @@ class Trainer(RunLoop):
     def generate(self, prompts: list[list[int]], **kw) -> GenerateResult:
         """New tokens for each prompt (token ids) from the current parameters, with a KV cache; starts or resumes the
         run first if it has no state. Keywords as `train.generation.generate` (max_new_tokens, temperature, top_k,
-        top_p, seed)."""
+        top_p, seed, stop_ids)."""
         if self.state is None:
             self.init()
         return generate(self.engine, self.state.params, prompts, **kw)

@@ -33,7 +33,8 @@ def add_generate_parser(sub) -> None:
         "generate", help="generate tokens from a run's latest checkpoint (KV cache, greedy or sampled)",
         description="Restore RUN_DIR's latest checkpoint and generate new tokens for each prompt with a KV cache: "
         "greedy at temperature 0 (the default), else sampled. Prints the decoded text (or the ids when the run "
-        "has no tokenizer) and the decode speed.")
+        "has no tokenizer), how each row ended and the decode speed. A row ends at the run's end-of-text ids "
+        "(see --stop-id, --no-stop), at --stop strings, or after --max-new-tokens.")
     gen.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `spmd-train train`")
     gen.add_argument("overrides", nargs="*", metavar="section.key=value",
                      help="config overrides for generating, e.g. mesh.pipeline=1")
@@ -49,6 +50,15 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--top-p", type=float, metavar="P", help="sample from the most likely tokens holding P of the "
                      "probability (0 < P <= 1)")
     gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed of the sampling (default 0)")
+    ids = gen.add_mutually_exclusive_group()
+    ids.add_argument("--stop-id", type=int, action="append", metavar="ID",
+                     help="end a row at this token id (repeatable; replaces the run's end-of-text ids, the default: "
+                     "a Hugging Face checkpoint's eos_token_id, or the token files' eot_id)")
+    ids.add_argument("--no-stop", action="store_true",
+                     help="stop at no token id: every row makes --max-new-tokens tokens")
+    gen.add_argument("--stop", action="append", metavar="TEXT",
+                     help="cut a row's text before this string, which is dropped, and its tokens to those of the "
+                     "kept text (repeatable; matched after generating; needs the run's tokenizer)")
     gen.add_argument("--json", action="store_true",
                      help='print one JSON object: {"prompts": [...], "tokens": [[...]], "tokens_per_s": ...}')
 
@@ -59,10 +69,11 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = _run_config(run_dir, args.overrides)
     codec = run_tokenizer(cfg)
     prompts = _prompts(args, codec, cfg.data.source)
+    stop_ids = _stop_ids(args, cfg, codec)
     from spmd_train.train.generation import check_request
 
     check_request(prompts, cfg.model.vocab_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p)
+                  top_k=args.top_k, top_p=args.top_p, stop_ids=stop_ids)
 
     import jax
 
@@ -87,26 +98,72 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"RUN_DIR {run_dir}: no checkpoint in {run_dir / 'checkpoints'} could be restored")
     step, state = restored
     result = generate(engine, state.params, prompts, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      stop_ids=stop_ids)
     if jax.process_index() != 0:
         return 0
+    tokens, texts, finish = _rows(result, codec, args.stop or ())
     speed = result.decode_tokens_per_s
     if args.json:
-        out = {"prompts": prompts, "tokens": result.tokens, "tokens_per_s": speed, "prefill_s": result.prefill_s,
-               "decode_s": result.decode_s, "compile_s": result.compile_s, "step": step}
+        out = {"prompts": prompts, "tokens": tokens, "finish": finish, "stop_ids": list(stop_ids),
+               "tokens_per_s": speed, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+               "compile_s": result.compile_s, "step": step}
         if codec is not None:
-            out["text"] = [codec.decode(t) for t in result.tokens]
+            out["text"] = texts
         print(json.dumps(out))
         return 0
-    for i, tokens in enumerate(result.tokens):
+    for i, row in enumerate(tokens):
         if len(prompts) > 1:
-            print(f"--- prompt {i}")
-        print(codec.decode(tokens) if codec is not None else " ".join(map(str, tokens)))
+            print(f"--- prompt {i} ({finish[i]})")
+        print(texts[i] if codec is not None else " ".join(map(str, row)))
     rate = f"{speed:,.1f} tokens/s" if speed is not None else "no decode steps"
-    made = sum(map(len, result.tokens))
-    print(f"[{made} new tokens from step {step} of {run_dir}: prefill {result.prefill_s:.3f} s, "
+    made = sum(map(len, tokens))
+    ended = ", ".join(f"{finish.count(how)} at {how}" for how in ("stop id", "stop string", "length")
+                      if how in finish)
+    print(f"[{made} new tokens from step {step} of {run_dir}: ended {ended}; prefill {result.prefill_s:.3f} s, "
           f"decode {rate} ({len(prompts)} prompt{'s' * (len(prompts) > 1)}), compiled in {result.compile_s:.1f} s]")
     return 0
+
+
+def _stop_ids(args: argparse.Namespace, cfg: Config, codec: TextCodec | None) -> tuple[int, ...]:
+    """The token ids rows stop at: --stop-id's, none with --no-stop, else the run's end-of-text ids; and refuse
+    --stop strings when the run has no tokenizer to match them in."""
+    from spmd_train.train.stops import check_stop_strings, run_end_ids
+
+    if args.stop:
+        check_stop_strings(args.stop)
+        if codec is None:
+            raise ConfigError(f"--stop: this run has no tokenizer (data.source={cfg.data.source}), so stop strings "
+                              "cannot be matched in its text (valid: --stop-id ID, a token id to stop at)")
+    if args.no_stop:
+        return ()
+    if args.stop_id:
+        return tuple(args.stop_id)
+    ids, source = run_end_ids(cfg)
+    vocab = cfg.model.vocab_size
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise ConfigError(f"the run's end-of-text id {t} (from {source}) is outside the vocabulary (valid: "
+                              f"0 to {vocab - 1}, model.vocab_size={vocab}); give --stop-id ID or --no-stop")
+    return ids
+
+
+def _rows(result, codec: TextCodec | None, stops) -> tuple[list[list[int]], list[str] | None, list[str]]:
+    """Each row's tokens, text and how it ended, after the stop strings: the text leaves out a row's stop id (its
+    tokens keep it), and a stop string cuts both."""
+    from spmd_train.train.stops import cut_at_stop_strings
+
+    tokens, finish = [list(t) for t in result.tokens], list(result.finish)
+    if codec is None:
+        return tokens, None, finish
+    texts = []
+    for i, row in enumerate(tokens):
+        body = row[:-1] if finish[i] == "stop id" else row
+        cut, text, found = cut_at_stop_strings(body, codec.decode, stops)
+        if found:
+            tokens[i], finish[i] = cut, "stop string"
+        texts.append(text)
+    return tokens, texts, finish
 
 
 def _run_config(run_dir: Path, overrides: list[str]) -> Config:
@@ -164,13 +221,9 @@ def run_tokenizer(cfg: Config) -> TextCodec | None:
 
 def _sidecar_tokenizer(paths: tuple[str, ...]) -> str | None:
     """The tokenizer `prepare-data` recorded beside the first token file (NAME.json), or None."""
-    import glob
+    from spmd_train.train.stops import sidecar
 
-    files = sorted(glob.glob(paths[0])) or [paths[0]]
-    try:
-        spec = json.loads(Path(files[0]).with_suffix(".json").read_text()).get("tokenizer")
-    except (OSError, ValueError, AttributeError):
-        return None
+    spec = sidecar(paths).get("tokenizer")
     return spec if isinstance(spec, str) else None
 
 

@@ -27,21 +27,6 @@ def _cut(row: list[int], stops: set[int]) -> list[int]:
     return row[: at + 1]
 
 
-def _staggered_stop(rows: list[list[int]]) -> int:
-    """A token that is the first stop of several rows at different steps (and absent from at least one row, or
-    late in it), chosen from what the rows make without stops."""
-    def firsts(t):
-        return [row.index(t) if t in row else None for row in rows]
-
-    def spread(t):
-        seen = [f for f in firsts(t) if f is not None]
-        return len(set(seen)), -len(seen)
-
-    best = max({t for row in rows for t in row}, key=spread)
-    assert spread(best)[0] >= 2, f"no token starts rows' stops at different steps: {rows}"
-    return best
-
-
 @pytest.mark.parametrize(("mesh", "preset"), fast_cases(
     [(mesh, preset) for mesh in ("one", "fsdp2_tensor4") for preset in ("tiny", "moe-tiny")],
     fast=["one-tiny"], ids="-".join, several=True))
@@ -51,15 +36,17 @@ def test_each_row_of_a_ragged_batch_stops_at_its_own_first_stop_id(devices, mesh
     params = _params(engine, seed=3)
     free = generate(engine, params, PROMPTS, max_new_tokens=NEW)
     assert free.finish == ["length"] * len(PROMPTS) and free.steps_run == NEW
-    stop = _staggered_stop(free.tokens)
+    # Stop ids met by rows 0 and 1 at different steps (3rd and 6th token, or earlier where the token repeats); an
+    # id no row makes changes nothing.
+    stops = {free.tokens[0][2], free.tokens[1][5]}
     other = next(t for t in range(engine.cfg.model.vocab_size) if all(t not in row for row in free.tokens))
-    stopped = generate(engine, params, PROMPTS, max_new_tokens=NEW, stop_ids=[other, stop])
-    want = [_cut(row, {stop}) for row in free.tokens]
+    stopped = generate(engine, params, PROMPTS, max_new_tokens=NEW, stop_ids=[other, *stops])
+    want = [_cut(row, stops) for row in free.tokens]
     assert stopped.tokens == want
-    assert stopped.finish == ["stop id" if stop in row else "length" for row in free.tokens]
+    assert stopped.finish == ["stop id" if stops & set(row) else "length" for row in free.tokens]
     assert len({len(row) for row, how in zip(want, stopped.finish, strict=True) if how == "stop id"}) >= 2
-    # The same count of other ids runs the same program (the ids are a value).
-    again = generate(engine, params, PROMPTS, max_new_tokens=NEW, stop_ids=[stop, other])
+    # Other ids of the same count run the same program (the ids are a value).
+    again = generate(engine, params, PROMPTS, max_new_tokens=NEW, stop_ids=[*stops, other])
     assert again.tokens == want and again.compile_s == 0.0
 
 

@@ -44,7 +44,8 @@ def add_generate_parser(sub) -> None:
                          help="a UTF-8 file whose whole text is one prompt (repeat for a batch)")
     prompts.add_argument("--prompt-ids", action="append", metavar="1,2,3",
                          help="a prompt as comma-separated token ids (repeat for a batch)")
-    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="new tokens per prompt (default 64)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                     help="the most new tokens per prompt (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy; > 0: sampled")
     gen.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens only")
     gen.add_argument("--top-p", type=float, metavar="P", help="sample from the most likely tokens holding P of the "
@@ -60,7 +61,8 @@ def add_generate_parser(sub) -> None:
                      help="cut a row's text before this string, which is dropped, and its tokens to those of the "
                      "kept text (repeatable; matched after generating; needs the run's tokenizer)")
     gen.add_argument("--json", action="store_true",
-                     help='print one JSON object: {"prompts": [...], "tokens": [[...]], "tokens_per_s": ...}')
+                     help='print one JSON object: {"prompts": [...], "tokens": [[...]], "finish": [...], '
+                     '"tokens_per_s": ...}')
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from spmd_train.errors import ConfigError
 from spmd_train.train.generation import check_request, generate
 from spmd_train.train.stops import cut_at_stop_strings, hf_end_ids, run_end_ids
 from tests.runs import ROOT, main_in_process, token_files
-from tests.test_generate import PROMPTS, _engine, _params
+from tests.test_generate import PROMPTS, _engine, _params, _recomputed
 from tests.tiers import fast_cases
 
 NEW = 10
@@ -36,6 +36,7 @@ def test_each_row_of_a_ragged_batch_stops_at_its_own_first_stop_id(devices, mesh
     params = _params(engine, seed=3)
     free = generate(engine, params, PROMPTS, max_new_tokens=NEW)
     assert free.finish == ["length"] * len(PROMPTS) and free.steps_run == NEW
+    assert free.tokens == _recomputed(engine, params, PROMPTS, NEW)  # so the cut rows below are recomputation's too
     # Stop ids met by rows 0 and 1 at different steps (3rd and 6th token, or earlier where the token repeats); an
     # id no row makes changes nothing.
     stops = {free.tokens[0][2], free.tokens[1][5]}

@@ -201,3 +201,24 @@ def test_cli_refuses_a_default_end_id_outside_the_vocabulary(byte_run, capsys):
     code, _, err = main_in_process("generate", str(run_dir), "model.vocab_size=256", "--prompt-ids", "1",
                                    capsys=capsys)
     assert code == 2 and "end-of-text id 256" in err and "sidecar" in err and "--no-stop" in err, err
+
+
+def test_an_imported_checkpoint_stops_where_transformers_would_at_its_generation_configs_ids(devices, tmp_path):
+    """transformers' greedy tokens (eos off, tests/hf_reference), cut at the first of the ids a
+    generation_config.json names: row 0 at its 7th new token (123), row 1 at its 8th (113)."""
+    from spmd_train.hf.import_params import load_hf_params
+    from tests.test_hf_interop import REFERENCE
+    from tests.test_hf_interop import _engine as hf_engine
+
+    for f in ("config.json", "model.safetensors", "reference.npz"):
+        shutil.copy(REFERENCE / "llama" / f, tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [123, 113]}))
+    engine = hf_engine("llama", devices[:1], directory=tmp_path)
+    ids, _ = run_end_ids(engine.cfg)
+    assert ids == (123, 113)
+    ref = np.load(tmp_path / "reference.npz")
+    prompts = [ref["prompt_0"].tolist(), ref["prompt_1"].tolist()]
+    out = generate(engine, load_hf_params(engine, tmp_path), prompts, max_new_tokens=12, stop_ids=ids)
+    made = [ref[f"greedy_{i}"].tolist()[len(p):] for i, p in enumerate(prompts)]
+    assert out.tokens == [_cut(row, set(ids)) for row in made] == [made[0][:7], made[1][:8]]
+    assert out.finish == ["stop id", "stop id"] and out.steps_run == 8

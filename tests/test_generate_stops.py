@@ -13,7 +13,7 @@ import pytest
 from spmd_train import Trainer, load_config
 from spmd_train.errors import ConfigError
 from spmd_train.train.generation import check_request, generate
-from spmd_train.train.stops import cut_at_stop_strings, hf_end_ids, run_end_ids
+from spmd_train.train.stops import cut_at_stop_strings, finish_rows, hf_end_ids, run_end_ids
 from tests.runs import ROOT, main_in_process, token_files
 from tests.test_generate import PROMPTS, _engine, _params, _recomputed
 from tests.tiers import fast_cases
@@ -124,6 +124,11 @@ def test_stop_strings_cut_the_text_and_the_tokens():
     # A token holding the kept text's end and the stop string's start stays (word tokens here).
     words = ["a", "b.\n", "c"]
     assert cut_at_stop_strings([0, 1, 2], lambda t: "".join(words[i] for i in t), ["\n"]) == ([0, 1], "ab.", True)
+    # A row's text leaves its stop id (256) out; a stop string before it ends the row there instead.
+    rows = [[*b"ab", 256], [*b"a;b", 256], list(b"a;b")]
+    assert finish_rows(rows, ["stop id", "stop id", "length"], _bytes, [";"]) == (
+        [rows[0], list(b"a"), list(b"a")], ["ab", "a", "a"], ["stop id", "stop string", "stop string"])
+    assert finish_rows(rows, ["stop id"] * 3, None, []) == (rows, None, ["stop id"] * 3)
 
 
 # -- the CLI ------------------------------------------------------------------------------------------------

@@ -104,7 +104,9 @@ def run_generate(args: argparse.Namespace) -> int:
                       stop_ids=stop_ids)
     if jax.process_index() != 0:
         return 0
-    tokens, texts, finish = _rows(result, codec, args.stop or ())
+    from spmd_train.train.stops import finish_rows
+
+    tokens, texts, finish = finish_rows(result.tokens, result.finish, codec and codec.decode, args.stop or ())
     speed = result.decode_tokens_per_s
     if args.json:
         out = {"prompts": prompts, "tokens": tokens, "finish": finish, "stop_ids": list(stop_ids),
@@ -148,24 +150,6 @@ def _stop_ids(args: argparse.Namespace, cfg: Config, codec: TextCodec | None) ->
             raise ConfigError(f"the run's end-of-text id {t} (from {source}) is outside the vocabulary (valid: "
                               f"0 to {vocab - 1}, model.vocab_size={vocab}); give --stop-id ID or --no-stop")
     return ids
-
-
-def _rows(result, codec: TextCodec | None, stops) -> tuple[list[list[int]], list[str] | None, list[str]]:
-    """Each row's tokens, text and how it ended, after the stop strings: the text leaves out a row's stop id (its
-    tokens keep it), and a stop string cuts both."""
-    from spmd_train.train.stops import cut_at_stop_strings
-
-    tokens, finish = [list(t) for t in result.tokens], list(result.finish)
-    if codec is None:
-        return tokens, None, finish
-    texts = []
-    for i, row in enumerate(tokens):
-        body = row[:-1] if finish[i] == "stop id" else row
-        cut, text, found = cut_at_stop_strings(body, codec.decode, stops)
-        if found:
-            tokens[i], finish[i] = cut, "stop string"
-        texts.append(text)
-    return tokens, texts, finish
 
 
 def _run_config(run_dir: Path, overrides: list[str]) -> Config:

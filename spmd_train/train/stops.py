@@ -88,6 +88,24 @@ def cut_at_stop_strings(tokens: list[int], decode: Callable[[list[int]], str],
     return tokens[:lo], kept, True
 
 
+def finish_rows(tokens: Sequence[list[int]], finish: Sequence[str], decode: Callable[[list[int]], str] | None,
+                stops: Sequence[str]) -> tuple[list[list[int]], list[str] | None, list[str]]:
+    """Each row's tokens, text (None without a `decode`) and how it ended ("stop id", "stop string", "length"), from
+    `generate`'s tokens and finish and the stop strings: a row's text leaves out its stop id (its tokens keep it), and
+    a stop string cuts both (`cut_at_stop_strings`)."""
+    tokens, finish = [list(t) for t in tokens], list(finish)
+    if decode is None:
+        return tokens, None, finish
+    texts = []
+    for i, row in enumerate(tokens):
+        body = row[:-1] if finish[i] == "stop id" else row
+        cut, text, found = cut_at_stop_strings(body, decode, stops)
+        if found:
+            tokens[i], finish[i] = cut, "stop string"
+        texts.append(text)
+    return tokens, texts, finish
+
+
 def check_stop_strings(stops: Sequence[str]) -> None:
     """Refuse an empty stop string (it would match before the first token)."""
     for s in stops:

@@ -79,16 +79,17 @@ def test_bad_input_exits_2_with_a_message(tmp_path, overrides, needles, capsys):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_describe_rules_prints_the_effective_rules_with_those_the_code_adds():
-    proc = cli("describe", "configs/tiny.yaml", "--rules", "parallel.sequence_parallel=true",
-               "mesh.rules.params.vocab=[]")
-    assert proc.returncode == 0, proc.stderr
+def test_describe_rules_prints_the_effective_rules_with_those_the_code_adds(capsys):
+    code, out, err = main_in_process("describe", "configs/tiny.yaml", "--rules", "parallel.sequence_parallel=true",
+                                     "mesh.rules.params.vocab=[]", capsys=capsys)
+    assert code == 0, err
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
-            for line in proc.stdout.splitlines() if line.startswith("│")}
+            for line in out.splitlines() if line.startswith("│")}
     assert rows["batch"][0] == "data, fsdp, expert" and rows["embed"] == ["-", "fsdp, sequence"]
     assert rows["norm_length"][0] == "sequence, tensor" and rows["vocab"] == ["tensor", "-"]
-    assert "added by the code: activations.norm_length += tensor (parallel.sequence_parallel=true" in proc.stdout
-    as_json = json.loads(cli("describe", "configs/pipeline.yaml", "--rules", "--json").stdout)
+    assert "added by the code: activations.norm_length += tensor (parallel.sequence_parallel=true" in out
+    code, out, err = main_in_process("describe", "configs/pipeline.yaml", "--rules", "--json", capsys=capsys)
+    as_json = json.loads(out)
     assert as_json["params"]["layers"] == ["pipeline"] and "mesh.pipeline=4" in as_json["added_by_code"][0]
 
 

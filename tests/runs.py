@@ -147,3 +147,15 @@ def write_corpus(folder, lengths, seed=0):
     for i, text in enumerate(docs):
         (folder / f"doc{i}.txt").write_text(text)
     return prepare_data([folder / f"doc{i}.txt" for i in range(len(docs))], folder / "out"), docs
+
+
+def tpu_attention_flops(seq_len: int, extra: list[str]) -> tuple[float, float]:
+    """(compiled attention FLOPs inside our Pallas kernels, the model's attention FLOPs) per device of a 2-head,
+    256-wide tiny model compiled for v5e:2x2 in 512 x 512 blocks at `seq_len` tokens, with `extra` overrides."""
+    from spmd_train.analysis import describe
+
+    cfg = load_config(None, ["model.preset=tiny", "model.d_model=256", "model.num_heads=2", "model.num_kv_heads=2",
+                             f"train.seq_len={seq_len}", "train.global_batch_size=4", "mesh.fsdp=4", "mesh.tensor=1",
+                             "backends.attention=pallas", "backends.attention_blocks=[512,512]", *extra])
+    d = describe(cfg, topology="v5e:2x2").per_device
+    return d["attention_flops"], d["model_attention_flops"]

@@ -18,7 +18,7 @@ from spmd_train.models.flops import flops_per_token
 from spmd_train.models.transformer import Transformer
 from spmd_train.parallel.backends import resolve_backends
 from spmd_train.train.generation import generate
-from tests.runs import FP32, relative_error, run_steps, token_files
+from tests.runs import FP32, relative_error, run_steps, token_files, tpu_attention_flops
 from tests.test_generate import PROMPTS, _params, _recomputed
 from tests.tiers import fast_cases
 
@@ -279,14 +279,8 @@ def test_describe_counts_a_windowed_layers_kernel_flops_on_a_tpu_slice():
     """Compiled for v5e:2x2 at 2048 tokens in 512 x 512 blocks: full causal attention runs 10 block pairs per head,
     a 512-token window 7 (each row block's own and the one before it), and describe's compiled attention FLOPs
     scale exactly so; the model count scales by the band's area."""
-    from spmd_train.analysis import describe
-
     def attention(extra):
-        cfg = load_config(None, ["model.preset=tiny", "model.d_model=256", "model.num_heads=2", "model.num_kv_heads=2",
-                                 "train.seq_len=2048", "train.global_batch_size=4", "mesh.fsdp=4", "mesh.tensor=1",
-                                 "backends.attention=pallas", "backends.attention_blocks=[512,512]", *extra])
-        d = describe(cfg, topology="v5e:2x2").per_device
-        return d["attention_flops"], d["model_attention_flops"]
+        return tpu_attention_flops(2048, extra)
 
     (full, full_model), (window, window_model) = attention([]), attention(["model.sliding_window=512"])
     assert window / full == pytest.approx(7 / 10, rel=1e-9)

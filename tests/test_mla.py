@@ -16,7 +16,7 @@ from spmd_train.models.mla import MLAttention
 from spmd_train.models.transformer import Transformer, rope_of
 from spmd_train.ops.attention import Scoring
 from spmd_train.parallel import resolve_backends
-from tests.runs import main_in_process, relative_error, run_steps
+from tests.runs import main_in_process, relative_error, run_steps, tpu_attention_flops
 from tests.tiers import fast_cases
 
 MLA = ["model.num_kv_heads=8", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
@@ -313,14 +313,8 @@ def test_parameters_and_flops_count_mla_projections(overrides):
 def test_pallas_kernels_compile_mla_for_a_tpu_slice_at_the_query_key_width():
     """Compiled for v5e:2x2 with the Pallas kernels: MLA (queries and keys 128 wide, values 64) runs the kernels of a
     128-wide head, padding included, where the model count charges the values at their own width (0.75 of it)."""
-    from spmd_train.analysis import describe
-
     def attention(extra):
-        cfg = load_config(None, ["model.preset=tiny", "model.d_model=256", "model.num_heads=2", "model.num_kv_heads=2",
-                                 "train.seq_len=1024", "train.global_batch_size=4", "mesh.fsdp=4", "mesh.tensor=1",
-                                 "backends.attention=pallas", "backends.attention_blocks=[512,512]", *extra])
-        d = describe(cfg, topology="v5e:2x2").per_device
-        return d["attention_flops"], d["model_attention_flops"]
+        return tpu_attention_flops(1024, extra)
 
     (gqa, gqa_model) = attention(["model.head_dim=128"])
     (mla, mla_model) = attention(["model.mla.kv_lora_rank=64", "model.mla.qk_nope_head_dim=64",

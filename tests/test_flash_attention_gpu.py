@@ -11,6 +11,7 @@ import pytest
 from spmd_train import load_config
 from spmd_train.kernels.flash_attention import BlockSizes, flash_attention
 from spmd_train.ops import dot_product_attention as reference_attention
+from spmd_train.ops.attention import Scoring
 from tests.test_flash_attention import lse_loss, reference64
 from tests.tiers import fast_cases
 
@@ -82,14 +83,89 @@ def test_gradients_flow_through_the_log_sum_exp():
         assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
 
 
+VARIANTS = {  # length, kv length, query offset, window, soft-cap, blocks, groups, documents
+    "window_under_a_block_capped_documents": (130, 130, 0, 10, 3.0, BlockSizes(64, 64), 1, True),
+    "window_not_a_block_multiple_documents": (200, 200, 0, 70, None, BlockSizes(128, 64), 1, True),
+    "soft_cap": (100, 100, 0, None, 2.0, BlockSizes(64, 64), 1, False),
+    "window_capped_chunk_at_an_offset": (64, 192, 128, 90, 2.0, BlockSizes(64, 64), 2, False),
+}
+
+
+@pytest.mark.parametrize("case", fast_cases(VARIANTS, fast=["window_under_a_block_capped_documents"]))
+def test_windows_soft_caps_and_offsets_match_the_reference(case):
+    """Forward, log-sum-exp and every gradient (through the output and the log-sum-exp, as context-parallel merges
+    take them) against the XLA reference in fp32 on the same bf16 inputs. Windows under a block and across blocks,
+    one and two compute warpgroups, packed documents, and a query chunk at an offset behind its keys' end."""
+    lq, lk, offset, window, softcap, blocks, groups, documents = VARIANTS[case]
+    rng = np.random.default_rng(lq + lk)
+    q = jnp.asarray(rng.normal(size=(1, lq, groups, 64)) * 2, jnp.bfloat16)  # scale 2: the cap bites
+    k, v = (jnp.asarray(rng.normal(size=(1, lk, 1, 64)) * 2, jnp.bfloat16) for _ in range(2))
+    w, u = jnp.asarray(rng.normal(size=q.shape), jnp.bfloat16), jnp.asarray(rng.normal(size=(1, groups, lq)))
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (1, lq)), axis=1), jnp.int32) if documents else None
+    ours = lambda q, k, v: _gpu(q, k, v, segment_ids=seg, block_sizes=blocks, window=window, softcap=softcap,
+                                q_offset=offset, return_lse=True)
+    reference = lambda q, k, v: reference_attention(q, k, v, segment_ids=seg, scoring=Scoring(softcap=softcap,
+                                                    window=window), q_offset=offset, return_lse=True)
+    # Cotangents for the output and the log-sum-exp: gradients of sum(out * w) + sum(lse * u).
+    (out, lse), vjp = jax.vjp(ours, q, k, v)
+    (want_out, want_lse), want_vjp = jax.vjp(reference, *(x.astype(jnp.float32) for x in (q, k, v)))
+    grads, want_grads = vjp((w, u)), want_vjp((w.astype(jnp.float32), u))
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=2e-2, rtol=2e-3)
+    for got, want in zip((out, *grads), (want_out, *want_grads), strict=True):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert not np.isnan(got).any()
+        assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
+
+
+def test_a_window_bounds_the_tiles_each_kernel_streams(monkeypatch):
+    """The pipelines' trip counts scale with the window: counted where the compute warpgroups receive each streamed
+    tile, in the interpreter, a one-token window at 192 tokens streams 3 tiles per kernel (its band) where causal
+    attention streams 6; at 8192 tokens in 128 x 128 blocks a 1024 window streams the tiles its band touches,
+    0.26x of causal attention's."""
+    from jax import lax
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from spmd_train.kernels.flash_attention.gpu_kernel import kv_tiles, q_tiles
+    from spmd_train.kernels.flash_attention.kernel import KernelPlan
+
+    streamed, kernels, pipeline = [], [], plgpu.emit_pipeline_warp_specialized
+
+    def counting(step, **kwargs):  # the forward's, then dq's, then dk/dv's pipeline
+        kernel = len(kernels)
+        kernels.append(kernel)
+
+        def counted(indices, *rest):
+            jax.debug.callback(lambda wg: streamed.append(kernel) if int(wg) == 0 else None, lax.axis_index("wg"))
+            return step(indices, *rest)
+        return pipeline(counted, **kwargs)
+
+    monkeypatch.setattr(plgpu, "emit_pipeline_warp_specialized", counting)
+    q = jnp.ones((1, 192, 1, 64), jnp.bfloat16)
+    out, vjp = jax.vjp(lambda q, k, v: _gpu(q, k, v, window=1, block_sizes=BlockSizes(64, 64)), q, q, q)
+    jax.block_until_ready(vjp(out))
+    assert [streamed.count(kernel) for kernel in kernels] == [3, 3, 3]  # full causal: 1 + 2 + 3 each
+
+    def tiles(window):
+        plan = KernelPlan(scale=1.0, causal=True, block_q=128, block_k=128, q_len=8192, kv_len=8192, groups=1,
+                          interpret=False, gpu=True, window=window)
+        return (sum(kv_tiles(i, plan, 64)[1] for i in range(64)), sum(q_tiles(i, plan, 128, 64)[1] for i in range(64)))
+
+    pos = np.arange(8192)
+    band = (pos[:, None] >= pos[None]) & (pos[:, None] - pos[None] < 1024)  # [query, key]
+    touched = (band.reshape(64, 128, 64, 128).any((1, 3)).sum(), band.T.reshape(64, 128, 128, 64).any((1, 3)).sum())
+    assert tiles(1024) == touched == (540, 1080) and tiles(None) == (64 * 65 // 2, 4160)
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype", "blocks", "needle"),
     [
         ((1, 64, 2, 64), jnp.float32, None, "take bfloat16 (wgmma operands); got float32 for q (1, 64, 2, 64)"),
         ((1, 64, 2, 96), jnp.bfloat16, None, "head_dim a multiple of 64; got 96 for q (1, 64, 2, 96)"),
         ((1, 64, 2, 64), jnp.bfloat16, BlockSizes(96, 128), "block_q=96: must be 64, 128, 192 or 256"),
+        ((1, 128, 2, 192), jnp.bfloat16, BlockSizes(128, 128), "GPU blocks 128 x 128 at head_dim 192 need 295 KiB of "
+         "shared memory, over Hopper's 227 KiB: use block_sizes=BlockSizes(block_q=128, block_k=64)"),
     ],
-    ids=["dtype", "head-dim", "block"],
+    ids=["dtype", "head-dim", "block", "shared-memory"],
 )
 def test_gpu_limits_are_clear_errors(shape, dtype, blocks, needle):
     x = jnp.zeros(shape, dtype)
@@ -119,15 +195,18 @@ def test_the_model_config_is_checked_for_the_gpu_kernels(overrides, needle):
     check_attention(cfg, "tpu")  # the TPU kernels take any dtype and head_dim
 
 
-@pytest.mark.parametrize(("causal", "segmented", "head_dim"), [(True, False, 128), (False, True, 64)])
-def test_kernels_lower_for_hopper(causal, segmented, head_dim):
+@pytest.mark.parametrize(("causal", "segmented", "head_dim", "variants"), [
+    (True, False, 128, {}), (False, True, 64, {}),
+    (True, True, 192, {"window": 1000, "softcap": 50.0}),  # MLA's padded width (default blocks 128 x 64)
+], ids=["causal", "segments", "window-softcap-192"])
+def test_kernels_lower_for_hopper(causal, segmented, head_dim, variants):
     """Forward and backward go through Mosaic GPU's whole lowering for sm_90 (layouts, TMA
-    descriptors, wgmma shapes) on the CPU host; what is left for the GPU is PTX assembly."""
+    descriptors, wgmma shapes, shared memory) on the CPU host; what is left for the GPU is PTX assembly."""
     b, length, h, kvh = 2, 2048, 8, 2
 
     def loss(q, k, v, seg):
         out = flash_attention(q, k, v, causal=causal, segment_ids=seg if segmented else None,
-                              backend="gpu", interpret=False)
+                              backend="gpu", interpret=False, **variants)
         return jnp.sum(out.astype(jnp.float32))
 
     q = jax.ShapeDtypeStruct((b, length, h, head_dim), jnp.bfloat16)
@@ -138,6 +217,7 @@ def test_kernels_lower_for_hopper(causal, segmented, head_dim):
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3  # forward, dq, dk/dv
     assert text.count(f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.bf16.bf16") >= 3  # P V, dS K, dS^T Q
     assert "cp.async.bulk.tensor" in text  # K/V stream in by TMA
+    assert ("tanh.approx.f32" in text) == ("softcap" in variants)  # the cap's tanh, one instruction
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU (Hopper)")

@@ -27,9 +27,39 @@ DEFAULT_BLOCKS = {"tpu": BlockSizes(512, 512), "gpu": BlockSizes(128, 128), "cpu
 BACKENDS = ("tpu", "gpu")
 
 
-def default_blocks(backend: str, interpret: bool) -> BlockSizes:
-    """The block sizes used when none are given: per backend, smaller for the TPU kernels interpreted on CPU."""
+def default_blocks(backend: str, interpret: bool, head_dim: int = 128) -> BlockSizes:
+    """The block sizes used when none are given: per backend, smaller for the TPU kernels interpreted on CPU; on GPU
+    the largest that fits a thread block's shared memory at this head width (wide heads such as MLA's 192 take
+    64-key tiles)."""
+    if backend == "gpu":
+        return next((b for b in GPU_BLOCK_CHOICES if gpu_smem_bytes(head_dim, b) <= GPU_SMEM_BYTES),
+                    GPU_BLOCK_CHOICES[-1])
     return DEFAULT_BLOCKS["cpu" if backend == "tpu" and interpret else backend]
+
+
+GPU_SMEM_BYTES = 227 * 1024
+"""Shared memory one thread block may use on Hopper (H100 and H200)."""
+GPU_BLOCK_CHOICES = (BlockSizes(128, 128), BlockSizes(128, 64), BlockSizes(64, 64))
+"""Default GPU blocks, fastest first (128 x 128 measured fastest at head_dim 128, docs/attention.md)."""
+
+
+def gpu_smem_bytes(head_dim: int, blocks: BlockSizes, itemsize: int = 2) -> int:
+    """Shared memory the largest of the three GPU kernels takes: each program's own rows (tiles and statistics) plus
+    the streamed side's ring of `gpu_kernel.PIPELINE_STAGES` tiles, each buffer 1 KiB-aligned as swizzled tiles are,
+    and 2 KiB for barriers: 251,904 bytes for the forward at head_dim 192 in 128 x 128 blocks, where Mosaic GPU counts
+    250,944 (over the budget)."""
+    def a(n):
+        return _round_up(n, 1024)
+
+    bq, bk, d = blocks.block_q, blocks.block_k, head_dim
+
+    def ring(rows: int, vectors: int) -> int:  # two tiles (K and V, or Q and dO) and per-row vectors per stage
+        return gpu_kernel.PIPELINE_STAGES * (2 * a(rows * d * itemsize) + vectors * a(rows * 4))
+
+    forward = a(bq * d * itemsize) + 2 * a(bq * 4) + ring(bk, 1)
+    dq = 2 * a(bq * d * itemsize) + 3 * a(bq * 4) + ring(bk, 1)
+    dkv = 2 * a(bk * d * itemsize) + a(bk * 4) + ring(ROWS_PER_WARPGROUP, 3)
+    return max(forward, dq, dkv) + 2048
 
 TPU_VMEM_BUDGET = 32 * 2**20
 """Scoped VMEM these kernels may use on TPU (v5p reports 64 MiB; half leaves room for the compiler)."""
@@ -83,14 +113,10 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not a flash-attention backend (valid: {', '.join(BACKENDS)})")
     interpret = device == "cpu" if interpret is None else interpret
-    blocks = block_sizes or default_blocks(backend, interpret)
+    blocks = block_sizes or default_blocks(backend, interpret, q.shape[3])
     _b, lq, h, d = q.shape
     lk, kvh = k.shape[1], k.shape[2]
     if backend == "gpu":
-        if window is not None or softcap is not None or q_offset:
-            raise ValueError(f"the GPU flash-attention kernels take no window, soft-cap or query offset yet (got "
-                             f"window={window}, softcap={softcap}, q_offset={q_offset}): use backend='tpu' "
-                             "interpreted, or the XLA reference")
         block_q, block_k = _gpu_blocks(q, k, blocks)
     else:
         block_q, block_k = _tpu_blocks(q, k, blocks, interpret)
@@ -141,8 +167,15 @@ def _gpu_blocks(q, k, blocks: BlockSizes) -> tuple[int, int]:
         if size % ROWS_PER_WARPGROUP or size > 4 * ROWS_PER_WARPGROUP:
             raise ValueError(f"GPU {name}={size}: must be 64, 128, 192 or 256 (64-row warpgroups, at most 4)")
     lq, lk = q.shape[1], k.shape[1]
-    return (min(blocks.block_q, _round_up(lq, ROWS_PER_WARPGROUP)),
-            min(blocks.block_k, _round_up(lk, ROWS_PER_WARPGROUP)))
+    fitted = BlockSizes(min(blocks.block_q, _round_up(lq, ROWS_PER_WARPGROUP)),
+                        min(blocks.block_k, _round_up(lk, ROWS_PER_WARPGROUP)))
+    need = gpu_smem_bytes(q.shape[3], fitted)
+    if need > GPU_SMEM_BYTES:
+        fits = next((b for b in GPU_BLOCK_CHOICES if gpu_smem_bytes(q.shape[3], b) <= GPU_SMEM_BYTES), None)
+        raise ValueError(f"GPU blocks {fitted.block_q} x {fitted.block_k} at head_dim {q.shape[3]} need "
+                         f"{need / 1024:.0f} KiB of shared memory, over Hopper's {GPU_SMEM_BYTES // 1024} KiB: "
+                         + (f"use block_sizes={fits}" if fits else "no block shape fits this head_dim"))
+    return fitted.block_q, fitted.block_k
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -19,7 +19,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from spmd_train.kernels.flash_attention.gpu_ops import ROWS_PER_WARPGROUP, HopperOps, cols, rows
-from spmd_train.kernels.flash_attention.kernel import MASK, KernelPlan, kernel_name, last_kv_block
+from spmd_train.kernels.flash_attention.kernel import (
+    MASK,
+    KernelPlan,
+    kernel_name,
+    kv_block_range,
+    q_block_range,
+    tile_visible,
+)
 
 LOG2E = math.log2(math.e)
 PIPELINE_STAGES = 2
@@ -62,30 +69,54 @@ def _interpret_params():
 
 
 def _scores(ops: HopperOps, s, q_start, k_start, q_seg, k_seg, plan: KernelPlan, *, transposed: bool):
-    """Base-2 scores of a tile and the mask of entries that count (None when nothing is masked).
+    """Base-2 scores of a tile (scaled, then soft-capped), the mask of entries that count (None when nothing is
+    masked) and the soft-cap's derivative d capped / d scaled (None without a cap; the backward multiplies dS by it).
 
     `transposed`: the tile is [keys, queries] (the dk/dv kernel) rather than [queries, keys]."""
-    s = s * (plan.scale * LOG2E)
+    slope = None
+    if plan.softcap is None:
+        s = s * (plan.scale * LOG2E)
+    else:  # softcap * tanh(scaled / softcap), in base 2; masked entries get MASK below, so slope needs no mask
+        t = jnp.tanh(s * (plan.scale / plan.softcap))
+        s, slope = t * (plan.softcap * LOG2E), 1.0 - t * t
     keep = None
-    if plan.causal:
-        q_pos = q_start + ops.iota(s.shape, 1 if transposed else 0)
+    if plan.causal or plan.window is not None:
+        q_pos = q_start + plan.q_offset + ops.iota(s.shape, 1 if transposed else 0)
         k_pos = k_start + ops.iota(s.shape, 0 if transposed else 1)
-        keep = q_pos >= k_pos
+        if plan.causal:
+            keep = q_pos >= k_pos
+        if plan.window is not None:
+            near = q_pos - k_pos < plan.window
+            keep = near if keep is None else keep & near
     if plan.segments:
         same = (rows(k_seg, s.shape) == cols(q_seg, s.shape)) if transposed else (
             rows(q_seg, s.shape) == cols(k_seg, s.shape))
         keep = same if keep is None else keep & same
     if keep is not None:
         s = jnp.where(keep, s, MASK)
-    return s, keep
+    return s, keep, slope
 
 
-def _kv_steps(block, n_kv: int, plan: KernelPlan):
-    """K/V tiles a row block streams: all, or under causality those up to its last row (so fully
-    masked tiles are never even copied in; the pipeline's trip count is dynamic)."""
-    if not plan.causal:
-        return n_kv
-    return jnp.minimum(last_kv_block(block, plan.block_q, plan.block_k) + 1, n_kv)
+def kv_tiles(block, plan: KernelPlan, n_kv: int):
+    """(first, count): the K/V tiles row block `block` streams. All of them, or under causality and a window only
+    those its band can touch (`kernel.kv_block_range`, the TPU kernels' rule), so fully masked tiles are never even
+    copied in and the trip count scales with the window, not the length (dynamic, unless nothing is masked)."""
+    return _span(*kv_block_range(block, plan, n_kv))
+
+
+def q_tiles(block, plan: KernelPlan, n_q: int, step_q: int):
+    """(first, count): the `step_q`-row query tiles K/V block `block` streams in the dk/dv kernel, per query head of
+    the group (`kernel.q_block_range`)."""
+    return _span(*q_block_range(block, plan, n_q, block_q=step_q))
+
+
+def _span(first, last):
+    """(first, count) of an inclusive range of tiles, at least one long: where a query offset puts every key out of
+    reach the one tile is fully masked, as the pipeline needs a step to write its outputs."""
+    if isinstance(first, int) and first == 0:  # no lower bound (last >= 0): static when last is
+        return first, last + 1
+    first = min(first, last) if isinstance(first, int) and isinstance(last, int) else jnp.minimum(first, last)
+    return first, last - first + 1
 
 
 def _load_all(loads, barriers, wg):
@@ -100,17 +131,22 @@ def _masked(p, keep):
     return p if keep is None else jnp.where(keep, p, 0.0)
 
 
-def _stream_kv(step, context, block, n_kv: int, wgs: int, plan: KernelPlan, dtype, d: int, k, v, k_seg):
-    """Run `step` over the K/V tiles a row block needs, the producer warpgroup streaming them (and
-    the key segment ids, when they can mask anything) through the shared-memory ring."""
-    bk = plan.block_k
-    kv_spec = _tile_spec((bk, d), dtype, lambda j: (j, 0))
+def _capped(ds, slope):
+    """dS with respect to the scaled scores: through the soft-cap's tanh when there is one."""
+    return ds if slope is None else ds * slope
+
+
+def _stream_kv(step, context, tiles, n_kv: int, wgs: int, plan: KernelPlan, dtype, d: int, k, v, k_seg):
+    """Run `step` over the K/V tiles a row block needs (`tiles`: `kv_tiles`' first and count), the producer
+    warpgroup streaming them (and the key segment ids, when they can mask anything) through the shared-memory ring."""
+    bk, (first, count) = plan.block_k, tiles
+    kv_spec = _tile_spec((bk, d), dtype, lambda j: (first + j, 0))
     specs, refs = [kv_spec, kv_spec], [k, v]
     if plan.segments:
-        specs.append(plgpu.BlockSpec(block_shape=(bk,), index_map=lambda j: (j,)))
+        specs.append(plgpu.BlockSpec(block_shape=(bk,), index_map=lambda j: (first + j,)))
         refs.append(k_seg)
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        step, grid=(_kv_steps(block, n_kv, plan),), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
+        step, grid=(count,), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
         num_compute_wgs=wgs, max_concurrent_steps=min(PIPELINE_STAGES, n_kv), compute_context=context,
         in_specs=specs)
     pipeline(*refs)
@@ -128,6 +164,7 @@ def forward(q, k, v, q_seg, kv_seg, plan: KernelPlan):
     def body(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref):
         batch, head, block = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
         kv_head = lax.div(head, jnp.int32(plan.groups))
+        tiles = kv_tiles(block, plan, n_kv)
 
         def with_scratch(q_smem2, lse_smem2, seg_smem2, barriers):
             def context(pipeline):
@@ -152,13 +189,13 @@ def forward(q, k, v, q_seg, kv_seg, plan: KernelPlan):
 
             def step(indices, k_smem, v_smem, *rest):
                 *kseg_smem, (acc, m, l, q_start, q_seg_rows) = rest
-                k_start = indices[0] * bk
+                k_start = (tiles[0] + indices[0]) * bk
                 q_smem = q_smem2.at[lax.axis_index("wg")]
 
                 def compute(acc, m, l):
                     k_seg = ops.load_cols(kseg_smem[0]) if plan.segments else None
-                    s, keep = _scores(ops, ops.matmul(q_smem, k_smem, (r, bk), transpose_b=True),
-                                      q_start, k_start, q_seg_rows, k_seg, plan, transposed=False)
+                    s, keep, _ = _scores(ops, ops.matmul(q_smem, k_smem, (r, bk), transpose_b=True),
+                                         q_start, k_start, q_seg_rows, k_seg, plan, transposed=False)
                     m_new = jnp.maximum(m, s.max(axis=1))
                     p = _masked(jnp.exp2(s - rows(m_new, s.shape)), keep)
                     alpha = jnp.exp2(m - m_new)
@@ -166,13 +203,15 @@ def forward(q, k, v, q_seg, kv_seg, plan: KernelPlan):
                     acc = ops.matmul_acc(acc * rows(alpha, acc.shape), p, v_smem)
                     return acc, m_new, l
 
-                if plan.causal:
-                    acc, m, l = lax.cond(k_start <= q_start + r - 1, compute, lambda *c: c, acc, m, l)
-                else:
+                # A warpgroup skips the matmuls of a tile its own 64 rows cannot see (causality, window).
+                seen = tile_visible(q_start, r, k_start, bk, plan)
+                if seen is True:
                     acc, m, l = compute(acc, m, l)
+                else:
+                    acc, m, l = lax.cond(seen, compute, lambda *c: c, acc, m, l)
                 return acc, m, l, q_start, q_seg_rows
 
-            _stream_kv(step, context, block, n_kv, wgs, plan, dtype, d,
+            _stream_kv(step, context, tiles, n_kv, wgs, plan, dtype, d,
                        k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
 
         pl.run_scoped(with_scratch, _smem_tile((wgs, r, d), dtype), plgpu.SMEM((wgs, r), jnp.float32),
@@ -205,6 +244,7 @@ def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: KernelPlan):
     def body(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref):
         batch, head, block = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
         kv_head = lax.div(head, jnp.int32(plan.groups))
+        tiles = kv_tiles(block, plan, n_kv)
 
         def with_scratch(q_smem2, do_smem2, lse_smem2, delta_smem2, seg_smem2, barriers):
             def context(pipeline):
@@ -228,26 +268,24 @@ def _dq(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: KernelPlan):
 
             def step(indices, k_smem, v_smem, *rest):
                 *kseg_smem, (dq, q_start, q_seg_rows, (lse_rows, delta_rows)) = rest
-                k_start = indices[0] * bk
+                k_start = (tiles[0] + indices[0]) * bk
                 wg = lax.axis_index("wg")
                 q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
 
                 def compute(dq):
                     k_seg = ops.load_cols(kseg_smem[0]) if plan.segments else None
-                    s, keep = _scores(ops, ops.matmul(q_smem, k_smem, (r, bk), transpose_b=True),
-                                      q_start, k_start, q_seg_rows, k_seg, plan, transposed=False)
+                    s, keep, slope = _scores(ops, ops.matmul(q_smem, k_smem, (r, bk), transpose_b=True),
+                                             q_start, k_start, q_seg_rows, k_seg, plan, transposed=False)
                     p = _masked(jnp.exp2(s - rows(lse_rows, s.shape)), keep)
                     dp = ops.matmul(do_smem, v_smem, (r, bk), transpose_b=True)
-                    ds = p * (dp - rows(delta_rows, dp.shape))
+                    ds = _capped(p * (dp - rows(delta_rows, dp.shape)), slope)
                     return ops.matmul_acc(dq, ds, k_smem)
 
-                if plan.causal:
-                    dq = lax.cond(k_start <= q_start + r - 1, compute, lambda c: c, dq)
-                else:
-                    dq = compute(dq)
+                seen = tile_visible(q_start, r, k_start, bk, plan)
+                dq = compute(dq) if seen is True else lax.cond(seen, compute, lambda c: c, dq)
                 return dq, q_start, q_seg_rows, (lse_rows, delta_rows)
 
-            _stream_kv(step, context, block, n_kv, wgs, plan, dtype, d,
+            _stream_kv(step, context, tiles, n_kv, wgs, plan, dtype, d,
                        k_ref.at[batch, kv_head], v_ref.at[batch, kv_head], kseg_ref.at[batch])
 
         tile = _smem_tile((wgs, r, d), dtype)
@@ -304,22 +342,24 @@ def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: KernelPlan):
 
                 def compute(dk, dv):
                     q_seg = ops.load_cols(qseg_smem[0]) if plan.segments else None
-                    s, keep = _scores(ops, ops.matmul(k_smem, q_smem, (r, step_q), transpose_b=True),
-                                      q_start, k_start, q_seg, k_seg_rows, plan, transposed=True)
+                    s, keep, slope = _scores(ops, ops.matmul(k_smem, q_smem, (r, step_q), transpose_b=True),
+                                             q_start, k_start, q_seg, k_seg_rows, plan, transposed=True)
                     p = _masked(jnp.exp2(s - cols(ops.load_cols(lse_smem), s.shape)), keep)
                     dv = ops.matmul_acc(dv, p, do_smem)
                     dp = ops.matmul(v_smem, do_smem, (r, step_q), transpose_b=True)
-                    ds = p * (dp - cols(ops.load_cols(delta_smem), dp.shape))
+                    ds = _capped(p * (dp - cols(ops.load_cols(delta_smem), dp.shape)), slope)
                     return ops.matmul_acc(dk, ds, q_smem), dv
 
-                if plan.causal:
-                    dk, dv = lax.cond(q_start + step_q - 1 >= k_start, compute, lambda *c: c, dk, dv)
-                else:
+                seen = tile_visible(q_start, step_q, k_start, r, plan)
+                if seen is True:
                     dk, dv = compute(dk, dv)
+                else:
+                    dk, dv = lax.cond(seen, compute, lambda *c: c, dk, dv)
                 return dk, dv, k_start, k_seg_rows
 
-            # Under causality query tiles wholly before this block's first key are never streamed.
-            first = lax.div(block * bk, jnp.int32(step_q)) if plan.causal else 0
+            # Query tiles wholly before this block's first key (causality) or past its window's reach are never
+            # streamed: the trip count scales with the window.
+            first, count = q_tiles(block, plan, n_q, step_q)
             q_spec = _tile_spec((step_q, d), dtype, lambda gi, i: (gi * n_q + first + i, 0))
             vec = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda gi, i: (gi * n_q + first + i,))
             seg = plgpu.BlockSpec(block_shape=(step_q,), index_map=lambda gi, i: (first + i,))
@@ -330,7 +370,7 @@ def _dkv(q, k, v, q_seg, kv_seg, do, lse2, delta, plan: KernelPlan):
                 specs.append(seg)
                 refs.append(qseg_ref.at[batch])
             pipeline = plgpu.emit_pipeline_warp_specialized(
-                step, grid=(g, n_q - first), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
+                step, grid=(g, count), memory_registers=PRODUCER_REGISTERS, wg_axis="wg",
                 num_compute_wgs=wgs, max_concurrent_steps=min(PIPELINE_STAGES, g * n_q), compute_context=context,
                 in_specs=specs)
             pipeline(*refs)

@@ -107,11 +107,18 @@ def _scores(q, k, q_start, k_start, q_seg, k_seg, plan: KernelPlan):
 
 def _visible(q_start, k_start, plan: KernelPlan):
     """Whether a (row block, column block) pair can hold an unmasked entry under causality and the window."""
+    return tile_visible(q_start, plan.block_q, k_start, plan.block_k, plan)
+
+
+def tile_visible(q_start, q_rows: int, k_start, k_rows: int, plan: KernelPlan):
+    """Whether rows [q_start, q_start + q_rows) and keys [k_start, k_start + k_rows) hold an entry that causality and
+    the window leave unmasked (Python True when neither masks anything). Python or traced ints: the GPU kernels ask
+    it per 64-row warpgroup tile, these per block."""
     seen = True
     if plan.causal:
-        seen = k_start <= q_start + plan.q_offset + plan.block_q - 1
+        seen = k_start <= q_start + plan.q_offset + q_rows - 1
     if plan.window is not None:
-        near = k_start + plan.block_k - 1 > q_start + plan.q_offset - plan.window
+        near = k_start + k_rows - 1 > q_start + plan.q_offset - plan.window
         seen = near if seen is True else seen & near
     return seen
 
@@ -124,6 +131,22 @@ def last_kv_block(i, block_q: int, block_k: int, q_offset: int = 0):
     return (i * block_q + q_offset + block_q - 1) // block_k
 
 
+def first_kv_block(i, block_q: int, block_k: int, window: int, q_offset: int = 0):
+    """Index of the first K/V block row block i sees under a window (negative where the window reaches before the
+    first key: callers clamp). Python or traced ints, like `last_kv_block`."""
+    return (i * block_q + q_offset - window + 1) // block_k
+
+
+def first_q_block(kb, block_q: int, block_k: int, q_offset: int = 0):
+    """Index of the first row block that sees K/V block kb under causality (negative: callers clamp)."""
+    return (kb * block_k - q_offset) // block_q
+
+
+def last_q_block(kb, block_q: int, block_k: int, window: int, q_offset: int = 0):
+    """Index of the last row block K/V block kb's keys reach under a window (past the last row block: clamp)."""
+    return (kb * block_k + block_k - 1 + window - 1 - q_offset) // block_q
+
+
 def kv_block_range(i, plan: KernelPlan, n_kv: int):
     """(first, last) K/V blocks row block i can see (inclusive; first > last when it sees none): causality ends the
     range, the window starts it. Python or traced ints; `max`/`min` are jnp's when i is traced."""
@@ -131,18 +154,19 @@ def kv_block_range(i, plan: KernelPlan, n_kv: int):
     last = hi(last_kv_block(i, plan.block_q, plan.block_k, plan.q_offset), n_kv - 1) if plan.causal else n_kv - 1
     first = 0
     if plan.window is not None:
-        first = lo((i * plan.block_q + plan.q_offset - plan.window + 1) // plan.block_k, 0)
+        first = lo(first_kv_block(i, plan.block_q, plan.block_k, plan.window, plan.q_offset), 0)
     return first, last
 
 
-def q_block_range(kb, plan: KernelPlan, n_q: int):
-    """(first, last) row blocks that can see K/V block kb (inclusive), as `kv_block_range` from the other side."""
+def q_block_range(kb, plan: KernelPlan, n_q: int, block_q: int | None = None):
+    """(first, last) row blocks that can see K/V block kb (inclusive), as `kv_block_range` from the other side.
+    `block_q`: rows per row block when not the plan's (the GPU dk/dv kernel streams 64-row query tiles)."""
     lo, hi = (max, min) if isinstance(kb, int) else (jnp.maximum, jnp.minimum)
-    bq, bk = plan.block_q, plan.block_k
-    first = lo((kb * bk - plan.q_offset) // bq, 0) if plan.causal else 0
+    bq, bk = block_q or plan.block_q, plan.block_k
+    first = lo(first_q_block(kb, bq, bk, plan.q_offset), 0) if plan.causal else 0
     last = n_q - 1
     if plan.window is not None:
-        last = hi((kb * bk + bk - 1 + plan.window - 1 - plan.q_offset) // bq, n_q - 1)
+        last = hi(last_q_block(kb, bq, bk, plan.window, plan.q_offset), n_q - 1)
     return first, last
 
 

@@ -161,8 +161,9 @@ def test_windows_count_as_the_band_they_compute():
 
 @pytest.mark.parametrize(("platform", "overrides", "chosen", "why"), [
     ("tpu", {"attn_logit_softcap": 30.0, "sliding_window": 128, "attention_sinks": True}, "pallas", "VMEM"),
-    ("gpu", {"attn_logit_softcap": 30.0, "compute_dtype": "bfloat16", "head_dim": 64}, "xla",
+    ("gpu", {"attn_logit_softcap": 30.0, "compute_dtype": "bfloat16", "head_dim": 64}, "pallas",
      "model.attn_logit_softcap"),
+    ("gpu", {"attn_logit_softcap": 30.0}, "xla", "model.attn_logit_softcap"),  # float32: our GPU kernels take bf16
     ("gpu", {"sliding_window": 128}, "cudnn", "auto: cudnn"),
     ("gpu", {"attention_sinks": True, "compute_dtype": "bfloat16", "head_dim": 64}, "pallas", "model.attention_sinks"),
 ])
@@ -176,8 +177,6 @@ REFUSED = {
     "window_without_sliding": (["model.layer_types=[full]", "model.sliding_window=4"], "no layer slides"),
     "local_rope_without_sliding": (["model.rope_local_theta=10.0"], "model.rope_local_theta=10.0"),
     "too_many_types": (["model.layer_types=[full,full,full]"], "more than model.num_layers=2"),
-    "pallas_gpu_window": (["backends.attention=pallas", "model.sliding_window=4", "model.compute_dtype=bfloat16"],
-                          "on GPU does not compute sliding layers"),
     "cudnn_sinks": (["backends.attention=cudnn", "model.attention_sinks=true"], "model.attention_sinks"),
     "ring_window_past_a_chunk": (["model.sliding_window=5", "mesh.sequence=4", "parallel.context_parallel=ring",
                                   "train.seq_len=16"], "model.sliding_window=5 reaches past the 2-token chunk"),

@@ -156,6 +156,30 @@ def test_a_window_bounds_the_tiles_each_kernel_streams(monkeypatch):
     assert tiles(1024) == touched == (540, 1080) and tiles(None) == (64 * 65 // 2, 4160)
 
 
+@pytest.mark.slow
+def test_mla_widths_sinks_and_a_window_through_the_dispatch_on_the_gpu_kernels():
+    """The model's entry point on the GPU kernels: DeepSeek's 192-wide queries and keys against 128-wide values
+    (zero-padded to 192 outside the kernels), sinks through the log-sum-exp and a window with a cap, against the
+    reference with the values as they are, output and every gradient (sinks' included)."""
+    from spmd_train.parallel.attention_dispatch import attention
+    from spmd_train.parallel.backends import Backends
+
+    rng = np.random.default_rng(5)
+    q, k = (jnp.asarray(rng.normal(size=(1, 70, 2, 192)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(1, 70, 2, 128)), jnp.bfloat16)
+    sinks, w = jnp.asarray([0.5, -1.0], jnp.float32), jnp.asarray(rng.normal(size=(1, 70, 2, 128)), jnp.bfloat16)
+    scoring = Scoring(softcap=5.0, window=20)
+    backends = Backends(platform="gpu", attention="pallas", kernels="gpu", interpret=True, blocks=(128, 64))
+    ours = lambda q, k, v, sinks: attention(q, k, v, backends=backends, scoring=scoring, sinks=sinks)
+    reference = lambda q, k, v, sinks: reference_attention(q, k, v, scoring=scoring, sinks=sinks)
+    out, vjp = jax.vjp(ours, q, k, v, sinks)
+    want, want_vjp = jax.vjp(reference, *(x.astype(jnp.float32) for x in (q, k, v)), sinks)
+    for got, expected in zip((out, *vjp(w)), (want, *want_vjp(w.astype(jnp.float32))), strict=True):
+        got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+        assert got.shape == expected.shape and not np.isnan(got).any()
+        assert np.linalg.norm(got - expected) <= 2e-2 * np.linalg.norm(expected)
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype", "blocks", "needle"),
     [
@@ -193,6 +217,15 @@ def test_the_model_config_is_checked_for_the_gpu_kernels(overrides, needle):
         check_attention(cfg, "gpu")
     assert needle in str(err.value)
     check_attention(cfg, "tpu")  # the TPU kernels take any dtype and head_dim
+
+
+def test_the_gpu_kernels_take_windows_soft_caps_and_sinks_in_the_model_config():
+    from spmd_train.config.checks import check_attention
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", [
+        "backends.attention=pallas", "model.compute_dtype=bfloat16", "model.head_dim=64", "model.sliding_window=8",
+        "model.layer_types=[sliding,full]", "model.attn_logit_softcap=30.0", "model.attention_sinks=true"])
+    check_attention(cfg, "gpu")
 
 
 @pytest.mark.parametrize(("causal", "segmented", "head_dim", "variants"), [

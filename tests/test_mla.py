@@ -189,8 +189,9 @@ def test_bad_mla_configs_exit_2_naming_the_keys(case, capsys, tmp_path):
 
 
 def test_kernels_that_take_one_width_are_refused_or_passed_over_with_the_reason():
-    """cuDNN (GPU) and the Mosaic GPU kernels do not take MLA: `auto` falls back to XLA saying why; asked for by
-    name they exit 2. On TPU `auto` keeps the Pallas kernels, which take the zero-padded values."""
+    """cuDNN (GPU) does not take MLA: `auto` takes our kernels where they run (DeepSeek's widths: 192, padded values,
+    64-key blocks to fit shared memory) and falls back to XLA otherwise, saying why; asked for by name, cuDNN and our
+    GPU kernels at a width that is not a multiple of 64 exit 2. On TPU `auto` keeps the Pallas kernels."""
     from spmd_train.config.checks import check_layout
     from spmd_train.errors import ConfigError
 
@@ -199,9 +200,14 @@ def test_kernels_that_take_one_width_are_refused_or_passed_over_with_the_reason(
     gpu = resolve_backends(m, BackendsConfig(), "gpu")
     assert gpu.attention == "xla" and "cudnn does not compute value heads of another width" in gpu.reason
     assert resolve_backends(m, BackendsConfig(), "tpu").attention == "pallas"
+    deepseek = _model([*bf16, "model.mla.qk_nope_head_dim=128", "model.mla.qk_rope_head_dim=64",
+                       "model.mla.v_head_dim=128"])
+    gpu = resolve_backends(deepseek, BackendsConfig(), "gpu")
+    assert (gpu.attention, gpu.blocks) == ("pallas", (128, 64)) and "cudnn does not compute value heads" in gpu.reason
     for name, says in (("cudnn", "backends.attention=cudnn does not compute value heads of another width than query "
                                  r"and key heads \(model.mla\) \(valid: backends.attention=auto or pallas or xla"),
-                       ("pallas", "backends.attention=pallas on GPU does not compute value heads of another width")):
+                       ("pallas", r"backends.attention=pallas on GPU needs a head_dim that is a multiple of 64; got 12 "
+                                  r"\(with model.mla")):
         cfg = load_config(None, ["model.preset=tiny", *bf16, f"backends.attention={name}"])
         with pytest.raises(ConfigError, match=says):
             check_layout(cfg, {**cfg.mesh.sizes(), "fsdp": 1}, "gpu")

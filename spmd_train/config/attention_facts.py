@@ -101,22 +101,25 @@ def valid_on(platform: str) -> tuple[str, ...]:
     return ("auto", *(f.name for f in sorted(runs, key=lambda f: not f.fallback)))
 
 
+def kernel_head_width(model: Any) -> int:
+    """The head width attention kernels see: the query/key width, or with MLA the wider of it and the values' (values
+    are zero-padded to the query/key width, `parallel.attention_dispatch`; DeepSeek-V3: 192)."""
+    return max(model.resolved_head_dim, model.resolved_v_head_dim)
+
+
 def _pallas_on_gpu(model: Any, backends: Any, platform: str) -> None:
-    """backends.attention=pallas on a GPU: the Mosaic GPU kernels' limits."""
+    """backends.attention=pallas on a GPU: the Mosaic GPU kernels' limits (every variant is computed)."""
     if platform != "gpu":
         return
     if model.compute_dtype != "bfloat16":
         raise ConfigError(f"backends.attention=pallas on GPU needs model.compute_dtype=bfloat16 (the kernels feed "
                           f"wgmma bfloat16 operands); got {model.compute_dtype}: set it, or use "
                           "backends.attention=cudnn or xla")
-    lacking = [v for v in model_variants(model) if v != "sinks"]
-    if lacking:
-        what = " or ".join(VARIANTS[v] for v in lacking)
-        raise ConfigError(f"backends.attention=pallas on GPU does not compute {what} yet: use backends.attention=xla "
-                          "(or cudnn for windows alone)")
-    if model.resolved_head_dim % 64:
+    width = kernel_head_width(model)
+    if width % 64:
+        mla = " (with model.mla: qk_nope_head_dim + qk_rope_head_dim, values zero-padded to it)" if model.mla else ""
         raise ConfigError(f"backends.attention=pallas on GPU needs a head_dim that is a multiple of 64; got "
-                          f"{model.resolved_head_dim}: use backends.attention=cudnn or xla")
+                          f"{width}{mla}: use backends.attention=cudnn or xla")
     if backends.attention_blocks is not None and any(b % 64 or b > 256 for b in backends.attention_blocks):
         raise ConfigError(f"backends.attention_blocks={list(backends.attention_blocks)} does not suit the GPU "
                           "kernels: each must be 64, 128, 192 or 256 (64-row warpgroups, at most 4 per program)")

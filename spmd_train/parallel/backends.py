@@ -19,6 +19,7 @@ from spmd_train.config.attention_facts import (
     attention_facts,
     computes,
     fallback_attention,
+    kernel_head_width,
     model_variants,
     valid_on,
 )
@@ -98,7 +99,8 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
         raise ValueError(f"backends.moe={choice.moe!r} is not an implementation (valid: {', '.join(MOE)})")
     kernels = "gpu" if platform == "gpu" else "tpu"
     interpret = platform == "cpu"
-    blocks = BlockSizes(*choice.attention_blocks) if choice.attention_blocks else default_blocks(kernels, interpret)
+    blocks = (BlockSizes(*choice.attention_blocks) if choice.attention_blocks else
+              default_blocks(kernels, interpret, kernel_head_width(model)))
     impl, reason = choice.attention, ""
     experts = {"moe": choice.moe, "capacity_factor": choice.capacity_factor if choice.moe == "capacity" else None,
                "context": context if sequence > 1 else None, "sequence": sequence}
@@ -139,7 +141,6 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
 
 
 def _gpu_kernels_run(model: ModelConfig) -> bool:
-    """Whether the Mosaic GPU kernels take this model's attention (bfloat16 operands, 64-wide head tiles, no window
-    or soft-cap yet)."""
-    plain = not set(model_variants(model)) - {"sinks"}
-    return jnp.dtype(model.compute_dtype) == jnp.bfloat16 and model.resolved_head_dim % 64 == 0 and plain
+    """Whether the Mosaic GPU kernels take this model's attention: bfloat16 operands and 64-wide head tiles (every
+    variant: windows and soft-caps inside, sinks and MLA's padding outside)."""
+    return jnp.dtype(model.compute_dtype) == jnp.bfloat16 and kernel_head_width(model) % 64 == 0

@@ -1,12 +1,14 @@
 """Attention speed and correctness: our Pallas kernels against cuDNN and plain XLA.
 
-Usage: python benchmarks/attention.py [--lengths 1024 2048 4096 8192 16384] [--sweep LENGTH]
+Usage: python benchmarks/attention.py [--lengths 1024 2048 4096 8192 16384] [--sweep LENGTH] [--windows 1024 4096]
 On a GPU (ours vs cuDNN and XLA side by side) or TPU (ours vs XLA): checks our output and
 gradients against the first baseline, then times forward and
 forward+backward and reports TFLOP/s. FLOP convention: forward 4 x batch x heads x L^2 x d,
 halved for causal attention (the masked half is not counted); forward+backward is 3.5x
 forward (the backward recomputes the scores: 2.5x). On CPU the kernel only runs in interpret
-mode, so the script checks correctness at small sizes and times nothing.
+mode, so the script checks correctness at small sizes and times nothing. `--windows W ...` times
+sliding-window attention instead (default lengths 8k and 16k): ours against cuDNN's sliding window
+(`local_window_size`), FLOPs counted over the band only (`band_pairs`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,45 @@ def speed_rows(lengths, baselines):
     return rows
 
 
+def band_pairs(length: int, window: int) -> int:
+    """(query, key) pairs a causal `window` sees over `length` tokens: query i sees min(i + 1, window) keys."""
+    w = min(window, length)
+    return length * w - w * (w - 1) // 2
+
+
+def window_rows(lengths, windows, baseline: str = "cudnn", *, tokens: int = 32768, heads: int = 32, kv_heads: int = 8,
+                head_dim: int = 128, dtype=jnp.bfloat16, repeats: int = 10):
+    """TFLOP/s (band FLOPs) of our windowed kernels and `baseline`'s sliding window (jax.nn.dot_product_attention,
+    `local_window_size` = (window - 1, 0): the window - 1 keys before each query and itself), forward and
+    forward+backward, after checking ours against it (output and all three gradients). `tokens` per batch."""
+    rows = []
+    for length in lengths:
+        batch = max(1, tokens // length)
+        q, k, v, do = _inputs(batch, length, heads, kv_heads, head_dim, dtype)
+        for window in windows:
+            impls = {"ours": lambda q, k, v, w=window: flash_attention(q, k, v, causal=True, window=w),
+                     baseline: lambda q, k, v, w=window: jax.nn.dot_product_attention(
+                         q, k, v, is_causal=True, local_window_size=(w - 1, 0), implementation=baseline)}
+            grads = {name: jax.jit(jax.grad(lambda q, k, v, fn=fn, do=do: jnp.sum(fn(q, k, v).astype(jnp.float32) * do),
+                                            argnums=(0, 1, 2))) for name, fn in impls.items()}
+            err = _rel(impls["ours"](q, k, v), impls[baseline](q, k, v))
+            grad_err = max(_rel(a, b) for a, b in zip(grads["ours"](q, k, v), grads[baseline](q, k, v), strict=True))
+            if err > 2e-2 or grad_err > 5e-2:
+                raise SystemExit(f"length {length}, window {window}: ours disagrees with {baseline}: output "
+                                 f"{err:.1e}, gradients {grad_err:.1e}")
+            flops = 4 * batch * heads * band_pairs(length, window) * head_dim
+            cells = []
+            for name, fn in impls.items():
+                cells += [flops / time_call(jax.jit(fn), q, k, v, repeats=repeats) / 1e12,
+                          3.5 * flops / time_call(grads[name], q, k, v, repeats=repeats) / 1e12]
+            rows.append(f"| {length} | {window} | {batch} | " + " | ".join(f"{c:.0f}" for c in cells)
+                        + f" | {cells[0] / cells[2]:.2f} | {cells[1] / cells[3]:.2f} | {err:.1e} / {grad_err:.1e} |")
+            print(rows[-1], flush=True)
+    head = (f"| length | window | batch | ours fwd | ours fwd+bwd | {baseline} fwd | {baseline} fwd+bwd "
+            f"| fwd ours/{baseline} | fwd+bwd ours/{baseline} | max rel. err. out / grads |")
+    return [head, "|" + "---:|" * 9 + "---|", *rows]
+
+
 def _xla_fits(batch, heads, length) -> bool:
     """Whether XLA's attention, which materialises fp32 scores and their gradient, fits in a quarter of
     device memory (beyond that it runs out of memory on an 80 GB H100 at 8k tokens x 32k per batch)."""
@@ -131,9 +172,21 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
     parser.add_argument("--sweep", type=int, metavar="LENGTH", default=None,
                         help="time our kernels over block shapes at this length instead (GPU/TPU)")
+    parser.add_argument("--windows", type=int, nargs="+", default=None,
+                        help="time sliding-window attention at these windows instead (GPU: against cuDNN's)")
     args = parser.parse_args()
     platform = jax.devices()[0].platform
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
+    if args.windows and platform == "gpu":
+        table = "\n".join(window_rows(args.lengths or [8192, 16384], args.windows))
+        note = (f"Sliding-window attention, TFLOP/s per device on {jax.devices()[0].device_kind} counting the band's "
+                "FLOPs only (4 x batch x heads x head_dim x visible pairs, 3.5x for forward+backward), bf16, head_dim "
+                "128, 32 query / 8 K/V heads, 32k tokens per batch; outputs and gradients checked against cuDNN's "
+                "`local_window_size` before timing.")
+        print(note + "\n" + table)
+        update_section("attention-window-gpu", "Sliding-window attention on GPU (`benchmarks/attention.py --windows`)",
+                       provenance(command.strip()) + "\n" + note + "\n\n" + table + "\n")
+        return
     if args.sweep and platform != "cpu":
         table = "\n".join(sweep_rows(args.sweep, platform))
         note = f"Block shapes of our kernels on {jax.devices()[0].device_kind}, length {args.sweep}, TFLOP/s."

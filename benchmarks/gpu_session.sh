@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a session with a GPU should check, in few calls (device time is short and a fresh machine
-# costs minutes). Part `attention`: the compiled Hopper kernels against float64, speed against
-# cuDNN and XLA, block shapes. Part `training`: the MoE layer and training-step MFU by attention.
+# costs minutes). Part `attention`: the compiled Hopper kernels against float64 (windows and
+# soft-caps included), speed against cuDNN and XLA, block shapes, sliding windows against cuDNN's.
+# Part `training`: the MoE layer and training-step MFU by attention.
 # Usage, from the repository root: bash benchmarks/gpu_session.sh attention|training|all
 # Packages the GPU image lacks (pydantic, tensorboardX) travel as wheels in .whl/ (see
 # docs/benchmarks.md); results land in docs/benchmarks.md and, when $OUT is set, it and the log there.
@@ -21,6 +22,7 @@ if [ "$part" = attention ] || [ "$part" = all ]; then
   JAX_PLATFORMS=cuda run python3 -m pytest -q -p no:cacheprovider tests/test_flash_attention_gpu.py -k compiled
   run python3 benchmarks/attention.py --record
   run python3 benchmarks/attention.py --record --sweep 8192
+  run python3 benchmarks/attention.py --record --windows 1024 4096  # 8k and 16k tokens, against cuDNN's window
 fi
 if [ "$part" = training ] || [ "$part" = all ]; then
   run python3 benchmarks/moe.py --record --rounds 3

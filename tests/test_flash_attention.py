@@ -15,17 +15,24 @@ from spmd_train.ops import dot_product_attention as reference_attention
 from tests.tiers import fast_cases
 
 
-def reference64(q, k, v, do, causal, segments):
-    """Forward and gradients in float64 numpy, written from the definitions."""
+def reference64(q, k, v, do, causal, segments, window=None, softcap=None):
+    """Forward and gradients in float64 numpy, written from the definitions (with a causal `window`: q_pos - k_pos <
+    window; with `softcap`: scores softcap * tanh(scores / softcap))."""
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     b, lq, h, d = q.shape
     lk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # head j uses K/V head j // g
     s = np.einsum("blhd,bmhd->bhlm", q, kr) / np.sqrt(d)
+    slope = 1.0
+    if softcap is not None:
+        t = np.tanh(s / softcap)
+        s, slope = softcap * t, 1.0 - t * t  # d capped / d scores
     mask = np.ones((b, 1, lq, lk), bool)
     if causal:
         mask &= np.tril(np.ones((lq, lk), bool))
+    if window is not None:
+        mask &= ~np.tril(np.ones((lq, lk), bool), -window)  # q_pos - k_pos >= window is masked
     if segments is not None:
         seg = np.asarray(segments)
         mask &= seg[:, None, :, None] == seg[:, None, None, :]
@@ -36,11 +43,24 @@ def reference64(q, k, v, do, causal, segments):
     p = p / np.where(den == 0, 1, den)
     out = np.einsum("bhlm,bmhd->blhd", p, vr)
     dp = np.einsum("blhd,bmhd->bhlm", do, vr)
-    ds = p * (dp - np.einsum("blhd,blhd->bhl", do, out)[..., None])
+    ds = p * (dp - np.einsum("blhd,blhd->bhl", do, out)[..., None]) * slope
     dq = np.einsum("bhlm,bmhd->blhd", ds, kr) / np.sqrt(d)
     dk = np.einsum("bhlm,blhd->bmhd", ds, q).reshape(b, lk, kvh, g, d).sum(3) / np.sqrt(d)
     dv = np.einsum("bhlm,blhd->bmhd", p, do).reshape(b, lk, kvh, g, d).sum(3)
     return out, dq, dk, dv
+
+
+def test_the_float64_reference_windows_and_caps_like_the_xla_reference():
+    """reference64's window and soft-cap (the compiled GPU kernels' yardstick) against ops.dot_product_attention."""
+    from spmd_train.ops.attention import Scoring
+
+    rng = np.random.default_rng(1)
+    q, k, v, do = (jnp.asarray(rng.normal(size=(1, 40, 2, 8)) * 3, jnp.float32) for _ in range(4))
+    seg = jnp.asarray(np.sort(rng.integers(0, 2, (1, 40)), axis=1), jnp.int32)
+    out, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, segment_ids=seg,
+                                                           scoring=Scoring(window=7, softcap=2.0)), q, k, v)
+    for got, want in zip(reference64(q, k, v, do, True, seg, window=7, softcap=2.0), (out, *vjp(do)), strict=True):
+        np.testing.assert_allclose(got, np.asarray(want, np.float64), atol=1e-4, rtol=1e-4)
 
 
 GRID = list(itertools.product([1, 17, 129, 384], [64, 128], [True, False], [1, 2, 4], [False, True]))

@@ -254,9 +254,12 @@ def test_kernels_lower_for_hopper(causal, segmented, head_dim, variants):
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU (Hopper)")
-@pytest.mark.parametrize(("length", "causal", "groups", "segmented"),
-                         [(1000, True, 4, False), (2048, True, 1, True), (777, False, 2, False)])
-def test_compiled_on_the_gpu_matches_float64(length, causal, groups, segmented):
+@pytest.mark.parametrize(("length", "causal", "groups", "segmented", "window", "softcap"), [
+    (1000, True, 4, False, None, None), (2048, True, 1, True, None, None), (777, False, 2, False, None, None),
+    (4096, True, 2, True, 1000, None),  # a window across blocks (not a multiple of 128), documents
+    (1000, True, 4, False, 100, 30.0),  # a window under one block, soft-capped
+])
+def test_compiled_on_the_gpu_matches_float64(length, causal, groups, segmented, window, softcap):
     """On a Hopper GPU: the compiled kernels (real wgmma, TMA, barriers) against float64."""
     keys = jax.random.split(jax.random.key(length), 5)
     q = jax.random.normal(keys[0], (2, length, 2 * groups, 128), jnp.bfloat16)
@@ -264,10 +267,11 @@ def test_compiled_on_the_gpu_matches_float64(length, causal, groups, segmented):
     v = jax.random.normal(keys[2], (2, length, 2, 128), jnp.bfloat16)
     do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
     segments = jnp.sort(jax.random.randint(keys[4], (2, length), 0, 4), axis=1) if segmented else None
-    run = jax.jit(lambda q, k, v, do: jax.vjp(
-        lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segments), q, k, v)[1](do))
-    out = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segments))(q, k, v)
-    expected = reference64(q, k, v, do, causal, segments)
+    attend = lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segments, window=window,
+                                             softcap=softcap)
+    run = jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))
+    out = jax.jit(attend)(q, k, v)
+    expected = reference64(q, k, v, do, causal, segments, window=window, softcap=softcap)
     for got, want in zip((out, *run(q, k, v, do)), expected, strict=True):
         got = np.asarray(got, np.float64)
         assert not np.isnan(got).any()

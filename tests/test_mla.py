@@ -7,10 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from spmd_train import Engine
+from spmd_train.analysis.param_rows import param_rows
+from spmd_train.analysis.plan import Candidate
+from spmd_train.analysis.plan.rejections import zero_reason
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config import load_config
 from spmd_train.config.model_schema import BackendsConfig
+from spmd_train.errors import ConfigError
 from spmd_train.models.flops import flops_per_token, layer_flops_per_token, matmul_params
 from spmd_train.models.mla import MLAttention
 from spmd_train.models.transformer import Transformer, rope_of
@@ -148,6 +154,37 @@ def test_mla_model_on_a_mesh_equals_one_device(one_device, devices, layout):
     assert engine.backends.attention == ("pallas" if "pallas" in layout else "xla")
     assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5, (losses, ref_losses)
     assert relative_error(params, ref_params) <= 1e-5
+
+
+@pytest.mark.parametrize(("zero_stage", "fsdp_rows"), [(3, "fsdp"), (2, None)])
+def test_the_latent_expansions_are_stored_split_over_fsdp_and_the_latents_are_not(devices, zero_stage, fsdp_rows):
+    """ZeRO-3 stores wq_b and wkv_b split over fsdp along their latent rows (`q_lora_in`, `kv_lora_in`) and over
+    tensor by heads: an eighth per device on fsdp 4 x tensor 2, where a whole fsdp rank's copy (a half) was held
+    before. ZeRO-2 keeps parameters whole over fsdp. The latent activations (`q_lora`, `kv_lora`) stay unsplit:
+    batch rows carry fsdp; and wq_a and wkv_a keep their ZeRO split on `embed`."""
+    cfg = load_config(None, ["model.preset=tiny", *Q_LORA, "mesh.fsdp=4", "mesh.tensor=2",
+                             f"parallel.zero_stage={zero_stage}"])
+    engine = Engine.build(cfg, devices)
+    rows = {r.path: r for r in param_rows(engine, engine.abstract_state().params)}
+    for name in ("wq_b", "wkv_b"):
+        row = rows[f"blocks.attn.{name}"]
+        assert row.spec == (None, fsdp_rows, "tensor", None), name
+        assert row.bytes_per_device == np.prod(row.shape) * 4 // (8 if fsdp_rows else 2), name
+    for name in ("wq_a", "wkv_a"):
+        assert rows[f"blocks.attn.{name}"].spec == (None, fsdp_rows, None), name
+    for latent in ("q_lora", "kv_lora"):
+        assert engine.layout.activation_spec(P("batch", "length", latent)) == P("fsdp"), latent
+
+
+def test_the_planner_refuses_a_zero_split_of_the_latents_as_the_engine_does(devices):
+    """kv_lora_rank 12 on fsdp 8: d_model 64 splits, the latent rows of wkv_b do not; both say so."""
+    overrides = ["model.preset=tiny", *MLA, "model.mla.kv_lora_rank=12", "mesh.fsdp=8"]
+    cfg = load_config(None, overrides)
+    found = zero_reason(ModelShape.from_config(cfg.model), Candidate(fsdp=8))
+    assert found.rule == "fsdp x sequence does not divide mla.kv_lora_rank=12 (ZeRO-1+)"
+    with pytest.raises(ConfigError, match="kv_lora_in.*cannot be split"):
+        Engine.build(cfg, devices)
+    assert zero_reason(ModelShape.from_config(cfg.model), Candidate(fsdp=4)) is None
 
 
 @pytest.mark.slow

@@ -182,6 +182,8 @@ def test_bf16_lion_and_adamw_hold_one_and_two_moments_in_the_parameter_dtype():
                           "model.d_ff=256"]),
     ("configs/tiny.yaml", ["optim.name=adafactor", "optim.b1=0.9", "model.d_model=256", "model.d_ff=512"]),
     ("configs/tiny.yaml", ["optim.name=lion", "model.param_dtype=bfloat16"]),
+    ("configs/tiny.yaml", ["model.num_kv_heads=8", "model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=24",
+                           "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6"]),
 ])
 def test_state_bytes_equal_the_engines_count_from_shapes_and_shardings(devices, path, overrides):
     cfg, engine = _build(devices, path, *overrides)

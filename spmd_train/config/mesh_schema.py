@@ -21,7 +21,8 @@ ScheduleName = Literal[schedule_names()]
 """parallel.pipeline_schedule's values: the schedules `config.schedule_facts` registers."""
 
 LOGICAL_AXES = ("batch", "length", "norm_length", "embed", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora",
-                "mlp", "vocab", "experts", "expert_mlp", "router_experts", "layers", "sublayers")
+                "q_lora_in", "kv_lora_in", "mlp", "vocab", "experts", "expert_mlp", "router_experts", "layers",
+                "sublayers")
 """Every logical axis name the model code speaks; `mesh.rules` maps these (and only these) to mesh axes."""
 STACKING_AXES = ("layers", "sublayers")
 """Logical axes that stack copies of a layer's parameters (`models.layers.param(stack=...)`): not a matrix's axes."""

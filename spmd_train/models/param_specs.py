@@ -45,7 +45,9 @@ def mla_params(cfg: ModelConfig) -> dict[str, Spec]:
 
     wq_a and wq_b (or wq without a query latent) give each head's query, nope then rope part; wkv_a gives the
     key/value latent and, in its last qk_rope_head_dim columns, the one rotated key every head shares; wkv_b expands
-    the normalised latent into each head's key (nope part) and value."""
+    the normalised latent into each head's key (nope part) and value. The expansions' latent rows are `q_lora_in` and
+    `kv_lora_in`, not the latents' own names: ZeRO splits them (as it splits `embed`) while the latent activations,
+    and wq_a and wkv_a, whose `embed` the ZeRO axes already split, keep `q_lora` and `kv_lora` unsplit."""
     a, d, h = cfg.mla, cfg.d_model, cfg.num_heads
     qk, nope, v = cfg.resolved_head_dim, a.qk_nope_head_dim, a.v_head_dim
     out: dict[str, Spec] = {}
@@ -53,10 +55,10 @@ def mla_params(cfg: ModelConfig) -> dict[str, Spec]:
         out["wq"] = ((d, h, qk), ("embed", "heads", "head_dim"))
     else:
         out |= {"wq_a": ((d, a.q_lora_rank), ("embed", "q_lora")), "q_norm.scale": norm_params(cfg, "q_lora")["scale"],
-                "wq_b": ((a.q_lora_rank, h, qk), ("q_lora", "heads", "head_dim"))}
+                "wq_b": ((a.q_lora_rank, h, qk), ("q_lora_in", "heads", "head_dim"))}
     out |= {"wkv_a": ((d, a.kv_lora_rank + a.qk_rope_head_dim), ("embed", "kv_lora")),
             "kv_norm.scale": norm_params(cfg, "kv_lora")["scale"],
-            "wkv_b": ((a.kv_lora_rank, h, nope + v), ("kv_lora", "heads", "head_dim")),
+            "wkv_b": ((a.kv_lora_rank, h, nope + v), ("kv_lora_in", "heads", "head_dim")),
             "wo": ((h, v, d), ("heads", "head_dim", "embed"))}
     if cfg.attention_sinks:
         out["sinks"] = ((h,), ("heads",))

@@ -11,6 +11,7 @@ is stable (model constants only) so rejections can be counted per rule; its `det
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.target import SLOW_AXES, Target, slow_placements
 from spmd_train.config.checks import check_layout
 from spmd_train.config.load import default_rules
-from spmd_train.config.mesh_schema import MESH_AXES
+from spmd_train.config.mesh_schema import MESH_AXES, ZERO_AXES
 from spmd_train.config.pipeline_keys import check_pipeline
 from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.config.schema import Config
@@ -140,13 +141,30 @@ def structure_reason(cfg: Config, shape: ModelShape, c: Candidate) -> Rejection 
     return None if found is None else _invalid((c, Scope.STRUCTURE), found)
 
 
+WIDTH_KEYS = {"embed": "d_model", "q_lora_in": "mla.q_lora_rank", "kv_lora_in": "mla.kv_lora_rank"}
+"""The model key behind a logical axis the ZeRO axes split, for the rule's text."""
+
+
 def zero_reason(shape: ModelShape, c: Candidate) -> Rejection | None:
     """Why this ZeRO stage cannot shard the state on its mesh, or None (`c` at that scope, `labels.scoped`)."""
     ways = c.fsdp * c.sequence
-    if c.zero_stage >= 1 and shape.d_model % ways:
-        rule = f"fsdp x sequence does not divide d_model={shape.d_model} (ZeRO-1+)"
-        return Rejection(c, Scope.ZERO, rule, f"fsdp x sequence = {ways}: {rule}", "invalid")
+    if c.zero_stage == 0 or ways == 1:
+        return None
+    for name, size in _zero_widths(shape, c.rules):
+        if size % ways:
+            rule = f"fsdp x sequence does not divide {WIDTH_KEYS.get(name, name)}={size} (ZeRO-1+)"
+            return Rejection(c, Scope.ZERO, rule, f"fsdp x sequence = {ways}: {rule}", "invalid")
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_widths(shape: ModelShape, rules: RuleTables | None) -> tuple[tuple[str, int], ...]:
+    """(logical axis, size) of every parameter dimension the rules put on the ZeRO axes: `embed` (d_model) and MLA's
+    latent rows. (The rules map each name to both ZERO_AXES or to neither; `check_default_rules` keeps it so.)"""
+    params = (rules or default_rules()).resolve(sequence_parallel=False, pipeline=1).params
+    found = {axis: size for g in shape.params for size, axis in zip(g.shape, g.axes, strict=True)
+             if set(params.get(axis, ())) & set(ZERO_AXES)}
+    return tuple(found.items())
 
 
 def redundant_reason(cfg: Config, c: Candidate) -> Rejection | None:

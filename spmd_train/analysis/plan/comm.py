@@ -142,7 +142,8 @@ def _stacked(g) -> int:
 
 
 def tensor_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
-    """Megatron tensor parallelism's activation collectives over `tensor` (all-reduce-equivalents)."""
+    """Megatron tensor parallelism's activation collectives over `tensor` (all-reduce-equivalents); MLA's as its
+    sharded math runs (docs/plan.md#multi-head-latent-attention)."""
     t = c.tensor
     if t == 1:
         return []
@@ -153,30 +154,48 @@ def tensor_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     here = 1 / c.pipeline  # a stage runs its own layers only
     # Per layer and microbatch, reductions of each sublayer's output: forward and backward, and under full remat
     # the attention's again (the MLP's recomputed output feeds nothing the backward reads, so XLA drops it).
+    # Attention's backward reduction is the input gradient of the head-split projections that read the residual
+    # stream (all of grouped-query attention's; MLA's query projection without a query latent).
     # Under SP each sublayer gathers its input three times: forward, backward (the scatter's transpose), and
     # again for its weight gradients, or in the recompute under full remat (Korthikanti et al. §4.2.2 keep the
-    # input split and gather it again).
+    # input split and gather it again). MLA's down-projections keep the split input as their residual: its
+    # attention gathers for the recompute and, where a head-split projection reads the input, for that weight's
+    # gradient too.
     full = c.remat == "full"
-    attn, mlp_reduces, gathers = (3 if full else 2), 2, 3
+    direct = m.heads_read_residual
+    attn, mlp_reduces, gathers = 1 + full + direct, 2, 3
+    attn_gathers = 2 + full + direct if m.latent_width else gathers
     dense = m.num_layers - m.moe_layers
     mlp_block = block
     if m.moe_layers:  # an MoE layer's MLP reduces its slot buffer (and the shared experts' block)
         slots = m.num_experts * capacity_slots(m, w, tokens / micro) * micro
         mlp_block = slots * m.d_model * m.compute_bytes + (block if m.num_shared_experts else 0.0)
-    attn_bytes = m.num_layers * here * attn * block
+    layers = m.num_layers * here
     edge = 2 * block  # vocabulary-parallel embedding (forward) and LM head (input gradient)
     mlp_blocks = here * (dense * block + m.moe_layers * mlp_block)
-    reduced = attn_bytes + mlp_blocks * mlp_reduces + edge
-    gathered = (m.num_layers * here * block + mlp_blocks) * gathers + edge
+    reduced = layers * attn * block + mlp_blocks * mlp_reduces + edge
+    gathered = layers * attn_gathers * block + mlp_blocks * gathers + edge
+    # MLA: every tensor rank computes the latents whole from the (gathered) input, and the head-split expansions'
+    # gradients with respect to them are partial sums: all-reduced, latent_width wide, at the full length. Under SP
+    # the down-projections' weight gradients come from the split input: all-reduced too, d_model x latent_width.
+    latent = layers * tokens * m.latent_width * m.compute_bytes
+    latent_weights = layers * micro * m.d_model * m.latent_width * m.compute_bytes
 
     def per_step(total: float, per_layer: int) -> tuple[float, int]:
-        return total * _fraction(t) * c.grad_accum, round((m.num_layers * here * per_layer + 2) * micro) * c.grad_accum
+        return total * _fraction(t) * c.grad_accum, round((layers * per_layer + 2) * micro) * c.grad_accum
 
     if c.sequence_parallel:
-        (rs, rs_n), (ag, ag_n) = per_step(reduced, attn + mlp_reduces), per_step(gathered, 2 * gathers)
-        return [CommTerm("all-gather", ("tensor",), ag, ag_n, "tensor"),
-                CommTerm("reduce-scatter", ("tensor",), rs, rs_n, "tensor")]
-    nbytes, count = per_step(2 * reduced, attn + mlp_reduces)
+        (rs, rs_n), (ag, ag_n) = per_step(reduced, attn + mlp_reduces), per_step(gathered, attn_gathers + gathers)
+        out = [CommTerm("all-gather", ("tensor",), ag, ag_n, "tensor"),
+               CommTerm("reduce-scatter", ("tensor",), rs, rs_n, "tensor")]
+        if m.latent_width:
+            nbytes = 2 * (latent + latent_weights) * _fraction(t) * c.grad_accum
+            out.append(CommTerm("all-reduce", ("tensor",), nbytes, round(2 * layers * micro) * c.grad_accum,
+                                "tensor"))
+        return out
+    # Without SP the latent's reduction joins the attention's backward one (one launch, d_model + latent_width wide
+    # without a query latent).
+    nbytes, count = per_step(2 * (reduced + latent), 2 + full + mlp_reduces)
     return [CommTerm("all-reduce", ("tensor",), nbytes, count, "tensor")]
 
 

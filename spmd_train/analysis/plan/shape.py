@@ -69,6 +69,12 @@ class ModelShape:
     """Per-head RMSNorm scales on Q and K (model.qk_norm)."""
     v_head_dim: int | None = None
     """Per-head value width when it is not head_dim (MLA's v_head_dim; head_dim is then the query/key width)."""
+    latent_width: int = 0
+    """MLA: the width of what every tensor rank computes whole from the residual stream (the key/value latent, the
+    shared rotated key and the query latent: kv_lora_rank + qk_rope_head_dim + q_lora_rank); 0 without MLA."""
+    heads_read_residual: bool = True
+    """A head-split projection reads the residual stream itself (grouped-query attention; MLA without a query
+    latent), so its input gradient is a partial sum over `tensor`."""
 
     @classmethod
     def from_config(cls, m: ModelConfig) -> ModelShape:
@@ -84,6 +90,8 @@ class ModelShape:
             params=_param_groups(m), matmul_params=matmul_params(m),
             windows=window_counts(m), qkv_bias=m.qkv_bias,
             qk_norm=m.qk_norm, v_head_dim=m.resolved_v_head_dim if m.mla is not None else None,
+            latent_width=0 if m.mla is None else m.mla.kv_lora_rank + m.mla.qk_rope_head_dim + (m.mla.q_lora_rank or 0),
+            heads_read_residual=m.mla is None or m.mla.q_lora_rank is None,
         )
 
     @property

@@ -150,10 +150,14 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", fast_cases(LAYOUTS, fast=["allgather_sequence2_fsdp2_tensor2"]))
 def test_mla_model_on_a_mesh_equals_one_device(one_device, devices, layout):
     """Values 6 wide against queries and keys 12 wide: XLA partitions them as they are, the context-parallel schemes
-    and the Pallas kernels take them zero-padded to 12 (exact), pipeline stages run MLA layers."""
+    and the Pallas kernels take them zero-padded to 12 (exact), pipeline stages run MLA layers; wq_b and wkv_b are
+    stored split over fsdp along their latent rows."""
     ref_losses, ref_params = one_device
-    losses, params, engine, _ = run_steps([*Q_LORA, *LAYOUTS[layout]], devices)
+    losses, params, engine, state = run_steps([*Q_LORA, *LAYOUTS[layout]], devices)
     assert engine.mesh.size == 8
+    attn = state.params["blocks"]["attn"]
+    for name in ("wq_b", "wkv_b"):  # ZeRO-3 ran with the latent rows split (gathered for use)
+        assert "fsdp" in str(attn[name].sharding.spec[1]), (name, attn[name].sharding.spec)
     assert engine.backends.attention == ("pallas" if "pallas" in layout else "xla")
     assert abs(losses - ref_losses).max() / abs(ref_losses).max() <= 1e-5, (losses, ref_losses)
     assert relative_error(params, ref_params) <= 1e-5

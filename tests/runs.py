@@ -95,12 +95,13 @@ def cli(*args: str, cwd: Path = ROOT, timeout: int = 600, optimized: bool = Fals
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def main_in_process(*args: str, capsys) -> tuple[int, str, str]:
+def main_in_process(*args: str, capsys, cwd: Path = ROOT) -> tuple[int, str, str]:
     """`spmd-train ARGS` through the CLI's `main()` in this process: (exit code, stdout, stderr).
 
     For refusals and other runs that prove nothing a fresh process would add: a subprocess costs an interpreter and
-    a jax import. Relative paths resolve against the repository, as `cli`'s do; the process-wide set-up `main()` makes
-    (SIGINT handler, unraisable hook, the `spmd_train` log handler on captured stderr) is undone afterwards.
+    a jax import. Relative paths resolve against `cwd` (the repository, as `cli`'s do); the process-wide set-up
+    `main()` makes (SIGINT handler, unraisable hook, the `spmd_train` log handler on captured stderr) is undone
+    afterwards.
     """
     import logging
     import signal
@@ -111,7 +112,7 @@ def main_in_process(*args: str, capsys) -> tuple[int, str, str]:
     saved = (signal.getsignal(signal.SIGINT), sys.unraisablehook, list(logger.handlers), logger.level,
              logger.propagate, os.getcwd())
     capsys.readouterr()
-    os.chdir(ROOT)
+    os.chdir(cwd)
     try:
         code = main(list(args))
     except SystemExit as exit_:  # argparse's own refusals

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import ROOT, cli_env
+from tests.runs import ROOT, cli_env, main_in_process
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FEW_STEPS = ["train.steps=2", "checkpoint.every=0"]
@@ -136,20 +136,23 @@ def _in_fresh_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("where", "command"), RUN, ids=[command for _, command in RUN])
-def test_documented_command_runs_as_written(where, command, tmp_path):
+def test_documented_command_runs_as_written(where, command, tmp_path, capsys):
     argv = shlex.split(command)
+    fresh = _in_fresh_dir(tmp_path)
     if argv[0] == "spmd-train":
-        argv = [sys.executable, "-m", "spmd_train", *argv[1:]]
-        if argv[3] == "train":
-            argv += FEW_STEPS
-    out = subprocess.run(argv, cwd=_in_fresh_dir(tmp_path), env=cli_env(), capture_output=True, text=True,
-                         timeout=600, check=False)
-    assert out.returncode == 0, f"{where}: {command}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
-    assert "Traceback" not in out.stderr
+        # Through the CLI's main() in this process: what `spmd-train` runs, less an interpreter start and a jax
+        # import per command (tests/test_cli.py runs the CLI in fresh processes).
+        args = [*argv[1:], *(FEW_STEPS if argv[1] == "train" else [])]
+        code, stdout, stderr = main_in_process(*args, capsys=capsys, cwd=fresh)
+    else:
+        out = subprocess.run(argv, cwd=fresh, env=cli_env(), capture_output=True, text=True, timeout=600, check=False)
+        code, stdout, stderr = out.returncode, out.stdout, out.stderr
+    assert code == 0, f"{where}: {command}\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    assert "Traceback" not in stderr
     for doc, quoted, printed in next((f for prefix, f in FIGURES.items() if command.startswith(prefix)), []):
         said = re.search(quoted, (ROOT / doc).read_text(), re.S).group(1)
-        now = re.search(printed, out.stdout, re.S)
-        assert now, f"{command!r} no longer prints {printed!r}:\n{out.stdout}"
+        now = re.search(printed, stdout, re.S)
+        assert now, f"{command!r} no longer prints {printed!r}:\n{stdout}"
         assert said == now.group(1), f"{doc} quotes {said}, {command!r} now prints {now.group(1)}: update {doc}"
 
 

@@ -17,6 +17,7 @@ from spmd_train.errors import ConfigError
 from spmd_train.train.metrics import read_history
 from spmd_train.train.run_record import record_config
 from tests.runs import cli_env, main_in_process
+from tests.tiers import fast_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["train", "configs/tiny.yaml", "train.steps=120", "checkpoint.every=10", "run.log_every=1000"]
@@ -125,13 +126,23 @@ def test_ten_kills_anywhere_then_resume_equal_the_uninterrupted_run_bitwise(stra
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_run_stopped_and_resumed_equals_the_uninterrupted_run_bitwise(tmp_path, devices):
+RESUMED = {
+    "tiny": ("configs/tiny.yaml", []),
+    # Auxiliary-loss-free balancing: the router biases are train state, saved and restored with the rest.
+    "moe_router_bias": ("configs/moe.yaml", ["model.moe.router_score=sigmoid", "model.moe.bias_update_rate=0.01",
+                                             "model.moe.n_group=2", "train.global_batch_size=8", "train.seq_len=32"]),
+}
+
+
+@pytest.mark.parametrize("run", fast_cases(RESUMED, fast=["tiny"]))
+def test_a_run_stopped_and_resumed_equals_the_uninterrupted_run_bitwise(tmp_path, devices, run):
     # In process: a run stopped after its step-3 checkpoint, then resumed by a new Trainer in the same run.dir,
     # gives each step's loss and the final state bit for bit (the kill and SIGTERM variants are `faults`).
-    overrides = ["train.steps=6", "checkpoint.every=3", "checkpoint.async_save=false", "run.log_every=1000"]
+    config, extra = RESUMED[run]
+    overrides = ["train.steps=6", "checkpoint.every=3", "checkpoint.async_save=false", "run.log_every=1000", *extra]
 
     def trainer(run_dir):
-        return Trainer(load_config(ROOT / "configs/tiny.yaml", [*overrides, f"run.dir={run_dir}"]), devices)
+        return Trainer(load_config(ROOT / config, [*overrides, f"run.dir={run_dir}"]), devices)
 
     straight = trainer(tmp_path / "straight")
     straight.run()
@@ -148,6 +159,9 @@ def test_a_run_stopped_and_resumed_equals_the_uninterrupted_run_bitwise(tmp_path
     for a, b in zip(jax.tree.leaves(jax.device_get(again.state)), jax.tree.leaves(jax.device_get(straight.state)),
                     strict=True):
         np.testing.assert_array_equal(a, b)
+    if extra:  # the biases moved, and the resumed run's biases are the straight run's
+        bias = np.asarray(jax.device_get(again.state.params["blocks"]["moe"]["mlp"]["router_bias"]))
+        assert np.abs(bias).max() > 0
 
 
 @pytest.mark.faults

@@ -205,6 +205,11 @@ def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
             f"model.moe.experts_per_token={moe.experts_per_token} is invalid with "
             f"model.moe.num_experts={moe.num_experts} (valid: 1 to {moe.num_experts})"
         )
+    check_moe_groups(moe)
+    if moe.bias_update_rate > 0 and sizes["pipeline"] > 1:
+        raise ConfigError(f"model.moe.bias_update_rate={moe.bias_update_rate} with mesh.pipeline="
+                          f"{sizes['pipeline']}: the router biases' update does not yet read the pipeline's per-layer "
+                          "expert loads (valid: mesh.pipeline=1, or model.moe.bias_update_rate=0)")
     refuse(expert_divides_experts(moe.num_experts, sizes["expert"]))
     refuse(tensor_divides("moe.d_ff", m.resolved_moe_d_ff, sizes["tensor"]))
     if cfg.backends.moe == "dropless" and platform == "cpu":
@@ -212,3 +217,20 @@ def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
             "backends.moe=dropless needs ragged all-to-all, which XLA:CPU does not implement; use "
             "backends.moe=capacity here, or compile it for a TPU with `spmd-train describe --topology`"
         )
+
+
+def check_moe_groups(moe) -> None:
+    """Group-limited routing: n_group equal groups, topk_group of them per token, room for k experts in those."""
+    e, groups, best = moe.num_experts, moe.n_group, moe.topk_group
+    if e % groups:
+        raise ConfigError(f"model.moe.n_group={groups} does not divide model.moe.num_experts={e}: the groups are "
+                          f"equal runs of consecutive experts (valid model.moe.n_group: {divisors(e)})")
+    if best > groups:
+        raise ConfigError(f"model.moe.topk_group={best} is more than model.moe.n_group={groups} groups (valid: 1 to "
+                          f"{groups}; equal to n_group: routing not group-limited)")
+    room = best * (e // groups)
+    if moe.experts_per_token > room:
+        raise ConfigError(f"model.moe.experts_per_token={moe.experts_per_token} does not fit in "
+                          f"model.moe.topk_group={best} groups of {e // groups} experts (num_experts={e} / "
+                          f"n_group={groups}): each token's experts come from those groups (valid: "
+                          f"experts_per_token up to {room}, or a larger topk_group)")

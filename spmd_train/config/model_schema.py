@@ -51,7 +51,22 @@ class MoEConfig:
     num_shared_experts: NonNegativeInt = 0
     """Experts every token goes through (one SwiGLU of width num_shared_experts x d_ff)."""
     router_score: Literal["softmax", "sigmoid"] = "softmax"
-    """How router logits become expert scores before top-k (gates are renormalised to sum to 1)."""
+    """How router logits become expert scores before top-k (DeepSeek-V3: sigmoid)."""
+    norm_topk_prob: bool = True
+    """Renormalise each token's k gates to sum to 1 (Mixtral, Qwen3-MoE, DeepSeek-V3); false: the gates are the
+    chosen experts' scores as they are (DeepSeek-V2)."""
+    routed_scaling_factor: PositiveFloat = 1.0
+    """The routed experts' gates are multiplied by this, after any renormalisation (DeepSeek-V3: 2.5)."""
+    n_group: PositiveInt = 1
+    """Group-limited routing: the experts form n_group equal groups of consecutive experts (DeepSeek-V3: 8)."""
+    topk_group: PositiveInt = 1
+    """Group-limited routing: each token picks its experts from its topk_group best groups, a group ranked by the
+    sum of its two best scores (DeepSeek-V3: 4; equal to n_group: no limit)."""
+    bias_update_rate: NonNegativeFloat = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3: 0.001): a per-expert bias added to the scores for selection
+    only, moved by this rate times the sign of (mean load - the expert's load) after every step; 0: no bias."""
+    seq_aux_weight: NonNegativeFloat = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss (1 when each sequence is balanced; DeepSeek-V3: 0.0001)."""
     router_aux_weight: NonNegativeFloat = 0.01
     """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
     router_z_weight: NonNegativeFloat = 0.001

@@ -19,12 +19,22 @@ from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.layers import dense, param, weight
 from spmd_train.models.param_specs import moe_params
 from spmd_train.ops.experts import ExpertWeights
-from spmd_train.ops.routing import aux_loss, expert_counts, route, z_loss
+from spmd_train.ops.routing import aux_loss, expert_counts, route, sequence_aux_loss, z_loss
 from spmd_train.parallel import Backends, moe_ffn, replica_mean
 from spmd_train.sharding.constrain import constrain
 
 INPUT = ("batch", "length", "embed")
 OUTPUT = ("batch", "norm_length", "embed")
+
+
+class RouterBias(nnx.Variable):
+    """Auxiliary-loss-free balancing's per-expert selection bias (DeepSeek-V3), kept in fp32.
+
+    State, not a trainable parameter: it gets no gradient (routing stops it), the optimizer's
+    update for it is discarded, and the train step moves it by its own rule
+    (`train.balance.update_router_bias`). Living in the model's state, it travels with its layer
+    through the layer scan, pipeline stages, checkpoints, generation and export.
+    """
 
 
 class MoE(nnx.Module):
@@ -33,7 +43,8 @@ class MoE(nnx.Module):
     stats (fp32): `aux_loss` and `z_loss` (unweighted; the caller applies model.moe.router_aux_weight
     and router_z_weight), `dropped_fraction` (share of (token, choice) assignments dropped for lack
     of capacity) and `expert_load` [E] (assignments routed to each expert, before dropping, per
-    replica: averaged over the replicas of an enclosing gradient step).
+    replica: averaged over the replicas of an enclosing gradient step), and with model.moe.seq_aux_weight > 0
+    `seq_aux_loss` (unweighted).
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends, *, stack: int | None = None):
@@ -49,7 +60,13 @@ class MoE(nnx.Module):
             self.shared_gate = param(rngs.params(), *specs["shared_gate"], std=cfg.init_std, **kw)
             self.shared_up = param(rngs.params(), *specs["shared_up"], std=cfg.init_std, **kw)
             self.shared_down = param(rngs.params(), *specs["shared_down"], std=out_std, **kw)
+        if moe.bias_update_rate > 0:
+            zeros = param(None, *specs["router_bias"], std=0.0, dtype=jnp.float32, stack=stack)
+            self.router_bias = RouterBias(zeros[...], **zeros.get_metadata())
         self.num_experts, self.k, self.score = moe.num_experts, moe.experts_per_token, moe.router_score
+        self.routing = {"norm": moe.norm_topk_prob, "scaling": moe.routed_scaling_factor, "n_group": moe.n_group,
+                        "topk_group": moe.topk_group}
+        self.has_bias, self.seq_aux = moe.bias_update_rate > 0, moe.seq_aux_weight > 0
         self.capacity_factor, self.impl = backends.capacity_factor, backends.moe
         self.num_shared = moe.num_shared_experts
         self.compute_dtype = cfg.compute_dtype
@@ -59,7 +76,8 @@ class MoE(nnx.Module):
         x = constrain(x, INPUT)
         # The router runs in fp32: top-k is decided by small logit differences.
         logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), weight(self.router, jnp.float32))
-        expert_idx, gates, scores = route(logits, self.k, self.score)
+        bias = self.router_bias[...] if self.has_bias else None
+        expert_idx, gates, scores = route(logits, self.k, self.score, bias=bias, **self.routing)
         experts = ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...])
         y, kept = moe_ffn(x, expert_idx, gates, experts, num_experts=self.num_experts,
                           capacity_factor=self.capacity_factor, impl=self.impl, dtype=dt)
@@ -75,6 +93,8 @@ class MoE(nnx.Module):
             "dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)),
             "expert_load": counts,
         }
+        if self.seq_aux:
+            stats["seq_aux_loss"] = sequence_aux_loss(scores, expert_idx)
         return constrain(y, OUTPUT), stats
 
     def _shared(self, x: jax.Array) -> jax.Array:

@@ -34,6 +34,7 @@ from spmd_train.sharding.arithmetic import local_shape, rows_per_device
 from spmd_train.sharding.constrain import use_layout
 from spmd_train.sharding.layout import Layout
 from spmd_train.tpu_flags import tpu_flags_in_effect
+from spmd_train.train.balance import bias_metrics, update_router_bias, without_bias_updates
 from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
@@ -264,8 +265,9 @@ class Engine:
         """(what training minimises, metrics): cross-entropy plus the weighted MoE router losses.
 
         Metrics: `loss` (the cross-entropy alone) and, with MoE layers, `aux_loss` and `z_loss`
-        (unweighted, mean over MoE layers), `dropped_fraction` and `expert_load.<i>` (max / mean
-        of the tokens routed to each expert of MoE layer i).
+        (unweighted, mean over MoE layers), `seq_aux_loss` when weighted, `dropped_fraction` and `expert_load.<i>`
+        (max / mean of the tokens routed to each expert of MoE layer i); with router biases `expert_counts`
+        [MoE layers, E] too, the train step's input to the bias update (it pops it before reporting).
         """
         model = nnx.merge(self.graphdef, self.model_params(params))
         inputs, targets, docs, weights = model_inputs(batch, self.backends.zigzag)
@@ -280,7 +282,13 @@ class Engine:
         load = stats["expert_load"]
         metrics.update(aux_loss=aux, z_loss=z, dropped_fraction=jnp.mean(stats["dropped_fraction"]))
         metrics.update({f"expert_load.{i}": r for i, r in enumerate(jnp.max(load, -1) / jnp.mean(load, -1))})
-        return loss + moe.router_aux_weight * aux + moe.router_z_weight * z, metrics
+        if moe.bias_update_rate > 0:
+            metrics["expert_counts"] = load
+        total = loss + moe.router_aux_weight * aux + moe.router_z_weight * z
+        if moe.seq_aux_weight > 0:
+            metrics["seq_aux_loss"] = jnp.mean(stats["seq_aux_loss"])
+            total = total + moe.seq_aux_weight * metrics["seq_aux_loss"]
+        return total, metrics
 
     def step_fn(self, state: TrainState, batch: Batch | jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step (un-jitted; see `train_step`)."""
@@ -300,7 +308,11 @@ class Engine:
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            params = optax.apply_updates(state.params, without_bias_updates(updates))
+        rate = self.cfg.model.moe.bias_update_rate if self.cfg.model.moe is not None else 0.0
+        if rate > 0:
+            with jax.named_scope("router_bias"):
+                params = update_router_bias(params, values.pop("expert_counts"), rate)
         # The schedule is indexed by applied steps: a skipped step does not advance it (nor optax's count).
         lr = self.schedule(state.step - state.guard.skipped)
         with jax.named_scope("guards"):
@@ -310,7 +322,7 @@ class Engine:
             reason = judge(state.guard, values["loss"], grad_norm, self.cfg.train, jnp.isfinite(lr))
             params, opt_state = keep_if(reason == 0, (params, opt_state), (state.params, state.opt_state))
             guard = advance(state.guard, reason, values["loss"], grad_norm)
-        metrics = {**values, "grad_norm": grad_norm, "lr": lr,
+        metrics = {**values, **bias_metrics(params), "grad_norm": grad_norm, "lr": lr,
                    "skip_reason": reason, "skipped_steps": guard.skipped, "consecutive_skips": guard.consecutive}
         return TrainState(state.step + 1, params, opt_state, guard), metrics
 

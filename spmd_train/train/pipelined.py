@@ -184,6 +184,9 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
         per_layer = {"aux_loss": stats["aux_loss"], "z_loss": stats["z_loss"],
                      "dropped_fraction": stats["dropped_fraction"],
                      "expert_load": jnp.max(load, -1) / jnp.mean(load, -1)}
+        if moe.seq_aux_weight > 0:
+            term = term + moe.seq_aux_weight * jnp.sum(stats["seq_aux_loss"])
+            per_layer["seq_aux_loss"] = stats["seq_aux_loss"]
         return y, term / layers, per_layer
 
     return stage_fn
@@ -192,7 +195,8 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
 def _router_metrics(stats: dict[str, jax.Array], model_order: np.ndarray) -> dict[str, jax.Array]:
     """The step's router metrics, as `Engine.objective` names them, from per-layer means over microbatches."""
     stats = {key: value[model_order] for key, value in stats.items()}  # model order, without padding rows
-    metrics = {key: jnp.mean(stats[key]) for key in ("aux_loss", "z_loss", "dropped_fraction")}
+    metrics = {key: jnp.mean(stats[key]) for key in ("aux_loss", "z_loss", "dropped_fraction", "seq_aux_loss")
+               if key in stats}
     load = stats["expert_load"]
     return metrics | {f"expert_load.{i}": load[i] for i in range(load.shape[0])}
 

@@ -1,0 +1,60 @@
+"""Auxiliary-loss-free balancing (DeepSeek-V3): moving each MoE layer's router bias after a step.
+
+The bias (`models.moe.RouterBias`, one [E] row per MoE layer, stacked with its layer) is added to
+the router scores for selection only. It is train state outside the optimizer: the routing stops
+its gradient, the optimizer's update for it is discarded here, and after each applied step every
+expert's bias moves by `rate` towards balance: up when the expert took fewer than the mean
+assignments, down when more, by the sign alone (so the rate is the step size whatever the batch).
+
+Details: docs/moe.md#auxiliary-loss-free-balancing
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+BIAS = "router_bias"
+
+
+def is_router_bias(path) -> bool:
+    """Whether a params-tree path (`tree_map_with_path`'s) names a router bias."""
+    return bool(path) and getattr(path[-1], "key", None) == BIAS
+
+
+def has_router_bias(params: Any) -> bool:
+    return any(is_router_bias(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
+def without_bias_updates(updates: Any) -> Any:
+    """The optimizer's updates with the router biases' set to zero: their value is this module's business."""
+    return jax.tree_util.tree_map_with_path(lambda p, u: jnp.zeros_like(u) if is_router_bias(p) else u, updates)
+
+
+def update_router_bias(params: Any, load: jax.Array, rate: float) -> Any:
+    """`params` with every router bias moved by rate * sign(mean load - load).
+
+    `load` [rows, E]: the step's assignments per expert of each MoE layer (any positive scale:
+    only the sign of its difference from the layer's mean counts), in the stored order of the
+    layer stack's rows, as the bias rows are.
+    """
+    error = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+    def move(path, leaf):
+        if not is_router_bias(path):
+            return leaf
+        return leaf + (rate * error).reshape(leaf.shape).astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
+def bias_metrics(params: Any) -> dict[str, jax.Array]:
+    """`router_bias.<i>`: the spread (max - min) of MoE layer i's bias, i.e. how hard balancing steers it."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if is_router_bias(path):
+            rows = leaf.reshape(-1, leaf.shape[-1])
+            out.update({f"router_bias.{i}": r for i, r in enumerate(jnp.max(rows, -1) - jnp.min(rows, -1))})
+    return out

@@ -7,7 +7,13 @@ import pytest
 
 from spmd_train import Engine, Trainer, load_config
 from spmd_train.hardware import device_spec
-from spmd_train.models.flops import active_moe_mlp_params, flops_per_token, matmul_params, moe_layer_count
+from spmd_train.models.flops import (
+    active_moe_mlp_params,
+    flops_per_token,
+    layer_flops_per_token,
+    matmul_params,
+    moe_layer_count,
+)
 
 
 def test_llama3_8b_flops_by_hand():
@@ -69,6 +75,18 @@ def test_moe_every_other_layer_with_shared_experts_by_hand():
     assert matmul_params(m) == 4 * attention + 2 * dense_mlp + 2 * moe_mlp + d * 256
 
 
+def test_first_k_dense_layers_count_as_dense():
+    m = load_config(None, ["model.preset=moe-tiny", "model.moe.every=1", "model.moe.first_k_dense=1"]).model
+    d, f_dense, f_expert, e, k = 64, 128, 64, 8, 2
+    attention = 2 * d * d + 2 * d * (4 * 8)
+    assert moe_layer_count(m) == 3 and [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    assert matmul_params(m) == 4 * attention + 3 * d * f_dense + 3 * (d * e + 3 * d * f_expert * k) + d * 256
+    per_layer = layer_flops_per_token(m, 64)
+    assert per_layer[1] - per_layer[0] == 6 * d * e == per_layer[3] - per_layer[0]  # 2 experts of 64 = 128; + router
+    grouped = load_config(None, ["model.preset=moe-tiny", "model.moe.first_k_dense=2"]).model
+    assert [grouped.is_moe_layer(i) for i in range(4)] == [False, False, False, True]
+
+
 def test_model_moe_null_is_the_dense_model():
     dense = load_config(None, ["model.preset=tiny", "model.num_layers=4"]).model
     assert moe_layer_count(dense) == 0
@@ -78,7 +96,8 @@ def test_model_moe_null_is_the_dense_model():
 
 @pytest.mark.parametrize("overrides", [["model.preset=moe-tiny"],
                                        ["model.preset=moe-tiny", "model.moe.every=1", "model.moe.num_shared_experts=1",
-                                        "model.moe.experts_per_token=1"]])
+                                        "model.moe.experts_per_token=1"],
+                                       ["model.preset=moe-tiny", "model.moe.every=1", "model.moe.first_k_dense=1"]])
 def test_active_count_matches_the_built_model(overrides):
     # From the engine's parameters: every matmul weight counts, routed-expert weights (logical axis
     # `experts`) scaled by k / E since a token meets k of the E experts; the embedding lookup and the

@@ -113,6 +113,11 @@ BAD_ROUTING = {
                             ["model.moe.experts_per_token=3", "model.moe.topk_group=1", "up to 2"]),
     "bias-with-pipeline": (["model.moe.bias_update_rate=0.001", "mesh.pipeline=2", "mesh.fsdp=1"],
                            ["model.moe.bias_update_rate=0.001", "mesh.pipeline=2", "bias_update_rate=0"]),
+    "first-dense-all-layers": (["model.moe.first_k_dense=4"], ["model.moe.first_k_dense=4", "0 to 3"]),
+    "every-after-first-dense": (["model.moe.first_k_dense=1"],  # moe-tiny: every 2nd of the 3 layers left
+                                ["model.moe.every=2", "3 layers after model.moe.first_k_dense=1", "1, 3"]),
+    "first-dense-with-pipeline": (["model.moe.first_k_dense=2", "mesh.pipeline=2", "mesh.fsdp=1"],
+                                  ["model.moe.first_k_dense=2", "mesh.pipeline=2", "first_k_dense=0"]),
 }
 
 
@@ -142,7 +147,8 @@ def test_bad_routing_keys_exit_2_on_the_command_line(tmp_path):
 
 # --- a model with every option on: the bias's rule, sharded = one device, metrics -----------------------
 
-DEEPSEEK_LIKE = ["model.moe.router_score=sigmoid", "model.moe.n_group=4", "model.moe.topk_group=2",
+DEEPSEEK_LIKE = ["model.moe.every=1", "model.moe.first_k_dense=1",  # DeepSeek-V3's layout: dense layer(s) first
+                 "model.moe.router_score=sigmoid", "model.moe.n_group=4", "model.moe.topk_group=2",
                  "model.moe.routed_scaling_factor=2.5", "model.moe.norm_topk_prob=true",
                  "model.moe.bias_update_rate=0.01", "model.moe.seq_aux_weight=0.001",
                  "model.moe.num_shared_experts=1", "model.moe.router_aux_weight=0.0",
@@ -158,7 +164,7 @@ def _engine(overrides, devices):
 
 
 def _bias(params):
-    return np.asarray(params["blocks"]["moe"]["mlp"]["router_bias"])
+    return np.asarray(params["blocks"]["mlp"]["router_bias"])  # [MoE layers, E]: layers 1-3 (layer 0 is dense)
 
 
 def test_bias_moves_by_the_sign_of_each_experts_load_error(devices):
@@ -179,7 +185,7 @@ def test_bias_moves_by_the_sign_of_each_experts_load_error(devices):
         after = _bias(state.params)
         np.testing.assert_allclose(after - before, rate * np.sign(load.mean(-1, keepdims=True) - load), atol=1e-7)
         assert (load.sum(-1) == 8 * 32 * 2).all()  # every (token, choice) counted once
-        for i in range(2):
+        for i in range(3):
             assert float(metrics[f"router_bias.{i}"]) == pytest.approx(np.ptp(after[i]), abs=1e-7)
         assert "expert_counts" not in metrics and "seq_aux_loss" in metrics
     assert np.abs(_bias(state.params)).max() > 0
@@ -201,7 +207,7 @@ def test_sharded_steps_with_every_routing_option_equal_one_device(devices):
         return history, jax.tree.map(np.asarray, jax.device_get(state.params))
 
     sharded, one = run(DEEPSEEK_LIKE, devices), run([*DEEPSEEK_LIKE, *ONE_DEVICE], devices[:1])
-    for key in ("loss", "grad_norm", "seq_aux_loss", "z_loss", "expert_load.0", "expert_load.1", "router_bias.1"):
+    for key in ("loss", "grad_norm", "seq_aux_loss", "z_loss", "expert_load.0", "expert_load.2", "router_bias.1"):
         np.testing.assert_allclose([h[key] for h in sharded[0]], [h[key] for h in one[0]], rtol=1e-5, err_msg=key)
     np.testing.assert_array_equal(_bias(sharded[1]), _bias(one[1]))
     assert np.abs(_bias(one[1])).max() > 0
@@ -225,3 +231,18 @@ def test_pipelined_routing_options_and_sequence_loss_equal_one_device(devices):
     for key in ("loss", "grad_norm", "seq_aux_loss", "expert_load.0"):
         np.testing.assert_allclose([h[key] for h in history], [h[key] for h in ref_history], rtol=1e-5, err_msg=key)
     assert relative_error(engine.model_params(params), ref_params) < 1e-5
+
+
+def test_generation_with_dense_first_layers_and_biased_groups_equals_recomputation(devices):
+    """The cached decoder runs the first_k_dense stack, then the MoE stack with its biases and groups, token for
+    token as the full forward pass (fsdp 2 x tensor 4)."""
+    from spmd_train.train.generation import generate
+    from tests.test_generate import NEW, PROMPTS, _engine, _params, _recomputed
+
+    options = ["model.moe.every=1", "model.moe.first_k_dense=1", "model.moe.router_score=sigmoid",
+               "model.moe.n_group=4", "model.moe.topk_group=2", "model.moe.routed_scaling_factor=2.5",
+               "model.moe.bias_update_rate=0.001", "mesh.fsdp=2", "mesh.tensor=4"]
+    engine = _engine(devices, "moe-tiny", *options)
+    params = _params(engine)  # the biases drawn too: generation must route with them
+    assert np.abs(np.asarray(params["blocks"]["mlp"]["router_bias"])).max() > 0
+    assert generate(engine, params, PROMPTS, max_new_tokens=NEW).tokens == _recomputed(engine, params, PROMPTS, NEW)

@@ -14,6 +14,7 @@ from spmd_train.config.validity import (
     batch_axes_divide_batch,
     divisors,
     expert_divides_experts,
+    first_dense_outside_pipeline,
     refuse,
     ring_outside_pipeline,
     ring_zigzag_chunks,
@@ -195,11 +196,17 @@ def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
     m, moe = cfg.model, cfg.model.moe
     if moe is None:
         return
-    if m.num_layers % moe.every:
-        raise ConfigError(
-            f"model.moe.every={moe.every} is invalid for model.num_layers={m.num_layers}: it must divide "
-            f"num_layers (valid: {divisors(m.num_layers)}; model.moe=null for a dense model)"
-        )
+    if moe.first_k_dense >= m.num_layers:
+        raise ConfigError(f"model.moe.first_k_dense={moe.first_k_dense} leaves no MoE layer in model.num_layers="
+                          f"{m.num_layers} (valid: 0 to {m.num_layers - 1}; model.moe=null for a dense model)")
+    routed = m.num_layers - moe.first_k_dense
+    if routed % moe.every:
+        layers = (f"the {routed} layers after model.moe.first_k_dense={moe.first_k_dense} (model.num_layers="
+                  f"{m.num_layers}): it must divide them" if moe.first_k_dense else
+                  f"model.num_layers={m.num_layers}: it must divide num_layers")
+        raise ConfigError(f"model.moe.every={moe.every} is invalid for {layers} (valid: {divisors(routed)}; "
+                          "model.moe=null for a dense model)")
+    refuse(first_dense_outside_pipeline(moe.first_k_dense, sizes["pipeline"]))
     if moe.experts_per_token > moe.num_experts:
         raise ConfigError(
             f"model.moe.experts_per_token={moe.experts_per_token} is invalid with "

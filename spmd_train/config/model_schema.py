@@ -41,7 +41,11 @@ class MoEConfig:
     __pydantic_config__ = STRICT
 
     every: PositiveInt = 1
-    """Every k-th layer's MLP is an MoE layer (1: all of them); must divide model.num_layers."""
+    """Every k-th layer's MLP is an MoE layer (1: all of them), counted after the first_k_dense dense layers; must
+    divide the layers after them."""
+    first_k_dense: NonNegativeInt = 0
+    """The first this many layers are dense (SwiGLU of model.d_ff) before the MoE pattern starts (DeepSeek-V3: 3);
+    fewer than model.num_layers."""
     num_experts: PositiveInt = 8
     """Routed experts per MoE layer (split over mesh.expert)."""
     experts_per_token: PositiveInt = 2
@@ -211,9 +215,21 @@ class ModelConfig:
         return self.moe.every if self.moe is not None else 0
 
     @property
+    def first_dense(self) -> int:
+        """Dense layers before the MoE pattern (model.moe.first_k_dense; 0 without MoE): a stack of their own."""
+        return self.moe.first_k_dense if self.moe is not None else 0
+
+    @property
     def stack_rows(self) -> int:
-        """Rows of the stacked layer parameters: one per layer, or per MoE group (every > 1 layers ending in MoE)."""
-        return self.num_layers // self.moe_every if self.moe_every > 1 else self.num_layers
+        """Rows of the stacked layer parameters (`blocks`, after the first_dense layers): one per layer, or per MoE
+        group (every > 1 layers ending in MoE)."""
+        layers = self.num_layers - self.first_dense
+        return layers // self.moe_every if self.moe_every > 1 else layers
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i (from 0) is an MoE layer: every moe.every-th layer after the first_dense ones."""
+        every, first = self.moe_every, self.first_dense
+        return every > 0 and i >= first and (i - first + 1) % every == 0
 
     @property
     def resolved_moe_d_ff(self) -> int:

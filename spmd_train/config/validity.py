@@ -226,6 +226,16 @@ def chunks_divide_layers(num_layers: int, pipeline: int, virtual: int, *, preset
                      message)
 
 
+def first_dense_outside_pipeline(first_k_dense: int, pipeline: int) -> Violation | None:
+    """model.moe.first_k_dense layers are a stack of their own before the pipelined one: not yet under a pipeline."""
+    if first_k_dense == 0 or pipeline == 1:
+        return None
+    return Violation(f"model.moe.first_k_dense={first_k_dense} with a pipeline", f"pipeline={pipeline}",
+                     f"model.moe.first_k_dense={first_k_dense} with mesh.pipeline={pipeline}: the first dense layers "
+                     "are a layer stack of their own, which pipeline stages do not yet hold (valid: mesh.pipeline=1, "
+                     "or model.moe.first_k_dense=0)")
+
+
 def chunks_hold_moe_groups(num_layers: int, moe_every: int, pipeline: int, virtual: int) -> Violation | None:
     """Equal stage chunks hold whole MoE groups (model.moe.every layers, the stack's rows): moe.every divides a
     chunk's layers."""

@@ -19,7 +19,15 @@ from flax import nnx
 
 from spmd_train.models.layers import weight
 from spmd_train.models.mla import MLAttention
-from spmd_train.models.transformer import RESIDUAL, Block, MoEGroup, Transformer, layer_kind_ids, rope_of
+from spmd_train.models.transformer import (
+    RESIDUAL,
+    Block,
+    MoEGroup,
+    Transformer,
+    first_kind_ids,
+    layer_kind_ids,
+    rope_of,
+)
 from spmd_train.ops.attention import FULL, Scoring, visible
 from spmd_train.sharding.constrain import constrain
 
@@ -178,7 +186,7 @@ def forward_cached(model: Transformer, tokens: jax.Array, pads: jax.Array, start
     pads = constrain(pads, ("batch",))
     positions = constrain(jnp.maximum(slots[None, :] - pads[:, None], 0), ("batch", "length"))
     rope = rope_of(cfg, length, positions)
-    kinds = jnp.asarray(layer_kind_ids(cfg).reshape(-1))
+    kinds = jnp.asarray(np.concatenate([first_kind_ids(cfg), layer_kind_ids(cfg).reshape(-1)]))
     # Each layer's index among the layers of its own kind: its row of the full or of the sliding cache.
     layer_kinds = np.asarray(cfg.layer_kinds)
     among = jnp.asarray([int((layer_kinds[:i] == kind).sum()) for i, kind in enumerate(layer_kinds)])
@@ -187,6 +195,16 @@ def forward_cached(model: Transformer, tokens: jax.Array, pads: jax.Array, start
 
     graphdef, stacked = nnx.split(model.blocks)
     x = model.embed(tokens)
+    first = cfg.first_dense
+    if first:  # model.moe.first_k_dense's dense layers, then the stack (layer indices offset by `first`)
+        first_def, first_stacked = nnx.split(model.first_blocks)
+
+        def first_layer(carry, xs):
+            params, i = xs
+            return _block_step(nnx.merge(first_def, params), carry[0], rope, mask, carry[1], among[i], start,
+                               kinds[i], pads), None
+
+        (x, cache), _ = jax.lax.scan(first_layer, (x, cache), (first_stacked, jnp.arange(first)))
     if isinstance(model.blocks, MoEGroup):
         every = cfg.moe_every
 
@@ -198,22 +216,22 @@ def forward_cached(model: Transformer, tokens: jax.Array, pads: jax.Array, start
 
             def sublayer(carry, xs):
                 p, j = xs
-                i = g * every + j
+                i = first + g * every + j
                 return _block_step(nnx.merge(dense_def, p), carry[0], rope, mask, carry[1], among[i], start,
                                    kinds[i], pads), None
 
             (x, cache), _ = jax.lax.scan(sublayer, (x, cache), (dense_stack, jnp.arange(every - 1)))
-            i = g * every + every - 1
+            i = first + g * every + every - 1
             return _block_step(merged.moe, x, rope, mask, cache, among[i], start, kinds[i], pads), None
 
-        (x, cache), _ = jax.lax.scan(group, (x, cache), (stacked, jnp.arange(cfg.num_layers // every)))
+        (x, cache), _ = jax.lax.scan(group, (x, cache), (stacked, jnp.arange(cfg.stack_rows)))
     else:
         def layer(carry, xs):
             params, i = xs
             return _block_step(nnx.merge(graphdef, params), carry[0], rope, mask, carry[1], among[i], start,
                                kinds[i], pads), None
 
-        (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(first, cfg.num_layers)))
     if last_only:
         x = x[:, -1:]
     return model.head(x).astype(jnp.float32), cache

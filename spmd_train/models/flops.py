@@ -20,8 +20,8 @@ from spmd_train.config.model_schema import ModelConfig
 
 
 def moe_layer_count(m: ModelConfig) -> int:
-    """MoE layers in the model: every model.moe.every-th layer (0 without MoE)."""
-    return m.num_layers // m.moe_every if m.moe_every > 0 else 0
+    """MoE layers in the model: every model.moe.every-th layer after the first_k_dense ones (0 without MoE)."""
+    return (m.num_layers - m.first_dense) // m.moe_every if m.moe_every > 0 else 0
 
 
 def active_moe_mlp_params(m: ModelConfig) -> int:
@@ -107,9 +107,8 @@ def layer_flops_per_token(m: ModelConfig, seq_len: int) -> np.ndarray:
     hd, dv = m.resolved_head_dim, m.resolved_v_head_dim
     projections = 6.0 * attention_matmul_params(m)
     dense, moe = 6.0 * 3 * m.d_model * m.d_ff, 6.0 * active_moe_mlp_params(m)
-    every = m.moe_every
     return np.array([projections + attention_flops(m.num_heads, hd, w, seq_len, dv)
-                     + (moe if every and (i + 1) % every == 0 else dense) for i, w in enumerate(layer_windows(m))])
+                     + (moe if m.is_moe_layer(i) else dense) for i, w in enumerate(layer_windows(m))])
 
 
 def head_flops_per_token(m: ModelConfig) -> float:

@@ -110,7 +110,10 @@ def model_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str
     `layers` (and `sublayers`) dimensions included: the tables, then the layer stack(s), then the final norm."""
     tables = table_params(cfg)
     out = [("embedding", *tables["embedding"])]
-    every, layers = cfg.moe_every, cfg.num_layers
+    every, first = cfg.moe_every, cfg.first_dense
+    layers = cfg.num_layers - first
+    if first:  # model.moe.first_k_dense: the dense layers before the MoE pattern, a stack of their own
+        out += _stacked(block_params(cfg, moe=False), "first_blocks", (first,))
     if every in (0, 1):
         out += _stacked(block_params(cfg, moe=every == 1), "blocks", (layers,))
     else:

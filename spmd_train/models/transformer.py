@@ -118,10 +118,19 @@ def layer_scoring(cfg: ModelConfig, kind: str) -> Scoring:
 
 def layer_kind_ids(cfg: ModelConfig) -> np.ndarray:
     """Each stacked row's layers' kinds as indices into `attention_kinds`: [stack_rows], or [stack_rows, moe.every]
-    for MoE groups (every > 1 layers ending in an MoE layer)."""
-    kinds = attention_kinds(cfg)
-    ids = np.array([kinds.index(kind) for kind in cfg.layer_kinds], np.int32)
+    for MoE groups (every > 1 layers ending in an MoE layer); the first_dense layers' are `first_kind_ids`."""
+    ids = _kind_ids(cfg)[cfg.first_dense:]
     return ids.reshape(cfg.stack_rows, cfg.moe_every) if cfg.moe_every > 1 else ids
+
+
+def first_kind_ids(cfg: ModelConfig) -> np.ndarray:
+    """The kinds of the model.moe.first_k_dense layers (`first_blocks`), as `layer_kind_ids`: [first_dense]."""
+    return _kind_ids(cfg)[: cfg.first_dense]
+
+
+def _kind_ids(cfg: ModelConfig) -> np.ndarray:
+    kinds = attention_kinds(cfg)
+    return np.array([kinds.index(kind) for kind in cfg.layer_kinds], np.int32)
 
 
 def rope_of(cfg: ModelConfig, length: int, positions: jax.Array | None) -> tuple:
@@ -200,13 +209,14 @@ class MoEGroup(nnx.Module):
 
 
 def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, backends: Backends) -> nnx.Module:
-    """The layer stack: L dense layers, L MoE layers (model.moe.every=1), or L/k groups ending in an MoE layer."""
+    """The layer stack after any first_dense layers: L dense layers, L MoE layers (model.moe.every=1), or L/k groups
+    ending in an MoE layer."""
     k = cfg.moe_every
     if k == 0:
         return Block(cfg, rngs, backends, stack=cfg.num_layers)
     if k == 1:
-        return Block(cfg, rngs, backends, stack=cfg.num_layers, moe=True)
-    return MoEGroup(cfg, rngs, backends, stack=cfg.num_layers // k)
+        return Block(cfg, rngs, backends, stack=cfg.stack_rows, moe=True)
+    return MoEGroup(cfg, rngs, backends, stack=cfg.stack_rows)
 
 
 class Transformer(nnx.Module):
@@ -221,6 +231,10 @@ class Transformer(nnx.Module):
         backends = backends or resolve_backends(cfg, BackendsConfig(), jax.default_backend())
         tables = table_params(cfg)
         self.embedding = param(rngs.params(), *tables["embedding"], std=cfg.init_std, dtype=cfg.param_dtype)
+        if cfg.first_dense:
+            # model.moe.first_k_dense: dense layers before the MoE pattern, a scanned stack of their own (the
+            # `blocks` stack keeps one row shape, so scans, pipelines and layer orders treat it as before).
+            self.first_blocks = Block(cfg, rngs, backends, stack=cfg.first_dense)
         self.blocks = make_blocks(cfg, rngs, backends)
         self.final_norm = RMSNorm(cfg)
         if "lm_head" in tables:
@@ -241,8 +255,12 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
         # A tied table is pinned once for both uses, so its two gradients are added before the one reduce-scatter.
         table = pin(self.embedding, self.cfg.compute_dtype) if self.cfg.tie_embeddings else None
-        x, stats = apply_blocks(graphdef, stacked, self.embed(tokens, table), self.cfg, remat,
-                                segments=segments, positions=positions)
+        x = self.embed(tokens, table)
+        if self.cfg.first_dense:
+            first_def, first_stacked = nnx.split(self.first_blocks)
+            x, _ = apply_blocks(first_def, first_stacked, x, self.cfg, remat, segments=segments, positions=positions,
+                                kinds=jnp.asarray(first_kind_ids(self.cfg)))
+        x, stats = apply_blocks(graphdef, stacked, x, self.cfg, remat, segments=segments, positions=positions)
         return self.head(x, table), stats
 
     def embed(self, tokens: jax.Array, table: Pinned | None = None) -> jax.Array:

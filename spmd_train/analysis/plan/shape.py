@@ -107,15 +107,19 @@ class ModelShape:
     @property
     def dense_layer_params(self) -> int:
         """Parameters of one dense layer (norms, attention, SwiGLU MLP); 0 when every layer is MoE."""
-        prefix = "blocks" if self.moe_layers == 0 else "blocks.dense"
-        return _per_layer(self.params, prefix)
+        if self.moe_layers == 0:
+            return _per_layer(self.params, "blocks")
+        # MoE groups' dense layers, else model.moe.first_k_dense's (every layer after them MoE)
+        grouped = any(g.path.startswith("blocks.dense.") for g in self.params)
+        return _per_layer(self.params, "blocks.dense" if grouped else "first_blocks")
 
     @property
     def moe_layer_params(self) -> int:
         """Parameters of one MoE layer: a dense layer's, with the router and experts in place of the MLP."""
         if self.moe_layers == 0:
             return 0
-        return _per_layer(self.params, "blocks" if self.moe_layers == self.num_layers else "blocks.moe")
+        grouped = any(g.path.startswith("blocks.moe.") for g in self.params)
+        return _per_layer(self.params, "blocks.moe" if grouped else "blocks")
 
     @property
     def active_params(self) -> int:

@@ -213,10 +213,6 @@ def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
             f"model.moe.num_experts={moe.num_experts} (valid: 1 to {moe.num_experts})"
         )
     check_moe_groups(moe)
-    if moe.bias_update_rate > 0 and sizes["pipeline"] > 1:
-        raise ConfigError(f"model.moe.bias_update_rate={moe.bias_update_rate} with mesh.pipeline="
-                          f"{sizes['pipeline']}: the router biases' update does not yet read the pipeline's per-layer "
-                          "expert loads (valid: mesh.pipeline=1, or model.moe.bias_update_rate=0)")
     refuse(expert_divides_experts(moe.num_experts, sizes["expert"]))
     refuse(tensor_divides("moe.d_ff", m.resolved_moe_d_ff, sizes["tensor"]))
     if cfg.backends.moe == "dropless" and platform == "cpu":

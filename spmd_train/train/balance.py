@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 BIAS = "router_bias"
 
@@ -50,11 +51,15 @@ def update_router_bias(params: Any, load: jax.Array, rate: float) -> Any:
     return jax.tree_util.tree_map_with_path(move, params)
 
 
-def bias_metrics(params: Any) -> dict[str, jax.Array]:
-    """`router_bias.<i>`: the spread (max - min) of MoE layer i's bias, i.e. how hard balancing steers it."""
+def bias_metrics(params: Any, model_rows: np.ndarray | None = None) -> dict[str, jax.Array]:
+    """`router_bias.<i>`: the spread (max - min) of MoE layer i's bias, i.e. how hard balancing steers it.
+
+    `model_rows`: the stored row of each model row of the layer stack, when they differ (pipeline layer orders).
+    """
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if is_router_bias(path):
-            rows = leaf.reshape(-1, leaf.shape[-1])
+            rows = leaf if model_rows is None else leaf[np.asarray(model_rows)]
+            rows = rows.reshape(-1, leaf.shape[-1])
             out.update({f"router_bias.{i}": r for i, r in enumerate(jnp.max(rows, -1) - jnp.min(rows, -1))})
     return out

@@ -322,7 +322,8 @@ class Engine:
             reason = judge(state.guard, values["loss"], grad_norm, self.cfg.train, jnp.isfinite(lr))
             params, opt_state = keep_if(reason == 0, (params, opt_state), (state.params, state.opt_state))
             guard = advance(state.guard, reason, values["loss"], grad_norm)
-        metrics = {**values, **bias_metrics(params), "grad_norm": grad_norm, "lr": lr,
+        model_rows = None if self.layer_order is None else self.stored_row_of_model
+        metrics = {**values, **bias_metrics(params, model_rows), "grad_norm": grad_norm, "lr": lr,
                    "skip_reason": reason, "skipped_steps": guard.skipped, "consecutive_skips": guard.consecutive}
         return TrainState(state.step + 1, params, opt_state, guard), metrics
 

@@ -266,3 +266,21 @@ def test_router_biases_under_an_interleaved_pipeline_equal_one_device(devices):
     np.testing.assert_array_equal(bias(engine.model_params(params)), bias(ref_params))
     assert np.abs(bias(ref_params)).max() > 0
     assert relative_error(engine.model_params(params), ref_params) < 1e-5
+
+
+def test_mixtral_export_refuses_deepseek_routing_naming_the_keys():
+    from spmd_train import load_config
+    from spmd_train.config.hf_config import infer_family
+    from spmd_train.errors import ConfigError
+
+    plain = load_config(None, ["model.preset=moe-tiny", "model.moe.every=1"]).model
+    assert infer_family(plain).model_type == "mixtral"
+    for key, value in (("routed_scaling_factor", "2.5"), ("norm_topk_prob", "false"), ("bias_update_rate", "0.001"),
+                       ("first_k_dense", "2")):
+        model = load_config(None, ["model.preset=moe-tiny", "model.moe.every=1", f"model.moe.{key}={value}"]).model
+        with pytest.raises(ConfigError, match=f"{key}="):
+            infer_family(model)
+    grouped = load_config(None, ["model.preset=moe-tiny", "model.moe.every=1", "model.moe.n_group=4",
+                                 "model.moe.topk_group=2"]).model
+    with pytest.raises(ConfigError, match="topk_group=2"):
+        infer_family(grouped)

@@ -284,3 +284,21 @@ def test_mixtral_export_refuses_deepseek_routing_naming_the_keys():
                                  "model.moe.topk_group=2"]).model
     with pytest.raises(ConfigError, match="topk_group=2"):
         infer_family(grouped)
+
+
+def test_a_resume_may_change_the_bias_rate_but_not_add_or_drop_the_biases():
+    """DeepSeek-V3 stops moving the biases for its last tokens: rate 0.001 -> 0 continues the same run; null (no
+    biases) is another model."""
+    from dataclasses import asdict
+
+    from spmd_train import load_config
+    from spmd_train.train.checkpoint import model_differences
+
+    def cfg(rate):
+        return load_config(None, ["model.preset=moe-tiny", f"model.moe.bias_update_rate={rate}"])
+
+    saved = {"config": {"model": asdict(cfg(0.001).model)}}
+    assert model_differences(saved, cfg(0.0)) == [] and model_differences(saved, cfg(0.01)) == []
+    assert cfg(0.0).model.moe.router_bias and not cfg(0.0).model.moe.moves_bias
+    (diff,) = model_differences(saved, cfg("null"))
+    assert diff.startswith("model.moe.bias_update_rate: checkpoint 0.001, this run None")

@@ -104,7 +104,7 @@ def test_model_shape_lists_the_engines_parameters_and_what_a_hand_formula_counts
     moe_layers = shape.moe_layers
     if m.moe:
         e, f = m.moe.num_experts, m.resolved_moe_d_ff
-        bias = e if m.moe.bias_update_rate > 0 else 0  # the selection bias: state, counted with the parameters
+        bias = e if m.moe.router_bias else 0  # the selection bias: state, counted with the parameters
         assert shape.moe_layer_params == attention + d * e + bias + 3 * d * f * (e + m.moe.num_shared_experts)
     assert shape.dense_layer_params == (dense if moe_layers < m.num_layers else 0)
     tables = m.vocab_size * d * (1 if m.tie_embeddings else 2)

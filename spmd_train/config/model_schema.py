@@ -66,15 +66,27 @@ class MoEConfig:
     topk_group: PositiveInt = 1
     """Group-limited routing: each token picks its experts from its topk_group best groups, a group ranked by the
     sum of its two best scores (DeepSeek-V3: 4; equal to n_group: no limit)."""
-    bias_update_rate: NonNegativeFloat = 0.0
-    """Auxiliary-loss-free balancing (DeepSeek-V3: 0.001): a per-expert bias added to the scores for selection
-    only, moved by this rate times the sign of (mean load - the expert's load) after every step; 0: no bias."""
+    bias_update_rate: NonNegativeFloat | None = None
+    """Auxiliary-loss-free balancing (DeepSeek-V3: 0.001): each MoE layer gets a per-expert bias added to the scores
+    for selection only, moved by this rate times the sign of (mean load - the expert's load) after every step; 0:
+    the bias kept as it is (DeepSeek-V3's last 500B tokens); null: no bias. A resume may change the rate."""
     seq_aux_weight: NonNegativeFloat = 0.0
     """Weight of DeepSeek-V3's sequence-wise balance loss (1 when each sequence is balanced; DeepSeek-V3: 0.0001)."""
     router_aux_weight: NonNegativeFloat = 0.01
     """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
     router_z_weight: NonNegativeFloat = 0.001
     """Weight of the router z-loss (mean squared logsumexp of router logits)."""
+
+
+    @property
+    def router_bias(self) -> bool:
+        """Whether each MoE layer holds a selection bias (auxiliary-loss-free balancing; moving or frozen)."""
+        return self.bias_update_rate is not None
+
+    @property
+    def moves_bias(self) -> bool:
+        """Whether the train step moves the selection biases (a positive bias_update_rate)."""
+        return bool(self.bias_update_rate)
 
 
 @dataclass(frozen=True)

@@ -60,13 +60,13 @@ class MoE(nnx.Module):
             self.shared_gate = param(rngs.params(), *specs["shared_gate"], std=cfg.init_std, **kw)
             self.shared_up = param(rngs.params(), *specs["shared_up"], std=cfg.init_std, **kw)
             self.shared_down = param(rngs.params(), *specs["shared_down"], std=out_std, **kw)
-        if moe.bias_update_rate > 0:
+        if moe.router_bias:
             zeros = param(None, *specs["router_bias"], std=0.0, dtype=jnp.float32, stack=stack)
             self.router_bias = RouterBias(zeros[...], **zeros.get_metadata())
         self.num_experts, self.k, self.score = moe.num_experts, moe.experts_per_token, moe.router_score
         self.routing = {"norm": moe.norm_topk_prob, "scaling": moe.routed_scaling_factor, "n_group": moe.n_group,
                         "topk_group": moe.topk_group}
-        self.has_bias, self.seq_aux = moe.bias_update_rate > 0, moe.seq_aux_weight > 0
+        self.has_bias, self.seq_aux = moe.router_bias, moe.seq_aux_weight > 0
         self.capacity_factor, self.impl = backends.capacity_factor, backends.moe
         self.num_shared = moe.num_shared_experts
         self.compute_dtype = cfg.compute_dtype

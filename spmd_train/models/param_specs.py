@@ -77,7 +77,7 @@ def moe_params(cfg: ModelConfig) -> dict[str, Spec]:
     d, f, e = cfg.d_model, cfg.resolved_moe_d_ff, cfg.moe.num_experts
     out = {"router": ((d, e), ("embed", "router_experts")), "w_gate": ((e, d, f), EXPERT_GATE_UP_AXES),
            "w_up": ((e, d, f), EXPERT_GATE_UP_AXES), "w_down": ((e, f, d), EXPERT_DOWN_AXES)}
-    if cfg.moe.bias_update_rate > 0:  # auxiliary-loss-free balancing's selection bias: state, never trained
+    if cfg.moe.router_bias:  # auxiliary-loss-free balancing's selection bias: state, never trained
         out["router_bias"] = ((e,), ("router_experts",))
     if cfg.moe.num_shared_experts:
         shared = cfg.moe.num_shared_experts * f

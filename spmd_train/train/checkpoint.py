@@ -214,8 +214,15 @@ def model_differences(meta: dict, cfg: Config) -> list[str]:
     saved = asdict(model_from_record(meta.get("config", {}).get("model", {})))
     current = asdict(cfg.model)
     saved.pop("preset"), current.pop("preset")
-    diffs = sorted(_differences(saved, current, "model"))
+    diffs = sorted(d for d in _differences(saved, current, "model") if not _rate_change(*d))
     return [f"{key}: checkpoint {old!r}, this run {new!r}" for key, old, new in diffs]
+
+
+def _rate_change(key: str, old: Any, new: Any) -> bool:
+    """A change of the router biases' update rate between two numbers: the same model and state, moved otherwise
+    from now on (DeepSeek-V3 stops moving them for its last tokens); adding or removing the biases is no such
+    change."""
+    return key == "model.moe.bias_update_rate" and old is not None and new is not None
 
 
 def check_same_model(meta: dict, cfg: Config, where: str) -> None:

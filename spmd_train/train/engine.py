@@ -282,7 +282,7 @@ class Engine:
         load = stats["expert_load"]
         metrics.update(aux_loss=aux, z_loss=z, dropped_fraction=jnp.mean(stats["dropped_fraction"]))
         metrics.update({f"expert_load.{i}": r for i, r in enumerate(jnp.max(load, -1) / jnp.mean(load, -1))})
-        if moe.bias_update_rate > 0:
+        if moe.moves_bias:
             metrics["expert_counts"] = load
         total = loss + moe.router_aux_weight * aux + moe.router_z_weight * z
         if moe.seq_aux_weight > 0:
@@ -309,10 +309,9 @@ class Engine:
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, without_bias_updates(updates))
-        rate = self.cfg.model.moe.bias_update_rate if self.cfg.model.moe is not None else 0.0
-        if rate > 0:
+        if "expert_counts" in values:  # model.moe.bias_update_rate > 0
             with jax.named_scope("router_bias"):
-                params = update_router_bias(params, values.pop("expert_counts"), rate)
+                params = update_router_bias(params, values.pop("expert_counts"), self.cfg.model.moe.bias_update_rate)
         # The schedule is indexed by applied steps: a skipped step does not advance it (nor optax's count).
         lr = self.schedule(state.step - state.guard.skipped)
         with jax.named_scope("guards"):

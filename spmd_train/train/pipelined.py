@@ -190,7 +190,7 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
         if moe.seq_aux_weight > 0:
             term = term + moe.seq_aux_weight * jnp.sum(stats["seq_aux_loss"])
             per_layer["seq_aux_loss"] = stats["seq_aux_loss"]
-        if moe.bias_update_rate > 0:  # the router biases' update reads each layer's assignments per expert
+        if moe.moves_bias:  # the router biases' update reads each layer's assignments per expert
             per_layer["expert_counts"] = load
         return y, term / layers, per_layer
 

@@ -27,13 +27,13 @@ def _refusal(model: ModelConfig) -> str | None:
                 f"experts and softmax routing (this one: model.moe.every={moe.every}, "
                 f"num_shared_experts={moe.num_shared_experts}, router_score={moe.router_score})")
     # DeepSeek-V3's routing: Mixtral's router has no bias, groups or scaling and always renormalises.
-    plain = {"norm_topk_prob": True, "routed_scaling_factor": 1.0, "bias_update_rate": 0.0, "first_k_dense": 0}
+    plain = {"norm_topk_prob": True, "routed_scaling_factor": 1.0, "bias_update_rate": None, "first_k_dense": 0}
     unlike = [f"{key}={getattr(moe, key)}" for key, value in plain.items() if getattr(moe, key) != value]
     unlike += [f"topk_group={moe.topk_group}"] if moe.topk_group < moe.n_group else []
     if unlike:
         return (f"Mixtral routes without a selection bias, groups, scaling or dense first layers (this one: model.moe."
                 f"{', '.join(unlike)}; valid for Mixtral: norm_topk_prob=true, routed_scaling_factor=1.0, "
-                "bias_update_rate=0, first_k_dense=0, topk_group=n_group)")
+                "bias_update_rate=null, first_k_dense=0, topk_group=n_group)")
     if model.qkv_bias or model.qk_norm:
         return ("Mixtral has neither Q/K/V biases nor Q/K norms (model.qkv_bias and model.qk_norm must be false to "
                 "export a mixture-of-experts model)")

@@ -25,10 +25,6 @@ def is_router_bias(path) -> bool:
     return bool(path) and getattr(path[-1], "key", None) == BIAS
 
 
-def has_router_bias(params: Any) -> bool:
-    return any(is_router_bias(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
-
-
 def without_bias_updates(updates: Any) -> Any:
     """The optimizer's updates with the router biases' set to zero: their value is this module's business."""
     return jax.tree_util.tree_map_with_path(lambda p, u: jnp.zeros_like(u) if is_router_bias(p) else u, updates)

@@ -162,15 +162,16 @@ def _engine(overrides, devices):
 
 
 def _bias(params):
-    return np.asarray(params["blocks"]["mlp"]["router_bias"])  # [MoE layers, E]: layers 1-3 (layer 0 is dense)
+    return np.asarray(params["blocks"]["mlp"]["router_bias"])  # [MoE layers, E]: every layer after the dense first
 
 
 def test_bias_moves_by_the_sign_of_each_experts_load_error(devices):
     """Over 3 steps: bias_after = bias_before + rate * sign(mean load - load), the load being what the step's
-    routing (with the bias before) chose; the optimizer leaves it alone (Adam, weight decay on)."""
+    routing (with the bias before) chose; the optimizer leaves it alone (Adam, weight decay on). Two layers (a dense
+    one, then an MoE one) keep the two compiles short."""
     from spmd_train.data import make_source
 
-    engine = _engine([*DEEPSEEK_LIKE, *ONE_DEVICE, "optim.weight_decay=0.1"], devices[:1])
+    engine = _engine([*DEEPSEEK_LIKE, *ONE_DEVICE, "optim.weight_decay=0.1", "model.num_layers=2"], devices[:1])
     state, data = engine.init_state(), make_source(engine.cfg)
     rate = engine.cfg.model.moe.bias_update_rate
     objective = jax.jit(engine.objective)
@@ -183,8 +184,7 @@ def test_bias_moves_by_the_sign_of_each_experts_load_error(devices):
         after = _bias(state.params)
         np.testing.assert_allclose(after - before, rate * np.sign(load.mean(-1, keepdims=True) - load), atol=1e-7)
         assert (load.sum(-1) == 8 * 32 * 2).all()  # every (token, choice) counted once
-        for i in range(3):
-            assert float(metrics[f"router_bias.{i}"]) == pytest.approx(np.ptp(after[i]), abs=1e-7)
+        assert float(metrics["router_bias.0"]) == pytest.approx(np.ptp(after[0]), abs=1e-7)
         assert "expert_counts" not in metrics and "seq_aux_loss" in metrics
     assert np.abs(_bias(state.params)).max() > 0
 

@@ -47,7 +47,7 @@ def moe_section(engine, layout: AnalyticLayout | None = None) -> dict[str, Any] 
     rows //= microbatches(c, rows)  # a group's rows: one microbatch's
     return {
         "moe_layers": layers,
-        "layers": [m.first_dense + (i + 1) * moe.every - 1 for i in range(layers)],
+        "layers": [i for i in range(m.num_layers) if m.is_moe_layer(i)],
         "num_experts": moe.num_experts,
         "experts_per_token": moe.experts_per_token,
         "num_shared_experts": moe.num_shared_experts,

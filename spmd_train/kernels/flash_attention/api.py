@@ -32,8 +32,7 @@ def default_blocks(backend: str, interpret: bool, head_dim: int = 128) -> BlockS
     the largest that fits a thread block's shared memory at this head width (wide heads such as MLA's 192 take
     64-key tiles)."""
     if backend == "gpu":
-        return next((b for b in GPU_BLOCK_CHOICES if gpu_smem_bytes(head_dim, b) <= GPU_SMEM_BYTES),
-                    GPU_BLOCK_CHOICES[-1])
+        return gpu_blocks_that_fit(head_dim) or GPU_BLOCK_CHOICES[-1]
     return DEFAULT_BLOCKS["cpu" if backend == "tpu" and interpret else backend]
 
 
@@ -41,6 +40,11 @@ GPU_SMEM_BYTES = 227 * 1024
 """Shared memory one thread block may use on Hopper (H100 and H200)."""
 GPU_BLOCK_CHOICES = (BlockSizes(128, 128), BlockSizes(128, 64), BlockSizes(64, 64))
 """Default GPU blocks, fastest first (128 x 128 measured fastest at head_dim 128, docs/attention.md)."""
+
+
+def gpu_blocks_that_fit(head_dim: int) -> BlockSizes | None:
+    """The fastest of GPU_BLOCK_CHOICES whose kernels fit Hopper's shared memory at this head width (None: none)."""
+    return next((b for b in GPU_BLOCK_CHOICES if gpu_smem_bytes(head_dim, b) <= GPU_SMEM_BYTES), None)
 
 
 def gpu_smem_bytes(head_dim: int, blocks: BlockSizes, itemsize: int = 2) -> int:
@@ -171,7 +175,7 @@ def _gpu_blocks(q, k, blocks: BlockSizes) -> tuple[int, int]:
                         min(blocks.block_k, _round_up(lk, ROWS_PER_WARPGROUP)))
     need = gpu_smem_bytes(q.shape[3], fitted)
     if need > GPU_SMEM_BYTES:
-        fits = next((b for b in GPU_BLOCK_CHOICES if gpu_smem_bytes(q.shape[3], b) <= GPU_SMEM_BYTES), None)
+        fits = gpu_blocks_that_fit(q.shape[3])
         raise ValueError(f"GPU blocks {fitted.block_q} x {fitted.block_k} at head_dim {q.shape[3]} need "
                          f"{need / 1024:.0f} KiB of shared memory, over Hopper's {GPU_SMEM_BYTES // 1024} KiB: "
                          + (f"use block_sizes={fits}" if fits else "no block shape fits this head_dim"))

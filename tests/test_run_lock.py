@@ -18,14 +18,14 @@ from tests.runs import ROOT, TINY, cli, cli_env
 @pytest.mark.faults
 def test_a_second_job_on_a_run_dir_exits_2_naming_the_holder(tmp_path):
     first = subprocess.Popen([sys.executable, "-m", "spmd_train", "train", "configs/tiny.yaml", f"run.dir={tmp_path}",
-                              "train.steps=120"], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
+                              "train.steps=120"], cwd=ROOT, env=cli_env(optimized=True), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     lock = tmp_path / ".lock"
     deadline = time.monotonic() + 120
     while not (lock.exists() and lock.read_text()) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1)
-    second = cli("train", "configs/tiny.yaml", f"run.dir={tmp_path}", "train.steps=120")
+    second = cli("train", "configs/tiny.yaml", f"run.dir={tmp_path}", "train.steps=120", optimized=True)
     _, err = first.communicate(timeout=600)
     assert first.returncode == 0, err
     assert second.returncode == 2 and "Traceback" not in second.stderr

@@ -66,10 +66,14 @@ def test_the_float64_reference_windows_and_caps_like_the_xla_reference():
 GRID = list(itertools.product([1, 17, 129, 384], [64, 128], [True, False], [1, 2, 4], [False, True]))
 CASES = random.Random(2026).sample(GRID, 14)
 BLOCKS = [BlockSizes(32, 32), BlockSizes(64, 32), BlockSizes(128, 64), BlockSizes(16, 128)]
+# bf16 over the same cases but the three 384-long grouped ones, whose shapes f32 covers and which cost 3-4x their
+# f32 twins in the interpreter (XLA:CPU's bf16 dots): bf16 still runs at 384 (two ungrouped cases) and with
+# groups, head width 128 and without the causal mask (at 129).
+BF16_CASES = [case for case in CASES if not (case[0] == 384 and case[3] > 1)]
 
 
 @pytest.mark.parametrize(("dtype", "length", "head_dim", "causal", "groups", "segmented"), fast_cases(
-    [(dtype, *case) for dtype in (jnp.float32, jnp.bfloat16) for case in CASES],
+    [(jnp.float32, *case) for case in CASES] + [(jnp.bfloat16, *case) for case in BF16_CASES],
     fast=["f32-129-128-True-4-True", "f32-17-64-True-4-False", "f32-384-64-True-1-True", "f32-129-128-False-4-True",
           "bf16-1-128-True-2-True"],
     ids=lambda case: "-".join(["f32" if case[0] == jnp.float32 else "bf16", *map(str, case[1:])]), several=True))

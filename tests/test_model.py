@@ -88,6 +88,29 @@ def test_preset_parameter_counts(preset, expected):
     assert count == pytest.approx(expected, rel=0.01)
 
 
+# The published totals and active counts (the model cards and papers the presets cite). Active here is the planner's
+# 6N convention: every matrix a token passes through, the LM head included and the looked-up table not.
+MOE_PRESETS = {
+    "deepseek-v3-671b": (671.0e9, 36.6e9),  # "671B total, 37B activated" (its MTP module's 14B left out)
+    "deepseek-v2-lite": (15.7e9, 2.45e9),  # "15.7B total, 2.4B activated"
+    "qwen3-30b-a3b": (30.5e9, 3.04e9),  # "30.5B in total and 3.3B activated", of which 0.31B the embedding table
+    "qwen3-235b-a22b": (235.1e9, 21.6e9),  # "235B in total and 22B activated", of which 0.62B the embedding table
+}
+
+
+@pytest.mark.parametrize("preset", MOE_PRESETS)
+def test_fine_grained_moe_presets_have_their_published_sizes(preset):
+    from spmd_train.analysis.plan.shape import ModelShape
+
+    cfg = load_config(None, [f"model.preset={preset}"]).model
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
+    total, active = MOE_PRESETS[preset]
+    shape = ModelShape.from_config(cfg)
+    assert count == shape.total_params == pytest.approx(total, rel=2e-3)
+    assert shape.active_params == pytest.approx(active, rel=5e-3)
+
+
 @pytest.mark.slow
 def test_bfloat16_compute_tracks_float32(devices):
     f32, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4"], devices)

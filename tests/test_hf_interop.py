@@ -29,7 +29,8 @@ from spmd_train.train.engine import Engine
 from tests.runs import cli, main_in_process
 
 REFERENCE = Path(__file__).parent / "hf_reference"
-FAMILIES = ("llama", "llama32", "mistral", "qwen2", "qwen3", "mixtral")
+FAMILIES = ("llama", "llama32", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 TOLERANCE = 1e-4
 """Largest |ours - transformers'| over the largest |logit|, fp32 on both sides."""
 
@@ -65,8 +66,8 @@ MESHES = {"1 device": ((), 1), "fsdp 2 x tensor 4": (("mesh.fsdp=2", "mesh.tenso
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_imported_checkpoints_give_the_reference_logits(devices, family, mesh):
-    if (mesh == "fsdp 2 x expert 4") != (family == "mixtral") and mesh != "1 device":
-        pytest.skip("tensor 4 for dense families, expert 4 for Mixtral")
+    if (mesh == "fsdp 2 x expert 4") != (family in MOE_FAMILIES) and mesh != "1 device":
+        pytest.skip("tensor 4 for dense families, expert 4 for the mixtures of experts")
     overrides, count = MESHES[mesh]
     engine = _engine(family, devices[:count], *overrides)
     ref = np.load(REFERENCE / family / "reference.npz")
@@ -110,6 +111,7 @@ def _heads_transposed(pieces):
     ("llama", _heads_transposed, ()),
     ("llama", None, ("model.rope_scaling=null",)),  # rope scaling dropped
     ("qwen3", None, ("model.norm_eps=1e-2",)),  # the Q/K norms' epsilon off
+    ("qwen3_moe", None, ("model.moe.norm_topk_prob=true",)),  # config.json's norm_topk_prob=false misread
 ])
 def test_a_conversion_bug_fails_the_comparison(devices, monkeypatch, family, mutation, overrides):
     if mutation is not None:
@@ -134,7 +136,8 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize(("family", "mesh"), [("qwen2", ("mesh.fsdp=2", "mesh.tensor=4")),
-                                              ("mixtral", ("mesh.fsdp=2", "mesh.expert=4"))])
+                                              ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
+                                              ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_import_then_export_gives_the_same_bytes_and_an_equivalent_config(devices, tmp_path, family, mesh):
     engine = _engine(family, devices, *mesh)
     params = load_hf_params(engine, REFERENCE / family)
@@ -283,7 +286,8 @@ def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tm
 
 @pytest.mark.parametrize(("family", "mesh"), [("llama", ("mesh.fsdp=2", "mesh.tensor=4")), ("qwen2", ()),
                                               ("qwen3", ("mesh.fsdp=2", "mesh.tensor=4")),
-                                              ("mixtral", ("mesh.fsdp=2", "mesh.expert=4"))])
+                                              ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
+                                              ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_greedy_generation_from_an_imported_model_equals_transformers(devices, family, mesh):
     from spmd_train.train.generation import generate
 

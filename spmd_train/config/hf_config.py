@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> our `model` section, for the families `config.families` registers (Llama, Mistral,
-Qwen2, Qwen3, Mixtral).
+Qwen2, Qwen3, Mixtral, Qwen3-MoE).
 
 Both layouts of `config.json` are read: the one most published checkpoints use (top-level `rope_theta`,
 `rope_scaling`, `torch_dtype`) and the one current `transformers` writes (`rope_parameters`, `dtype`).

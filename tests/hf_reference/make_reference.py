@@ -1,6 +1,6 @@
 """Make the committed Hugging Face reference fixtures under ``tests/hf_reference/<family>/``.
 
-For each tiny model family (llama, llama32, mistral, qwen2, qwen3, mixtral) this script builds a
+For each tiny model family (llama, llama32, mistral, qwen2, qwen3, mixtral, qwen3_moe) this script builds a
 randomly initialised ``transformers`` model in float32, re-initialises every parameter with
 large-ish values (so that interop tests are sensitive to any layout or math mistake), and writes:
 
@@ -50,6 +50,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -127,6 +129,24 @@ def make_config(family: str):
             tie_word_embeddings=False,
             router_jitter_noise=0.0,
         )
+    if family == "qwen3_moe":
+        # Fine-grained: 8 experts of width 48, top-4, gates not renormalised (transformers' default; the
+        # published checkpoints renormalise, so reading the field is what the logits check), Q/K norms, head_dim 32.
+        return Qwen3MoeConfig(
+            **COMMON,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=4,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            tie_word_embeddings=False,
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     raise ValueError(family)
 
 
@@ -137,7 +157,10 @@ MODEL_CLASSES = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
+TOP_K = {"mixtral": 2, "qwen3_moe": 4}
+"""Experts each token picks, for the MoE families: the router's k-th and (k+1)-th choices must not be near-tied."""
 FAMILIES = list(MODEL_CLASSES)
 SEEDS = {f: 1000 + i for i, f in enumerate(FAMILIES)}
 # Router std: with N(0, 1) the router logits (std ~8 for unit-RMS hidden states of width 64) saturate
@@ -145,6 +168,10 @@ SEEDS = {f: 1000 + i for i, f in enumerate(FAMILIES)}
 # weight is ~0, so the test could not see it. 0.3 keeps top-2 weights comparable; near-ties are
 # excluded by reseeding (see ROUTER_MIN_GAP).
 ROUTER_STD = 0.3
+# Top-4 of 8: the 4th and 5th choices are small probabilities, whose absolute gap says little; what an fp32
+# re-implementation could flip is the order of their logits, so that gap alone is held, 10x Mixtral's.
+MIN_GAPS = {"qwen3_moe": (0.0, 1e-2)}
+ATTEMPTS = 400
 ROUTER_MIN_GAP = 1e-4  # on probabilities: 100x the fp32 difference between implementations
 ROUTER_MIN_LOGIT_GAP = 1e-3  # and on logits, so an fp32 re-implementation cannot flip a choice
 
@@ -166,8 +193,8 @@ def reinit(model: torch.nn.Module, router_std: float = ROUTER_STD) -> None:
 
 
 @torch.no_grad()
-def router_margin(model, input_ids: torch.Tensor) -> tuple[float, float]:
-    """Smallest gap between the 2nd and 3rd router probability (and logit) over all tokens and layers."""
+def router_margin(model, input_ids: torch.Tensor, k: int) -> tuple[float, float]:
+    """Smallest gap between the k-th and (k+1)-th router probability (and logit) over all tokens and layers."""
     captured = []
     hooks = [
         layer.mlp.gate.register_forward_hook(lambda mod, args, out: captured.append(out[0]))
@@ -182,9 +209,9 @@ def router_margin(model, input_ids: torch.Tensor) -> tuple[float, float]:
     prob_gaps, logit_gaps = [], []
     for router_logits in captured:
         probs = torch.softmax(router_logits.float(), dim=-1).sort(dim=-1, descending=True).values
-        prob_gaps.append((probs[:, 1] - probs[:, 2]).min().item())
+        prob_gaps.append((probs[:, k - 1] - probs[:, k]).min().item())
         top = router_logits.float().sort(dim=-1, descending=True).values
-        logit_gaps.append((top[:, 1] - top[:, 2]).min().item())
+        logit_gaps.append((top[:, k - 1] - top[:, k]).min().item())
     return min(prob_gaps), min(logit_gaps)
 
 
@@ -238,19 +265,22 @@ def make_family(family: str, out_root: Path) -> None:
     input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in PROMPT_LENS]
 
-    for attempt in range(50):
+    for attempt in range(ATTEMPTS):
         torch.manual_seed(seed + 100 * attempt)
         model = MODEL_CLASSES[family](config).to(torch.float32)
         reinit(model)
         model.eval()
-        if family != "mixtral":
+        if family not in TOP_K:
             break
-        prob_gap, logit_gap = router_margin(model, input_ids)
-        print(f"  mixtral attempt {attempt}: min 2nd-3rd router gap: prob {prob_gap:.2e}, logit {logit_gap:.2e}")
-        if prob_gap > ROUTER_MIN_GAP and logit_gap > ROUTER_MIN_LOGIT_GAP:
+        k = TOP_K[family]
+        prob_gap, logit_gap = router_margin(model, input_ids, k)
+        print(f"  {family} attempt {attempt}: min gap between router choices {k} and {k + 1}: prob {prob_gap:.2e}, "
+              f"logit {logit_gap:.2e}")
+        min_prob_gap, min_logit_gap = MIN_GAPS.get(family, (ROUTER_MIN_GAP, ROUTER_MIN_LOGIT_GAP))
+        if prob_gap > min_prob_gap and logit_gap > min_logit_gap:
             break
     else:
-        raise RuntimeError("no mixtral seed without router near-ties")
+        raise RuntimeError(f"no {family} seed without router near-ties")
 
     with torch.no_grad():
         logits = model(input_ids).logits.float()
@@ -284,6 +314,17 @@ def make_family(family: str, out_root: Path) -> None:
         rope_effect = (plain_logits - logits).abs().max().item()
         print(f"  llama3 rope scaling changes logits by up to {rope_effect:.3f}")
         assert rope_effect > 1e-2, rope_effect
+
+    if family == "qwen3_moe":
+        # Renormalising the top-k gates must matter, otherwise the fixture could not catch norm_topk_prob misread.
+        renormalised = make_config(family)
+        renormalised.norm_topk_prob = True
+        renormalised_model = Qwen3MoeForCausalLM(renormalised).eval()
+        renormalised_model.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            effect = (renormalised_model(input_ids).logits - logits).abs().max().item()
+        print(f"  renormalising the top-k gates changes logits by up to {effect:.3f}")
+        assert effect > 1e-2, effect
 
     # Reload what was written (legacy llama config included) and check it reproduces the reference.
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -11,6 +11,7 @@ from spmd_train.config.families import (  # noqa: F401, I001 (importing a module
     qwen2,
     qwen3,
     mixtral,
+    qwen3_moe,
 )
 from spmd_train.config.families.hf_family import (
     Family,

@@ -97,6 +97,17 @@ def refuse_field(hf: Mapping[str, Any], key: str, allowed: Any, why: str) -> Non
         raise ConfigError(f"config.json: {key}={value!r} is not supported ({why}; valid: {allowed!r})")
 
 
+def unplain_routing(moe: Any, *, norm_topk_prob: bool | None = None) -> list[str]:
+    """`key=value` for each DeepSeek-V3 routing setting of `moe` (a `MoEConfig`) that a family's plain top-k router
+    cannot express (a selection bias, groups, routed scaling, dense first layers), and norm_topk_prob when the
+    family fixes it to another value."""
+    plain = {"routed_scaling_factor": 1.0, "bias_update_rate": None, "first_k_dense": 0}
+    if norm_topk_prob is not None:
+        plain["norm_topk_prob"] = norm_topk_prob
+    unlike = [f"{key}={getattr(moe, key)}" for key, value in plain.items() if getattr(moe, key) != value]
+    return unlike + ([f"topk_group={moe.topk_group}"] if moe.topk_group < moe.n_group else [])
+
+
 def _nothing(*args: Any) -> None:
     return None
 

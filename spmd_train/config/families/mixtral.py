@@ -11,6 +11,7 @@ from spmd_train.config.families.hf_family import (
     Family,
     refuse_field,
     register_family,
+    unplain_routing,
     write_plain_window,
 )
 from spmd_train.config.model_schema import ModelConfig
@@ -27,9 +28,7 @@ def _refusal(model: ModelConfig) -> str | None:
                 f"experts and softmax routing (this one: model.moe.every={moe.every}, "
                 f"num_shared_experts={moe.num_shared_experts}, router_score={moe.router_score})")
     # DeepSeek-V3's routing: Mixtral's router has no bias, groups or scaling and always renormalises.
-    plain = {"norm_topk_prob": True, "routed_scaling_factor": 1.0, "bias_update_rate": None, "first_k_dense": 0}
-    unlike = [f"{key}={getattr(moe, key)}" for key, value in plain.items() if getattr(moe, key) != value]
-    unlike += [f"topk_group={moe.topk_group}"] if moe.topk_group < moe.n_group else []
+    unlike = unplain_routing(moe, norm_topk_prob=True)
     if unlike:
         return (f"Mixtral routes without a selection bias, groups, scaling or dense first layers (this one: model.moe."
                 f"{', '.join(unlike)}; valid for Mixtral: norm_topk_prob=true, routed_scaling_factor=1.0, "

@@ -29,7 +29,7 @@ from spmd_train.train.engine import Engine
 from tests.runs import cli, main_in_process
 
 REFERENCE = Path(__file__).parent / "hf_reference"
-FAMILIES = ("llama", "llama32", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "llama32", "mistral", "mistral_window", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 TOLERANCE = 1e-4
 """Largest |ours - transformers'| over the largest |logit|, fp32 on both sides."""
@@ -112,6 +112,7 @@ def _heads_transposed(pieces):
     ("llama", None, ("model.rope_scaling=null",)),  # rope scaling dropped
     ("qwen3", None, ("model.norm_eps=1e-2",)),  # the Q/K norms' epsilon off
     ("qwen3_moe", None, ("model.moe.norm_topk_prob=true",)),  # config.json's norm_topk_prob=false misread
+    ("mistral_window", None, ("model.sliding_window=null",)),  # the window ignored
 ])
 def test_a_conversion_bug_fails_the_comparison(devices, monkeypatch, family, mutation, overrides):
     if mutation is not None:
@@ -136,6 +137,7 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize(("family", "mesh"), [("qwen2", ("mesh.fsdp=2", "mesh.tensor=4")),
+                                              ("mistral_window", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_import_then_export_gives_the_same_bytes_and_an_equivalent_config(devices, tmp_path, family, mesh):
@@ -286,6 +288,7 @@ def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tm
 
 @pytest.mark.parametrize(("family", "mesh"), [("llama", ("mesh.fsdp=2", "mesh.tensor=4")), ("qwen2", ()),
                                               ("qwen3", ("mesh.fsdp=2", "mesh.tensor=4")),
+                                              ("mistral_window", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_greedy_generation_from_an_imported_model_equals_transformers(devices, family, mesh):

@@ -1,7 +1,7 @@
 """Make the committed Hugging Face reference fixtures under ``tests/hf_reference/<family>/``.
 
-For each tiny model family (llama, llama32, mistral, qwen2, qwen3, mixtral, qwen3_moe) this script builds a
-randomly initialised ``transformers`` model in float32, re-initialises every parameter with
+For each tiny model family (llama, llama32, mistral, mistral_window, qwen2, qwen3, mixtral, qwen3_moe) this
+script builds a randomly initialised ``transformers`` model in float32, re-initialises every parameter with
 large-ish values (so that interop tests are sensitive to any layout or math mistake), and writes:
 
 * ``config.json`` (+ ``generation_config.json``) and the weights, exactly as
@@ -100,6 +100,14 @@ def make_config(family: str):
             sliding_window=None,
             tie_word_embeddings=False,
         )
+    if family == "mistral_window":
+        # Mistral's sliding window at 7 of the 24 positions, so most queries lose keys to it.
+        return MistralConfig(
+            **COMMON,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            sliding_window=7,
+            tie_word_embeddings=False,
+        )
     if family == "qwen2":
         return Qwen2Config(
             **COMMON,
@@ -158,6 +166,7 @@ MODEL_CLASSES = {
     "qwen3": Qwen3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "mistral_window": MistralForCausalLM,
 }
 TOP_K = {"mixtral": 2, "qwen3_moe": 4}
 """Experts each token picks, for the MoE families: the router's k-th and (k+1)-th choices must not be near-tied."""
@@ -314,6 +323,17 @@ def make_family(family: str, out_root: Path) -> None:
         rope_effect = (plain_logits - logits).abs().max().item()
         print(f"  llama3 rope scaling changes logits by up to {rope_effect:.3f}")
         assert rope_effect > 1e-2, rope_effect
+
+    if family == "mistral_window":
+        # The window must matter at these 24 positions, otherwise the fixture could not catch it ignored.
+        full = make_config(family)
+        full.sliding_window = None
+        full_model = MistralForCausalLM(full).eval()
+        full_model.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            effect = (full_model(input_ids).logits - logits).abs().max().item()
+        print(f"  the sliding window changes logits by up to {effect:.3f}")
+        assert effect > 1e-2, effect
 
     if family == "qwen3_moe":
         # Renormalising the top-k gates must matter, otherwise the fixture could not catch norm_topk_prob misread.

@@ -90,11 +90,11 @@ def _layer_value_and_grads(layout, graphdef, state, x, cot):
     return y, stats, grads
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _reference_value_and_grads(params, x, cot, k):
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _reference_value_and_grads(params, x, cot, k, limit=None):
     def loss(params, x):
-        y = reference_moe(params, x, k)
-        aux, z = reference_router_losses(x, params["router"], k)
+        y = reference_moe(params, x, k, limit=limit)
+        aux, z = reference_router_losses(x, params["router"], k, params.get("router_logit_bias"))
         return jnp.sum(y * cot) + AUX * aux + Z * z, y
 
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
@@ -144,6 +144,39 @@ def test_layer_and_gradients_equal_the_dense_loop_when_nothing_drops(devices, me
     _assert_close(y, y_ref, what="output")
     _assert_close(dx, dx_ref, what="d input")
     for name in ("router", "w_gate", "w_up", "w_down"):
+        _assert_close(grads[name], grads_ref[name], what=f"d {name}")
+
+
+GPT_OSS = ["model.moe.router_logit_bias=true", "model.moe.expert_bias=true", "model.moe.swiglu_limit=0.5"]
+"""gpt-oss's MoE, its clamp at 0.5 so that it binds for these inputs (gpt-oss itself: 7)."""
+
+
+@pytest.mark.parametrize(("mesh", "impl"), fast_cases(
+    [("single", "capacity"), ("expert2_fsdp2_tensor2", "capacity"), ("single", "dropless"),
+     ("expert2_fsdp2_tensor2", "dropless")], fast=["expert2_fsdp2_tensor2-capacity", "expert2_fsdp2_tensor2-dropless"],
+    ids=lambda case: "-".join(case), several=True))
+def test_gpt_oss_biases_and_clamped_swiglu_equal_the_dense_loop(devices, monkeypatch, mesh, impl):
+    # Router and expert biases drawn away from their zero start; the down bias is added once after the hidden
+    # width's reduction over `tensor`, and each ragged row takes its own expert's biases.
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    cfg, layout = _setup(devices, *GPT_OSS, f"backends.moe={impl}", "backends.capacity_factor=8.0",
+                         *(MESHES[mesh] or []))
+    graphdef, state = _layer(cfg)
+    params = nnx.to_pure_dict(state)
+    keys = iter(jax.random.split(jax.random.key(7), 4))
+    for name in ("router_logit_bias", "b_gate", "b_up", "b_down"):
+        params[name] = 0.5 * jax.random.normal(next(keys), params[name].shape)
+    nnx.replace_by_pure_dict(state, params)
+    x, cot = _inputs()
+    y, stats, (grads, dx) = _layer_value_and_grads(None if MESHES[mesh] is None else layout, graphdef, state, x, cot)
+    y_ref, (grads_ref, dx_ref) = _reference_value_and_grads(params, x, cot, 2, 0.5)
+    plain, _ = _reference_value_and_grads({k: v for k, v in params.items() if k in ("router", "w_gate", "w_up",
+                                                                                   "w_down")}, x, cot, 2)
+    assert np.abs(np.asarray(y_ref - plain)).max() > 0.1 * np.abs(np.asarray(plain)).max()  # the variant matters
+    assert float(stats["dropped_fraction"]) == 0.0
+    _assert_close(y, y_ref, what="output")
+    _assert_close(dx, dx_ref, what="d input")
+    for name in ("router", "router_logit_bias", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"):
         _assert_close(grads[name], grads_ref[name], what=f"d {name}")
 
 

@@ -81,6 +81,9 @@ def test_an_unknown_hardware_kind_is_refused_naming_it_and_the_valid_ones(kind):
     ("configs/mesh_presets.yaml", ["model.tie_embeddings=true"]),
     ("configs/moe.yaml", ["model.moe.num_shared_experts=1"]),  # every 2nd layer: `layers` x `sublayers` stacks
     ("configs/moe.yaml", ["model.moe.every=1", "model.moe.d_ff=96"]),
+    # gpt-oss's experts: a bias on the router logits and on each expert's three projections
+    ("configs/moe.yaml", ["model.moe.router_logit_bias=true", "model.moe.expert_bias=true",
+                          "model.moe.swiglu_limit=7.0"]),
     # DeepSeek-V3's layout: dense first layers (a stack of their own), then MoE layers with selection biases
     ("configs/moe.yaml", ["model.moe.every=1", "model.moe.first_k_dense=1", "model.moe.bias_update_rate=0.001"]),
     ("configs/moe.yaml", ["model.moe.first_k_dense=2"]),  # then one group of moe.every=2
@@ -105,6 +108,7 @@ def test_model_shape_lists_the_engines_parameters_and_what_a_hand_formula_counts
     if m.moe:
         e, f = m.moe.num_experts, m.resolved_moe_d_ff
         bias = e if m.moe.router_bias else 0  # the selection bias: state, counted with the parameters
+        bias += e * m.moe.router_logit_bias + e * (2 * f + d) * m.moe.expert_bias
         assert shape.moe_layer_params == attention + d * e + bias + 3 * d * f * (e + m.moe.num_shared_experts)
     assert shape.dense_layer_params == (dense if moe_layers < m.num_layers else 0)
     tables = m.vocab_size * d * (1 if m.tie_embeddings else 2)

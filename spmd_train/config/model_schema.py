@@ -72,6 +72,13 @@ class MoEConfig:
     the bias kept as it is (DeepSeek-V3's last 500B tokens); null: no bias. A resume may change the rate."""
     seq_aux_weight: NonNegativeFloat = 0.0
     """Weight of DeepSeek-V3's sequence-wise balance loss (1 when each sequence is balanced; DeepSeek-V3: 0.0001)."""
+    router_logit_bias: bool = False
+    """A learned bias on the router logits, trained like any parameter (gpt-oss)."""
+    expert_bias: bool = False
+    """Biases on each routed expert's gate, up and down projections (gpt-oss)."""
+    swiglu_limit: PositiveFloat | None = None
+    """gpt-oss's clamped SwiGLU in the routed experts: the gate clamped to at most this and the up projection to
+    [-this, this], then (up + 1) * gate * sigmoid(1.702 * gate) (gpt-oss: 7.0); null: SwiGLU, silu(gate) * up."""
     router_aux_weight: NonNegativeFloat = 0.01
     """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
     router_z_weight: NonNegativeFloat = 0.001

@@ -63,10 +63,16 @@ class MoE(nnx.Module):
         if moe.router_bias:
             zeros = param(None, *specs["router_bias"], std=0.0, dtype=jnp.float32, stack=stack)
             self.router_bias = RouterBias(zeros[...], **zeros.get_metadata())
+        if moe.router_logit_bias:
+            self.router_logit_bias = param(None, *specs["router_logit_bias"], std=0.0, **kw)
+        if moe.expert_bias:
+            self.b_gate, self.b_up, self.b_down = (param(None, *specs[n], std=0.0, **kw)
+                                                   for n in ("b_gate", "b_up", "b_down"))
         self.num_experts, self.k, self.score = moe.num_experts, moe.experts_per_token, moe.router_score
         self.routing = {"norm": moe.norm_topk_prob, "scaling": moe.routed_scaling_factor, "n_group": moe.n_group,
                         "topk_group": moe.topk_group}
         self.has_bias, self.seq_aux = moe.router_bias, moe.seq_aux_weight > 0
+        self.logit_bias, self.expert_bias, self.limit = moe.router_logit_bias, moe.expert_bias, moe.swiglu_limit
         self.capacity_factor, self.impl = backends.capacity_factor, backends.moe
         self.num_shared = moe.num_shared_experts
         self.compute_dtype = cfg.compute_dtype
@@ -76,11 +82,14 @@ class MoE(nnx.Module):
         x = constrain(x, INPUT)
         # The router runs in fp32: top-k is decided by small logit differences.
         logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), weight(self.router, jnp.float32))
+        if self.logit_bias:
+            logits = logits + weight(self.router_logit_bias, jnp.float32)
         bias = self.router_bias[...] if self.has_bias else None
         expert_idx, gates, scores = route(logits, self.k, self.score, bias=bias, **self.routing)
-        experts = ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...])
+        biases = (self.b_gate[...], self.b_up[...], self.b_down[...]) if self.expert_bias else ()
+        experts = ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...], *biases)
         y, kept = moe_ffn(x, expert_idx, gates, experts, num_experts=self.num_experts,
-                          capacity_factor=self.capacity_factor, impl=self.impl, dtype=dt)
+                          capacity_factor=self.capacity_factor, impl=self.impl, dtype=dt, limit=self.limit)
         if self.num_shared:
             y = y + self._shared(x)
         # Routing counts over every replica's tokens, not just this one's (see `replica_mean`):

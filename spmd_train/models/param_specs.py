@@ -15,6 +15,8 @@ Spec = tuple[tuple[int, ...], tuple[str, ...]]
 
 EXPERT_GATE_UP_AXES = ("experts", "embed", "expert_mlp")
 EXPERT_DOWN_AXES = ("experts", "expert_mlp", "embed")
+EXPERT_BIAS_UP_AXES = ("experts", "expert_mlp")
+EXPERT_BIAS_DOWN_AXES = ("experts", "embed")
 
 
 def norm_params(cfg: ModelConfig, axis: str = "embed") -> dict[str, Spec]:
@@ -79,6 +81,11 @@ def moe_params(cfg: ModelConfig) -> dict[str, Spec]:
            "w_up": ((e, d, f), EXPERT_GATE_UP_AXES), "w_down": ((e, f, d), EXPERT_DOWN_AXES)}
     if cfg.moe.router_bias:  # auxiliary-loss-free balancing's selection bias: state, never trained
         out["router_bias"] = ((e,), ("router_experts",))
+    if cfg.moe.router_logit_bias:
+        out["router_logit_bias"] = ((e,), ("router_experts",))
+    if cfg.moe.expert_bias:
+        out |= {"b_gate": ((e, f), EXPERT_BIAS_UP_AXES), "b_up": ((e, f), EXPERT_BIAS_UP_AXES),
+                "b_down": ((e, d), EXPERT_BIAS_DOWN_AXES)}
     if cfg.moe.num_shared_experts:
         shared = cfg.moe.num_shared_experts * f
         out |= {"shared_gate": ((d, shared), ("embed", "mlp")), "shared_up": ((d, shared), ("embed", "mlp")),

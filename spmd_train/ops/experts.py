@@ -1,6 +1,7 @@
 """The experts' SwiGLU feed-forward as pure functions of arrays: batched over slots, or ragged.
 
-Expert weights are [E, d, f] (gate, up) and [E, f, d] (down) with the logical axes below.
+Expert weights are [E, d, f] (gate, up) and [E, f, d] (down) with the logical axes below, and optionally biases
+[E, f] (gate, up) and [E, d] (down) (gpt-oss). The activation is SwiGLU, or gpt-oss's clamped form (`limit`).
 They may arrive as stored (possibly FSDP-sharded) arrays: the caller's `Prepare` hook turns
 each into its compute form (cast, gathered, laid out) and runs inside the matmul's
 checkpoint, so the backward pass gathers again instead of keeping every gathered expert
@@ -17,14 +18,37 @@ import jax.numpy as jnp
 
 GATE_UP_AXES = ("experts", "embed", "expert_mlp")
 DOWN_AXES = ("experts", "expert_mlp", "embed")
+GATE_UP_BIAS_AXES = ("experts", "expert_mlp")
+DOWN_BIAS_AXES = ("experts", "embed")
+GPT_OSS_ALPHA = 1.702
+"""gpt-oss's clamped SwiGLU: the gate's sigmoid is taken at alpha times the gate (github.com/openai/gpt-oss)."""
 
 
 class ExpertWeights(NamedTuple):
-    """The stored expert weights of one MoE layer (or the local experts of one device)."""
+    """The stored expert weights of one MoE layer (or the local experts of one device); biases None when absent."""
 
     w_gate: jax.Array
     w_up: jax.Array
     w_down: jax.Array
+    b_gate: jax.Array | None = None
+    b_up: jax.Array | None = None
+    b_down: jax.Array | None = None
+
+    def axes(self) -> ExpertWeights:
+        """Each field's logical axes (None where the bias is absent): the layout a caller places them by."""
+        biased = self.b_gate is not None
+        return ExpertWeights(GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES, *((GATE_UP_BIAS_AXES, GATE_UP_BIAS_AXES,
+                                                                     DOWN_BIAS_AXES) if biased else ()))
+
+
+def activate(gate: jax.Array, up: jax.Array, limit: float | None = None) -> jax.Array:
+    """SwiGLU's silu(gate) * up; with `limit`, gpt-oss's: gate clamped to at most limit and up to [-limit, limit],
+    then (up + 1) * gate * sigmoid(1.702 * gate)."""
+    if limit is None:
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(GPT_OSS_ALPHA * gate)
 
 
 class Prepare(NamedTuple):
@@ -48,29 +72,52 @@ def _matmul(matmul, x: jax.Array, w: jax.Array, names: tuple[str, ...], dtype, p
     return prepare.reduce(out) if names == DOWN_AXES else out
 
 
-def batched_swiglu(x: jax.Array, weights: ExpertWeights, dtype, prepare: Prepare = PLAIN) -> jax.Array:
+def _bias(b: jax.Array | None, names: tuple[str, ...], dtype, prepare: Prepare) -> jax.Array | None:
+    return None if b is None else prepare.weight(b, names, dtype)
+
+
+def batched_swiglu(x: jax.Array, weights: ExpertWeights, dtype, prepare: Prepare = PLAIN,
+                   limit: float | None = None) -> jax.Array:
     """Every expert on its own slots: x [..., E, C, d] -> [..., E, C, d], one batched matmul per weight."""
     x = x.astype(dtype)
 
     def einsum(eq):
         return lambda a, w: jnp.einsum(eq, a, w)
 
-    gate = _matmul(einsum("...ecd,edf->...ecf"), x, weights.w_gate, GATE_UP_AXES, dtype, prepare)
-    up = _matmul(einsum("...ecd,edf->...ecf"), x, weights.w_up, GATE_UP_AXES, dtype, prepare)
-    return _matmul(einsum("...ecf,efd->...ecd"), jax.nn.silu(gate) * up, weights.w_down, DOWN_AXES, dtype, prepare)
+    def plus(y, b, names):  # a bias [E, n] over every slot [..., E, C, n]
+        b = _bias(b, names, dtype, prepare)
+        return y if b is None else y + b[:, None, :]
+
+    gate = plus(_matmul(einsum("...ecd,edf->...ecf"), x, weights.w_gate, GATE_UP_AXES, dtype, prepare),
+                weights.b_gate, GATE_UP_BIAS_AXES)
+    up = plus(_matmul(einsum("...ecd,edf->...ecf"), x, weights.w_up, GATE_UP_AXES, dtype, prepare),
+              weights.b_up, GATE_UP_BIAS_AXES)
+    out = _matmul(einsum("...ecf,efd->...ecd"), activate(gate, up, limit), weights.w_down, DOWN_AXES, dtype, prepare)
+    return plus(out, weights.b_down, DOWN_BIAS_AXES)  # after the reduction over a split hidden width: once
 
 
 def ragged_swiglu(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, dtype,
-                  prepare: Prepare = PLAIN) -> jax.Array:
+                  prepare: Prepare = PLAIN, limit: float | None = None) -> jax.Array:
     """Rows sorted by expert: x [M, d] with group_sizes [E] -> [M, d]; rows past sum(group_sizes) give 0."""
     x = x.astype(dtype)
 
     def ragged(a, w):
         return jax.lax.ragged_dot(a, w, group_sizes)
 
-    gate = _matmul(ragged, x, weights.w_gate, GATE_UP_AXES, dtype, prepare)
-    up = _matmul(ragged, x, weights.w_up, GATE_UP_AXES, dtype, prepare)
-    out = _matmul(ragged, jax.nn.silu(gate) * up, weights.w_down, DOWN_AXES, dtype, prepare)
+    # Each row's expert, for the biases: how many groups end at or before it (a searchsorted written as a scatter
+    # and a cumsum, which jax 0.10 types correctly inside a region manual over the token axes).
+    ends = jnp.cumsum(group_sizes)
+    expert = jnp.minimum(jnp.cumsum(jnp.zeros(x.shape[:1], jnp.int32).at[ends].add(1, mode="drop")),
+                         group_sizes.shape[0] - 1)
+
+    def plus(y, b, names):
+        b = _bias(b, names, dtype, prepare)
+        return y if b is None else y + jnp.take(b, expert, axis=0)
+
+    gate = plus(_matmul(ragged, x, weights.w_gate, GATE_UP_AXES, dtype, prepare), weights.b_gate, GATE_UP_BIAS_AXES)
+    up = plus(_matmul(ragged, x, weights.w_up, GATE_UP_AXES, dtype, prepare), weights.b_up, GATE_UP_BIAS_AXES)
+    out = plus(_matmul(ragged, activate(gate, up, limit), weights.w_down, DOWN_AXES, dtype, prepare),
+               weights.b_down, DOWN_BIAS_AXES)
     # Whatever ragged_dot leaves in rows outside every group, padding must contribute nothing.
     valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(valid[:, None], out, jnp.zeros_like(out))

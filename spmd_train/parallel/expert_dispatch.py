@@ -22,7 +22,7 @@ from spmd_train.config.model_schema import MoEImpl
 from spmd_train.config.validity import expert_divides_experts, refuse
 from spmd_train.errors import ConfigError
 from spmd_train.ops.capacity import capacity
-from spmd_train.ops.experts import DOWN_AXES, GATE_UP_AXES, ExpertWeights, Prepare, batched_swiglu, ragged_swiglu
+from spmd_train.ops.experts import ExpertWeights, Prepare, batched_swiglu, ragged_swiglu
 from spmd_train.ops.routing import expert_counts, slot_positions
 from spmd_train.sharding.arithmetic import entry_axes, manual_axes
 from spmd_train.sharding.constrain import active_layout, constrain, stored_param
@@ -32,11 +32,13 @@ IMPLEMENTATIONS = get_args(MoEImpl)
 
 
 def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: ExpertWeights, *, num_experts: int,
-            capacity_factor: float, impl: str = "capacity", dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+            capacity_factor: float, impl: str = "capacity", dtype=jnp.float32,
+            limit: float | None = None) -> tuple[jax.Array, jax.Array]:
     """Routed experts: x [b, l, d], expert_idx/gates [b, l, k] -> (y [b, l, d] in x.dtype, kept [b, l, k] bool).
 
-    `weights` are the stored expert weights (leading `experts` axis); `kept` is False for
-    assignments dropped for lack of capacity (always True when dropless).
+    `weights` are the stored expert weights (leading `experts` axis; biases optional); `limit` makes the
+    activation gpt-oss's clamped SwiGLU (`ops.experts.activate`); `kept` is False for assignments dropped for
+    lack of capacity (always True when dropless).
     """
     layout = active_layout()
     manual = manual_axes()
@@ -51,9 +53,9 @@ def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: Expe
     refuse(expert_divides_experts(num_experts, ways))
     if impl == "capacity":
         return _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes,
-                         length, ways)
+                         length, ways, limit)
     if impl == "dropless":
-        return _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, length, ways)
+        return _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, length, ways, limit)
     raise ValueError(f"backends.moe={impl!r} is not an implementation (valid: {', '.join(IMPLEMENTATIONS)})")
 
 
@@ -75,7 +77,8 @@ def replica_mean(x: jax.Array) -> jax.Array:
 # --- capacity: fixed slots, two all-to-alls ---------------------------------------------------------
 
 
-def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes, length, ways):
+def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes, length, ways,
+              limit):
     b, l, d = x.shape
     k = expert_idx.shape[-1]
     rows = b // math.prod(mesh.shape[a] for a in axes) if axes else b
@@ -90,7 +93,7 @@ def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype
         pin = (lambda a: _pin(a, P(axes, P.UNCONSTRAINED, None), mesh)) if axes and not region else (lambda a: a)
         y, kept = _slots_and_experts(pin(xs.reshape(held, tokens, d)), pin(idx.reshape(held, tokens, k)),
                                      pin(gs.reshape(held, tokens, k)), w, num_experts, slots, dtype,
-                                     AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED)
+                                     AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED, limit)
         return y.reshape(xs.shape), kept.reshape(idx.shape)
 
     if not region:  # no exchange: the compiler partitions the groups like any batch dimension
@@ -98,7 +101,7 @@ def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype
     return _in_region(local, layout, mesh, axes, length, (x, expert_idx, gates), weights, outputs=2)
 
 
-def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype, axis, prepare):
+def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype, axis, prepare, limit):
     """Groups [G, T, d] (+ [G, T, k] routing) -> ([G, T, d], kept [G, T, k]) through [E, C, d] slots."""
     groups, tokens, d = x.shape
     k = expert_idx.shape[-1]
@@ -110,13 +113,13 @@ def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype,
     buf = jax.vmap(lambda s, v: jnp.zeros((num_experts * slots, d), dtype).at[s].add(v, mode="drop"))(slot, src)
     buf = buf.reshape(groups, num_experts, slots, d)
     if axis is None:
-        out = batched_swiglu(buf, weights, dtype, prepare)
+        out = batched_swiglu(buf, weights, dtype, prepare, limit)
     else:
         ways = jax.lax.axis_size(axis)
         buf = buf.reshape(groups, ways, num_experts // ways, slots, d)
         # [G, destination device, local expert, C, d] -> [G, source device, local expert, C, d] and back.
         buf = jax.lax.all_to_all(buf, axis, 1, 1, tiled=True)
-        out = jax.lax.all_to_all(batched_swiglu(buf, weights, dtype, prepare), axis, 1, 1, tiled=True)
+        out = jax.lax.all_to_all(batched_swiglu(buf, weights, dtype, prepare, limit), axis, 1, 1, tiled=True)
     out = out.reshape(groups, num_experts * slots, d)
     back = jax.vmap(lambda o, s: o.at[s].get(mode="fill", fill_value=0))(out, slot).reshape(groups, tokens, k, d)
     y = jnp.einsum("gtkd,gtk->gtd", back.astype(jnp.float32), jnp.where(kept, gates, 0.0).astype(jnp.float32))
@@ -126,14 +129,14 @@ def _slots_and_experts(x, expert_idx, gates, weights, num_experts, slots, dtype,
 # --- dropless: ragged all-to-all and ragged_dot ----------------------------------------------------
 
 
-def _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, length, ways):
+def _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, length, ways, limit):
     _b, _l, d = x.shape
     k = expert_idx.shape[-1]
 
     def local(xs, idx, gs, w, prepare=None):
         n = xs.shape[0] * xs.shape[1]
         y = _ragged_experts(xs.reshape(n, d), idx.reshape(n, k), gs.reshape(n, k), w, num_experts, dtype,
-                            AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED, (*axes, *length))
+                            AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED, (*axes, *length), limit)
         return (y.reshape(xs.shape),)
 
     if not axes and not length:
@@ -143,7 +146,7 @@ def _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, a
     return y, jnp.ones(expert_idx.shape, bool)
 
 
-def _ragged_experts(x, expert_idx, gates, weights, num_experts, dtype, axis, prepare, token_axes):
+def _ragged_experts(x, expert_idx, gates, weights, num_experts, dtype, axis, prepare, token_axes, limit):
     """One device's tokens x [T, d] -> [T, d]: sort assignments by expert, (exchange,) ragged_dot, undo."""
     tokens, k = expert_idx.shape
     n = tokens * k
@@ -151,15 +154,15 @@ def _ragged_experts(x, expert_idx, gates, weights, num_experts, dtype, axis, pre
     xs = jnp.take(x, order // k, axis=0).astype(dtype)
     counts = expert_counts(expert_idx, num_experts)
     if axis is None:
-        out = ragged_swiglu(xs, counts, weights, dtype, prepare)
+        out = ragged_swiglu(xs, counts, weights, dtype, prepare, limit)
     else:
-        out = _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, prepare, token_axes)
+        out = _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, prepare, token_axes, limit)
     per_assignment = jnp.zeros_like(out).at[order].set(out)
     y = jnp.einsum("tkd,tk->td", per_assignment.reshape(tokens, k, -1).astype(jnp.float32), gates)
     return y.astype(x.dtype)
 
 
-def _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, prepare, token_axes):
+def _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, prepare, token_axes, limit):
     """Sorted assignments [n, d] -> expert outputs in the same order, via the devices owning the experts.
 
     ragged_all_to_all's result takes the type of its `output` buffer, so the zero buffers are
@@ -185,7 +188,7 @@ def _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, prepare, to
     segment = jnp.cumsum(jnp.zeros((ways * n,), jnp.int32).at[ends].add(1, mode="drop"))
     label = jnp.where(segment < ways * local_experts, segment % local_experts, local_experts)
     regroup = jnp.argsort(label, stable=True)
-    out = ragged_swiglu(got[regroup], mine.sum(0), weights, dtype, prepare)
+    out = ragged_swiglu(got[regroup], mine.sum(0), weights, dtype, prepare, limit)
     out = jnp.zeros_like(out).at[regroup].set(out)
     home = jax.lax.pcast(jnp.zeros((n, d), out.dtype), token_axes, to="varying")
     return jax.lax.ragged_all_to_all(out, home, _exclusive_cumsum(recv), recv, _exclusive_cumsum(sizes, 1)[:, me],
@@ -227,7 +230,8 @@ def _in_region(local, layout, mesh, axes, length, activations, weights: ExpertWe
                 entries.append(kept or None)
         return P(*entries)
 
-    specs = {names: weight_spec(names) for names in (GATE_UP_AXES, DOWN_AXES)}
+    names_of = weights.axes()
+    specs = {names: weight_spec(names) for names in names_of if names is not None}
 
     def gather(w, names):
         for dim, name in enumerate(names):
@@ -238,7 +242,7 @@ def _in_region(local, layout, mesh, axes, length, activations, weights: ExpertWe
     by_hand = Prepare(lambda w, names, dtype: constrain(gather(stored_param(w, names).astype(dtype), names), names),
                       (lambda y: jax.lax.psum(y, hidden)) if hidden else (lambda y: y))
     spec = P(axes or None, length or None)
-    w_specs = ExpertWeights(specs[GATE_UP_AXES], specs[GATE_UP_AXES], specs[DOWN_AXES])
+    w_specs = ExpertWeights(*(specs[names] for names in names_of if names is not None))
     # Every other axis is manual too (replicated: size 1 today): XLA:CPU aborts on a bf16 psum or
     # psum_scatter in a partly manual region ("Invalid binary instruction opcode copy").
     return jax.shard_map(lambda x, i, g, w: local(x, i, g, w, by_hand), mesh=mesh,

@@ -97,15 +97,22 @@ def refuse_field(hf: Mapping[str, Any], key: str, allowed: Any, why: str) -> Non
         raise ConfigError(f"config.json: {key}={value!r} is not supported ({why}; valid: {allowed!r})")
 
 
-def unplain_routing(moe: Any, *, norm_topk_prob: bool | None = None) -> list[str]:
-    """`key=value` for each DeepSeek-V3 routing setting of `moe` (a `MoEConfig`) that a family's plain top-k router
-    cannot express (a selection bias, groups, routed scaling, dense first layers), and norm_topk_prob when the
-    family fixes it to another value."""
-    plain = {"routed_scaling_factor": 1.0, "bias_update_rate": None, "first_k_dense": 0}
+def unplain_moe(moe: Any, title: str, *, norm_topk_prob: bool | None = None) -> str | None:
+    """Why family `title`, with a plain top-k router and SwiGLU experts, cannot hold `moe` (a `MoEConfig`): the
+    settings it cannot express (DeepSeek-V3's selection bias, groups, routed scaling and dense first layers;
+    gpt-oss's router and expert biases and clamped SwiGLU; norm_topk_prob when the family fixes it), or None."""
+    plain = {"routed_scaling_factor": 1.0, "bias_update_rate": None, "first_k_dense": 0, "router_logit_bias": False,
+             "expert_bias": False, "swiglu_limit": None}
     if norm_topk_prob is not None:
-        plain["norm_topk_prob"] = norm_topk_prob
+        plain = {"norm_topk_prob": norm_topk_prob, **plain}
     unlike = [f"{key}={getattr(moe, key)}" for key, value in plain.items() if getattr(moe, key) != value]
-    return unlike + ([f"topk_group={moe.topk_group}"] if moe.topk_group < moe.n_group else [])
+    unlike += [f"topk_group={moe.topk_group}"] if moe.topk_group < moe.n_group else []
+    if not unlike:
+        return None
+    valid = ", ".join(f"{key}={'null' if value is None else str(value).lower()}" for key, value in plain.items())
+    return (f"{title} routes without a selection bias, groups, scaling, dense first layers or biases, and its experts "
+            f"are plain SwiGLU (this one: model.moe.{', '.join(unlike)}; valid for {title}: {valid}, "
+            "topk_group=n_group)")
 
 
 def _nothing(*args: Any) -> None:

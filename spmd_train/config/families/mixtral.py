@@ -11,7 +11,7 @@ from spmd_train.config.families.hf_family import (
     Family,
     refuse_field,
     register_family,
-    unplain_routing,
+    unplain_moe,
     write_plain_window,
 )
 from spmd_train.config.model_schema import ModelConfig
@@ -27,12 +27,10 @@ def _refusal(model: ModelConfig) -> str | None:
         return ("a mixture-of-experts model exports as Mixtral, which has an MoE layer in every layer, no shared "
                 f"experts and softmax routing (this one: model.moe.every={moe.every}, "
                 f"num_shared_experts={moe.num_shared_experts}, router_score={moe.router_score})")
-    # DeepSeek-V3's routing: Mixtral's router has no bias, groups or scaling and always renormalises.
-    unlike = unplain_routing(moe, norm_topk_prob=True)
+    # DeepSeek-V3's routing and gpt-oss's experts: Mixtral's router always renormalises.
+    unlike = unplain_moe(moe, "Mixtral", norm_topk_prob=True)
     if unlike:
-        return (f"Mixtral routes without a selection bias, groups, scaling or dense first layers (this one: model.moe."
-                f"{', '.join(unlike)}; valid for Mixtral: norm_topk_prob=true, routed_scaling_factor=1.0, "
-                "bias_update_rate=null, first_k_dense=0, topk_group=n_group)")
+        return unlike
     if model.qkv_bias or model.qk_norm:
         return ("Mixtral has neither Q/K/V biases nor Q/K norms (model.qkv_bias and model.qk_norm must be false to "
                 "export a mixture-of-experts model)")

@@ -12,7 +12,7 @@ from spmd_train.config.families.hf_family import (
     qwen_window,
     refuse_field,
     register_family,
-    unplain_routing,
+    unplain_moe,
 )
 from spmd_train.config.model_schema import ModelConfig
 
@@ -27,12 +27,7 @@ def _refusal(model: ModelConfig) -> str | None:
         return ("Qwen3-MoE has an MoE layer in every layer, no shared experts, softmax routing and no Q/K/V biases "
                 f"(this one: model.moe.every={moe.every}, num_shared_experts={moe.num_shared_experts}, "
                 f"router_score={moe.router_score}, qkv_bias={model.qkv_bias})")
-    unlike = unplain_routing(moe)
-    if unlike:
-        return (f"Qwen3-MoE routes without a selection bias, groups, scaling or dense first layers (this one: "
-                f"model.moe.{', '.join(unlike)}; valid for Qwen3-MoE: routed_scaling_factor=1.0, "
-                "bias_update_rate=null, first_k_dense=0, topk_group=n_group)")
-    return None
+    return unplain_moe(moe, "Qwen3-MoE")
 
 
 def _read(hf: Mapping[str, Any], model: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from spmd_train.train.engine import Engine
 from tests.runs import cli, main_in_process
 
 REFERENCE = Path(__file__).parent / "hf_reference"
-FAMILIES = ("llama", "llama32", "mistral", "mistral_window", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "llama32", "mistral", "mistral_window", "qwen2", "qwen3", "qwen3_yarn", "mixtral", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 TOLERANCE = 1e-4
 """Largest |ours - transformers'| over the largest |logit|, fp32 on both sides."""
@@ -113,6 +113,8 @@ def _heads_transposed(pieces):
     ("qwen3", None, ("model.norm_eps=1e-2",)),  # the Q/K norms' epsilon off
     ("qwen3_moe", None, ("model.moe.norm_topk_prob=true",)),  # config.json's norm_topk_prob=false misread
     ("mistral_window", None, ("model.sliding_window=null",)),  # the window ignored
+    ("qwen3_yarn", None, ("model.rope_scaling.attention_factor=1.0",)),  # YaRN's factor on cos and sin left out
+    ("qwen3_yarn", None, ("model.rope_scaling.truncate=false",)),  # the ramp's ends not rounded out
 ])
 def test_a_conversion_bug_fails_the_comparison(devices, monkeypatch, family, mutation, overrides):
     if mutation is not None:
@@ -138,6 +140,7 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize(("family", "mesh"), [("qwen2", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mistral_window", ("mesh.fsdp=2", "mesh.tensor=4")),
+                                              ("qwen3_yarn", ()),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_import_then_export_gives_the_same_bytes_and_an_equivalent_config(devices, tmp_path, family, mesh):
@@ -222,8 +225,9 @@ def test_bad_checkpoints_exit_2_naming_the_problem_and_write_nothing(tmp_path, b
 
 def test_unsupported_config_fields_are_named():
     cfg = read_hf_config(REFERENCE / "llama32")
-    with pytest.raises(ConfigError, match="rope scaling type 'yarn' is not supported"):
-        model_section({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    supported = r"\(supported: default, linear, llama3, yarn\)"
+    with pytest.raises(ConfigError, match=r"rope scaling type 'longrope' is not supported " + supported):
+        model_section({**cfg, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}})
     with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
         model_section({**cfg, "hidden_act": "gelu"})
     with pytest.raises(ConfigError, match="attention_bias=True is not supported"):
@@ -289,6 +293,7 @@ def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tm
 @pytest.mark.parametrize(("family", "mesh"), [("llama", ("mesh.fsdp=2", "mesh.tensor=4")), ("qwen2", ()),
                                               ("qwen3", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mistral_window", ("mesh.fsdp=2", "mesh.tensor=4")),
+                                              ("qwen3_yarn", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_greedy_generation_from_an_imported_model_equals_transformers(devices, family, mesh):

@@ -85,8 +85,17 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
                               "low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
                               "high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
                               "original_max_position": int(scaling["original_max_position_embeddings"])}
+    if kind == "yarn":
+        original = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+        factor = scaling.get("factor") or int(hf["max_position_embeddings"]) / int(original)  # DeepSeek-V3's rule
+        out = {"type": "yarn", "factor": float(factor), "original_max_position": int(original),
+               "beta_fast": float(scaling.get("beta_fast") or 32.0),
+               "beta_slow": float(scaling.get("beta_slow") or 1.0), "truncate": bool(scaling.get("truncate", True))}
+        out |= {key: float(scaling[key]) for key in ("mscale", "mscale_all_dim", "attention_factor")
+                if scaling.get(key) is not None}
+        return float(theta), out
     raise ConfigError(f"config.json: rope scaling type {kind!r} is not supported (supported: default, linear, "
-                      "llama3)")
+                      "llama3, yarn)")
 
 
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
@@ -223,11 +232,7 @@ def hf_config(model: ModelConfig, base: Mapping[str, Any] | None = None, *, dtyp
                 "tie_word_embeddings": model.tie_embeddings})
     scaling = None
     if model.rope_scaling is not None:
-        s = model.rope_scaling
-        scaling = ({"rope_type": "linear", "factor": s.factor} if s.type == "linear" else
-                   {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                    "high_freq_factor": s.high_freq_factor,
-                    "original_max_position_embeddings": s.original_max_position})
+        scaling = _write_rope_scaling(model.rope_scaling)
     if legacy:
         out.update({"rope_theta": model.rope_theta, "rope_scaling": scaling, "torch_dtype": dtype})
     else:
@@ -235,6 +240,19 @@ def hf_config(model: ModelConfig, base: Mapping[str, Any] | None = None, *, dtyp
                     "dtype": dtype})
     fam.write(model, out)
     return out
+
+
+def _write_rope_scaling(s: Any) -> dict[str, Any]:
+    """Our rope_scaling section as config.json's (`rope_type` and `transformers`' key names)."""
+    if s.type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    if s.type == "llama3":
+        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
+    out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_position,
+           "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, **({} if s.truncate else {"truncate": False})}
+    return out | {key: getattr(s, key) for key in ("mscale", "mscale_all_dim", "attention_factor")
+                  if getattr(s, key) is not None}
 
 
 def same_architecture(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

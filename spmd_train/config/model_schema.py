@@ -119,19 +119,35 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary frequencies stretched for long context: Llama 3.1's per-band rule, or plain linear interpolation."""
+    """Rotary frequencies stretched for long context: Llama 3.1's per-band rule, plain linear interpolation, or YaRN
+    (Qwen2.5/3, DeepSeek-V3, gpt-oss; arXiv:2309.00071, as `transformers` computes it)."""
 
     __pydantic_config__ = STRICT
 
-    type: Literal["llama3", "linear"]
-    """llama3: long wavelengths divided by `factor`, short ones kept, a smooth ramp between; linear: all divided."""
+    type: Literal["llama3", "linear", "yarn"]
+    """llama3: long wavelengths divided by `factor`, short ones kept, a smooth ramp between; linear: all divided;
+    yarn: frequencies between beta_slow and beta_fast rotations over original_max_position ramped from kept to
+    divided, and cos/sin times an attention factor."""
     factor: PositiveFloat
     low_freq_factor: PositiveFloat = 1.0
     """llama3: wavelengths above original_max_position / low_freq_factor are scaled fully."""
     high_freq_factor: PositiveFloat = 4.0
     """llama3: wavelengths below original_max_position / high_freq_factor are kept."""
     original_max_position: PositiveInt = 8192
-    """llama3: the context length the model was first trained at."""
+    """llama3 and yarn: the context length the model was first trained at."""
+    beta_fast: PositiveFloat = 32.0
+    """yarn: frequencies that turn more than this many times over original_max_position are kept."""
+    beta_slow: PositiveFloat = 1.0
+    """yarn: frequencies that turn fewer than this many times over original_max_position are divided by factor."""
+    mscale: PositiveFloat | None = None
+    """yarn: with mscale_all_dim, the attention factor is (0.1 mscale ln factor + 1) / (0.1 mscale_all_dim ln factor
+    + 1) (DeepSeek-V3: 1.0 and 1.0); else 0.1 ln factor + 1."""
+    mscale_all_dim: PositiveFloat | None = None
+    """yarn: see mscale."""
+    attention_factor: PositiveFloat | None = None
+    """yarn: cos and sin are multiplied by this; null: from factor (and mscale, mscale_all_dim) as above."""
+    truncate: bool = True
+    """yarn: the ramp's ends rounded out to whole dimensions (gpt-oss: false)."""
 
 
 @dataclass(frozen=True)

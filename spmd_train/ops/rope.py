@@ -1,4 +1,4 @@
-"""Rotary position embeddings (Llama's rotate-half convention), with Llama 3.1's and linear frequency scaling."""
+"""Rotary position embeddings (Llama's rotate-half convention), with Llama 3.1's, linear and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ def inverse_frequencies(head_dim: int, theta: float, scaling=None) -> jax.Array:
         return inv_freq
     if scaling.type == "linear":
         return inv_freq / scaling.factor
+    if scaling.type == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
     if scaling.type != "llama3":
-        raise ValueError(f"rope scaling {scaling.type!r} is not one of: llama3, linear")
+        raise ValueError(f"rope scaling {scaling.type!r} is not one of: llama3, linear, yarn")
     original, factor = scaling.original_max_position, scaling.factor
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -33,6 +35,37 @@ def inverse_frequencies(head_dim: int, theta: float, scaling=None) -> jax.Array:
     return jnp.where(medium, blended, scaled)
 
 
+def _yarn(inv_freq: jax.Array, head_dim: int, theta: float, scaling) -> jax.Array:
+    # The dimension pair that turns `rotations` times over the original context, then a ramp between the pairs of
+    # beta_fast and beta_slow turns: kept (extrapolated) above it, divided by factor (interpolated) below it.
+    def pair(rotations):
+        return head_dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair(scaling.beta_fast), pair(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    return inv_freq / scaling.factor * (1 - kept) + inv_freq * kept
+
+
+def rope_attention_factor(scaling) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (1 for other scalings and none)."""
+    if scaling is None or scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+
+    def mscale(scale: float) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * scale * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale(1.0)
+
+
 def rope_tables(length: int, head_dim: int, theta: float, positions: jax.Array | None = None, *,
                 scaling=None) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables for rotary position embeddings (fp32): [length, head_dim // 2] for positions
@@ -41,7 +74,10 @@ def rope_tables(length: int, head_dim: int, theta: float, positions: jax.Array |
     inv_freq = inverse_frequencies(head_dim, theta, scaling)
     pos = jnp.arange(length, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
     angles = pos[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+    factor = rope_attention_factor(scaling)
+    if factor == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -1,7 +1,7 @@
 """Make the committed Hugging Face reference fixtures under ``tests/hf_reference/<family>/``.
 
-For each tiny model family (llama, llama32, mistral, mistral_window, qwen2, qwen3, mixtral, qwen3_moe) this
-script builds a randomly initialised ``transformers`` model in float32, re-initialises every parameter with
+For each tiny model family (llama, llama32, mistral, mistral_window, qwen2, qwen3, mixtral, qwen3_moe, qwen3_yarn)
+this script builds a randomly initialised ``transformers`` model in float32, re-initialises every parameter with
 large-ish values (so that interop tests are sensitive to any layout or math mistake), and writes:
 
 * ``config.json`` (+ ``generation_config.json``) and the weights, exactly as
@@ -126,6 +126,19 @@ def make_config(family: str):
             use_sliding_window=False,
             sliding_window=None,
         )
+    if family == "qwen3_yarn":
+        # Qwen3 with YaRN stretching a 6-position original context by 4 (the ramp spans most of head_dim 32's
+        # pairs at this length; attention factor 1 + 0.1 ln 4 on cos and sin), as Qwen's long-context configs do.
+        return Qwen3Config(
+            **dict(COMMON, max_position_embeddings=24),  # 6 x 4: the factor the two lengths imply
+            head_dim=32,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 6, "beta_fast": 32.0, "beta_slow": 1.0},
+            tie_word_embeddings=False,
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+        )
     if family == "mixtral":
         common = dict(COMMON, intermediate_size=96)
         return MixtralConfig(
@@ -167,6 +180,7 @@ MODEL_CLASSES = {
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mistral_window": MistralForCausalLM,
+    "qwen3_yarn": Qwen3ForCausalLM,
 }
 TOP_K = {"mixtral": 2, "qwen3_moe": 4}
 """Experts each token picks, for the MoE families: the router's k-th and (k+1)-th choices must not be near-tied."""
@@ -323,6 +337,17 @@ def make_family(family: str, out_root: Path) -> None:
         rope_effect = (plain_logits - logits).abs().max().item()
         print(f"  llama3 rope scaling changes logits by up to {rope_effect:.3f}")
         assert rope_effect > 1e-2, rope_effect
+
+    if family == "qwen3_yarn":
+        # YaRN must matter at these 24 positions, otherwise the fixture could not catch it ignored.
+        plain = make_config(family)
+        plain.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        plain_model = Qwen3ForCausalLM(plain).eval()
+        plain_model.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            effect = (plain_model(input_ids).logits - logits).abs().max().item()
+        print(f"  YaRN changes logits by up to {effect:.3f}")
+        assert effect > 1e-2, effect
 
     if family == "mistral_window":
         # The window must matter at these 24 positions, otherwise the fixture could not catch it ignored.

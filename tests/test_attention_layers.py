@@ -24,8 +24,9 @@ from tests.tiers import fast_cases
 
 VARIANTS = ["model.num_layers=4", "model.layer_types=[sliding,full]", "model.sliding_window=5",
             "model.rope_local_theta=500.0", "model.attention_sinks=true", "model.attn_logit_softcap=3.0",
-            "model.final_logit_softcap=8.0", "model.query_pre_attn_scalar=16.0", *FP32]
-"""Every variant at once on the tiny model: two sliding layers of window 5 (of 16 tokens) between full ones."""
+            "model.final_logit_softcap=8.0", "model.query_pre_attn_scalar=16.0", "model.attn_output_bias=true", *FP32]
+"""Every variant at once on the tiny model: two sliding layers of window 5 (of 16 tokens) between full ones, with
+gpt-oss's sinks and attention output bias."""
 
 LAYOUTS = {
     "data2_fsdp2_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
@@ -43,8 +44,12 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def reference(devices):
     losses, params, _, _ = run_steps(["mesh.fsdp=1", *VARIANTS], devices[:1])
-    # The sinks start at 0 and learn: their gradient reaches them (so the equalities below are not of zeros).
+    # The sinks and the output bias start at 0 and learn: their gradients reach them (so the equalities below are not
+    # of zeros).
     assert np.abs(_sinks(params)).max() > 1e-4
+    (bias,) = [a for path, a in jax.tree_util.tree_leaves_with_path(params)
+               if any(getattr(entry, "key", None) == "bo" for entry in path[-2:])]
+    assert np.abs(np.asarray(bias)).max() > 1e-4
     return losses, params
 
 

@@ -220,7 +220,7 @@ REFUSED = {
                        "model.mla.qk_nope_head_dim is required.*model.mla.v_head_dim is required"),
     "zero_query_rank": ([*MLA, "model.mla.q_lora_rank=0"], "model.mla.q_lora_rank=0 is invalid"),
     "yarn": ([*MLA, "model.rope_scaling.type=yarn", "model.rope_scaling.factor=40"],
-             "model.rope_scaling.type='yarn' is invalid: Input should be 'llama3' or 'linear'"),
+             "model.rope_scaling.type=yarn with model.mla: DeepSeek's attention also multiplies its softmax scale"),
 }
 
 

@@ -95,6 +95,8 @@ MOE_PRESETS = {
     "deepseek-v2-lite": (15.7e9, 2.45e9),  # "15.7B total, 2.4B activated"
     "qwen3-30b-a3b": (30.5e9, 3.04e9),  # "30.5B in total and 3.3B activated", of which 0.31B the embedding table
     "qwen3-235b-a22b": (235.1e9, 21.6e9),  # "235B in total and 22B activated", of which 0.62B the embedding table
+    "gpt-oss-20b": (20.91e9, 3.61e9),  # "21B parameters with 3.6B active"
+    "gpt-oss-120b": (116.83e9, 5.13e9),  # "117B parameters with 5.1B active"
 }
 
 

@@ -104,11 +104,15 @@ def check_mla(m) -> None:
         raise ConfigError(f"model.head_dim={m.head_dim} with model.mla: MLA's head widths are model.mla."
                           "qk_nope_head_dim + qk_rope_head_dim (queries, keys) and model.mla.v_head_dim (values) "
                           "(valid: model.head_dim=null)")
-    held = [f"model.{k}=true" for k in ("qkv_bias", "qk_norm") if getattr(m, k)]
+    held = [f"model.{k}=true" for k in ("qkv_bias", "attn_output_bias", "qk_norm") if getattr(m, k)]
     if held:
-        raise ConfigError(f"{' and '.join(held)} with model.mla: MLA has no Q/K/V biases and normalises its latents "
-                          "(model.mla's q and kv norms), not each head (valid: model.qkv_bias=false, "
-                          "model.qk_norm=false)")
+        raise ConfigError(f"{' and '.join(held)} with model.mla: MLA has no attention biases and normalises its "
+                          "latents (model.mla's q and kv norms), not each head (valid: model.qkv_bias=false, "
+                          "model.attn_output_bias=false, model.qk_norm=false)")
+    if m.rope_scaling is not None and m.rope_scaling.type == "yarn":
+        raise ConfigError("model.rope_scaling.type=yarn with model.mla: DeepSeek's attention also multiplies its "
+                          "softmax scale by YaRN's mscale squared, which is not built yet (valid with model.mla: "
+                          "model.rope_scaling=null, or type llama3 or linear)")
     if a.qk_rope_head_dim < 2 or a.qk_rope_head_dim % 2:
         raise ConfigError(f"model.mla.qk_rope_head_dim={a.qk_rope_head_dim} is invalid: rotary embeddings turn "
                           "pairs of values (valid: an even number >= 2, DeepSeek's 64)")

@@ -177,9 +177,10 @@ def _model_section(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
 
 def unexportable(model: ModelConfig, fam: Family | None = None) -> str | None:
     """Why no registered family (or `fam`) can hold this model's attention variants, or None when one can: none
-    has MLA, sinks, soft-caps, a query scale or a separate local RoPE yet, and only families that write per-layer
-    kinds (Qwen's layer_types) hold a mix of full and sliding layers."""
-    fields = {"attention_sinks": model.attention_sinks, "attn_logit_softcap": model.attn_logit_softcap,
+    has MLA, sinks, an attention output bias, soft-caps, a query scale or a separate local RoPE yet, and only
+    families that write per-layer kinds (Qwen's layer_types) hold a mix of full and sliding layers."""
+    fields = {"attention_sinks": model.attention_sinks, "attn_output_bias": model.attn_output_bias,
+              "attn_logit_softcap": model.attn_logit_softcap,
               "final_logit_softcap": model.final_logit_softcap, "query_pre_attn_scalar": model.query_pre_attn_scalar,
               "rope_local_theta": model.rope_local_theta}
     held = [f"model.{k}={v}" for k, v in fields.items() if v not in (None, False)]

@@ -173,6 +173,8 @@ class ModelConfig:
     """Stretched rotary frequencies (Llama 3.1/3.2); null: plain RoPE."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2)."""
+    attn_output_bias: bool = False
+    """A bias on the attention output projection (gpt-oss, with qkv_bias: its attention_bias)."""
     qk_norm: bool = False
     """RMSNorm over each head's query and key before RoPE (Qwen3)."""
     sliding_window: PositiveInt | None = None

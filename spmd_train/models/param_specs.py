@@ -29,8 +29,8 @@ def norm_params(cfg: ModelConfig, axis: str = "embed") -> dict[str, Spec]:
 
 
 def attention_params(cfg: ModelConfig) -> dict[str, Spec]:
-    """Grouped-query attention's projections (Qwen2's biases, gpt-oss's per-head sink logits); its q/k norms are
-    `norm_params(cfg, "head_dim")`."""
+    """Grouped-query attention's projections (Qwen2's biases, gpt-oss's output bias and per-head sink logits); its
+    q/k norms are `norm_params(cfg, "head_dim")`."""
     d, hd, h, kv = cfg.d_model, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
     out = {"wq": ((d, h, hd), ("embed", "heads", "head_dim")), "wk": ((d, kv, hd), ("embed", "kv_heads", "head_dim")),
            "wv": ((d, kv, hd), ("embed", "kv_heads", "head_dim")), "wo": ((h, hd, d), ("heads", "head_dim", "embed"))}
@@ -39,6 +39,8 @@ def attention_params(cfg: ModelConfig) -> dict[str, Spec]:
     if cfg.qkv_bias:
         out |= {"bq": ((h, hd), ("heads", "head_dim")), "bk": ((kv, hd), ("kv_heads", "head_dim")),
                 "bv": ((kv, hd), ("kv_heads", "head_dim"))}
+    if cfg.attn_output_bias:
+        out["bo"] = ((d,), ("embed",))
     return out
 
 

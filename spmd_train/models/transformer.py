@@ -51,10 +51,13 @@ class Attention(nnx.Module):
             self.bq = param(None, *specs["bq"], std=0.0, **kw)
             self.bk = param(None, *specs["bk"], std=0.0, **kw)
             self.bv = param(None, *specs["bv"], std=0.0, **kw)
+        if cfg.attn_output_bias:
+            self.bo = param(None, *specs["bo"], std=0.0, **kw)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg, stack=stack, axis="head_dim")
             self.k_norm = RMSNorm(cfg, stack=stack, axis="head_dim")
         self.qkv_bias, self.qk_norm, self.has_sinks = cfg.qkv_bias, cfg.qk_norm, cfg.attention_sinks
+        self.output_bias = cfg.attn_output_bias
         self.scorings = tuple(layer_scoring(cfg, kind) for kind in attention_kinds(cfg))
         self.compute_dtype = cfg.compute_dtype
         self.backends = backends
@@ -102,7 +105,10 @@ class Attention(nnx.Module):
     def output(self, out: jax.Array) -> jax.Array:
         """The heads' attention output [batch, length, heads, head_dim] -> the residual stream's update."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return constrain(dense("blhk,hkd->bld", out, self.wo, self.compute_dtype), RESIDUAL)
+        out = dense("blhk,hkd->bld", out, self.wo, self.compute_dtype)
+        if self.output_bias:  # added once, after the heads' row-parallel sum
+            out = out + weight(self.bo, self.compute_dtype)
+        return constrain(out, RESIDUAL)
 
 
 def attention_kinds(cfg: ModelConfig) -> tuple[str, ...]:

@@ -182,6 +182,13 @@ MODEL_CLASSES = {
     "mistral_window": MistralForCausalLM,
     "qwen3_yarn": Qwen3ForCausalLM,
 }
+FEATURE = {
+    "llama": ("llama3 rope scaling", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen3_yarn": ("YaRN", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
+    "mistral_window": ("the sliding window", "sliding_window", None),
+    "qwen3_moe": ("renormalising the top-k gates", "norm_topk_prob", True),
+}
+"""The feature a fixture exists for: (what, the config attribute, its value with the feature off)."""
 TOP_K = {"mixtral": 2, "qwen3_moe": 4}
 """Experts each token picks, for the MoE families: the router's k-th and (k+1)-th choices must not be near-tied."""
 FAMILIES = list(MODEL_CLASSES)
@@ -327,49 +334,17 @@ def make_family(family: str, out_root: Path) -> None:
 
     if family == "llama":
         legacy_llama_config(out / "config.json")
-        # The scaling must matter at these 24 positions, otherwise the fixture could not catch a missing llama3 rope.
-        plain = make_config(family)
-        plain.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-        plain_model = LlamaForCausalLM(plain).eval()
-        plain_model.load_state_dict(model.state_dict())
+    if family in FEATURE:
+        what, key, off = FEATURE[family]
+        # The feature must matter at these 24 positions, otherwise the fixture could not catch it ignored.
+        without = make_config(family)
+        setattr(without, key, off)
+        without_model = MODEL_CLASSES[family](without).eval()
+        without_model.load_state_dict(model.state_dict())
         with torch.no_grad():
-            plain_logits = plain_model(input_ids).logits
-        rope_effect = (plain_logits - logits).abs().max().item()
-        print(f"  llama3 rope scaling changes logits by up to {rope_effect:.3f}")
-        assert rope_effect > 1e-2, rope_effect
-
-    if family == "qwen3_yarn":
-        # YaRN must matter at these 24 positions, otherwise the fixture could not catch it ignored.
-        plain = make_config(family)
-        plain.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-        plain_model = Qwen3ForCausalLM(plain).eval()
-        plain_model.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            effect = (plain_model(input_ids).logits - logits).abs().max().item()
-        print(f"  YaRN changes logits by up to {effect:.3f}")
-        assert effect > 1e-2, effect
-
-    if family == "mistral_window":
-        # The window must matter at these 24 positions, otherwise the fixture could not catch it ignored.
-        full = make_config(family)
-        full.sliding_window = None
-        full_model = MistralForCausalLM(full).eval()
-        full_model.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            effect = (full_model(input_ids).logits - logits).abs().max().item()
-        print(f"  the sliding window changes logits by up to {effect:.3f}")
-        assert effect > 1e-2, effect
-
-    if family == "qwen3_moe":
-        # Renormalising the top-k gates must matter, otherwise the fixture could not catch norm_topk_prob misread.
-        renormalised = make_config(family)
-        renormalised.norm_topk_prob = True
-        renormalised_model = Qwen3MoeForCausalLM(renormalised).eval()
-        renormalised_model.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            effect = (renormalised_model(input_ids).logits - logits).abs().max().item()
-        print(f"  renormalising the top-k gates changes logits by up to {effect:.3f}")
-        assert effect > 1e-2, effect
+            effect = (without_model(input_ids).logits - logits).abs().max().item()
+        print(f"  {what} changes logits by up to {effect:.3f}")
+        assert effect > 1e-2, (family, effect)
 
     # Reload what was written (legacy llama config included) and check it reproduces the reference.
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

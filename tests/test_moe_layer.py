@@ -438,6 +438,17 @@ def test_check_moe_accepts_a_valid_layout_and_ignores_moe_keys_when_off():
     check_moe(off, SIZES, "cpu")
 
 
+def test_a_z_loss_on_a_sigmoid_router_is_allowed_with_a_warning(caplog):
+    sigmoid = ["model.preset=tiny", "model.moe.every=2", "model.moe.router_score=sigmoid"]
+    with caplog.at_level("WARNING", logger="spmd_train"):
+        check_moe(load_config(None, sigmoid), SIZES, "tpu")
+        check_moe(load_config(None, [*sigmoid, "model.moe.router_z_weight=0"]), SIZES, "tpu")
+        check_moe(load_config(None, ["model.preset=tiny", "model.moe.every=2"]), SIZES, "tpu")  # softmax: its default
+    (warned,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "model.moe.router_z_weight=0.001 with model.moe.router_score=sigmoid" in warned
+    assert "(model.moe.router_z_weight=0 to match it)" in warned
+
+
 @pytest.mark.parametrize(("override", "needles"), [
     ("model.moe.experts_per_token=0", ["model.moe.experts_per_token=0", "greater than or equal to 1"]),
     ("model.moe.every=0", ["model.moe.every=0", "greater than or equal to 1"]),

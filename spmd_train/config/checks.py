@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from spmd_train.config.attention_facts import attention_facts, attention_names, check_variants
@@ -23,6 +24,8 @@ from spmd_train.config.validity import (
     virtual_stages_fit,
 )
 from spmd_train.errors import ConfigError
+
+log = logging.getLogger("spmd_train")
 
 
 def check_config(cfg: Config) -> None:
@@ -219,6 +222,12 @@ def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
     check_moe_groups(moe)
     refuse(expert_divides_experts(moe.num_experts, sizes["expert"]))
     refuse(tensor_divides("moe.d_ff", m.resolved_moe_d_ff, sizes["tensor"]))
+    if moe.router_score == "sigmoid" and moe.router_z_weight > 0:
+        # Allowed (it is a regulariser like any other), but rarely meant: the default was chosen for softmax routers.
+        log.warning("model.moe.router_z_weight=%g with model.moe.router_score=sigmoid: the router z-loss is "
+                    "ST-MoE's regulariser for softmax routers; it pulls the logits together where sigmoid scores "
+                    "crowd, slowing auxiliary-loss-free balancing (docs/moe.md), and DeepSeek-V3's sigmoid router "
+                    "trains without one (model.moe.router_z_weight=0 to match it)", moe.router_z_weight)
     if cfg.backends.moe == "dropless" and platform == "cpu":
         raise ConfigError(
             "backends.moe=dropless needs ragged all-to-all, which XLA:CPU does not implement; use "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from spmd_train import Engine, load_config
 from spmd_train.data import make_source, prepare_data
@@ -44,6 +46,20 @@ def run_steps(overrides: list[str], devices, steps: int = 3, config: str | None 
         state, metrics = step_fn(state, data.batch(step, engine.batch_sharding))
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.tree.map(np.asarray, state.params), engine, state
+
+
+@contextlib.contextmanager
+def optimized_compiles():
+    """Every program compiled inside (a `Trainer`'s step, generation's) by XLA:CPU's optimizing backend
+    (`OPTIMIZED`): for a test whose run of a hundred steps and more costs more than its compile."""
+    plain = jax.stages.Lowered.compile
+
+    def compile(self, compiler_options=None, **kwargs):
+        return plain(self, compiler_options=compiler_options or OPTIMIZED, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jax.stages.Lowered, "compile", compile)
+        yield
 
 
 def relative_error(a, b) -> float:

@@ -17,7 +17,7 @@ from spmd_train.errors import ConfigError
 from spmd_train.models.transformer import Transformer
 from spmd_train.sharding.constrain import use_layout
 from spmd_train.train.generation import check_request, generate, generation_backends
-from tests.runs import FP32, token_files
+from tests.runs import FP32, optimized_compiles, token_files
 from tests.tiers import fast_cases
 
 PROMPTS = [[5, 17, 3], [200, 1, 2, 3, 4, 9, 77], [42], [8, 8, 8, 8, 8]]
@@ -128,7 +128,8 @@ def markov_run(devices, tmp_path_factory):
     trainer = Trainer(load_config(None, [*MARKOV, f"run.dir={run_dir}"]), devices[:1])
     trainer.init()
     untrained = jax.tree.map(jnp.copy, trainer.state.params)  # the train step donates the state
-    trainer.run()
+    with optimized_compiles():  # 150 steps: faster than at -O0, its compile included
+        trainer.run()
     yield trainer, untrained, run_dir
     trainer.close()
 
@@ -171,7 +172,8 @@ def test_trained_on_a_markov_chain_it_generates_that_chain(markov_run):
     rng = np.random.default_rng(0)
     starts = rng.choice(VOCAB, size=64, p=chain.stationary)
     prompts = [[int(s)] for s in starts]
-    made = trainer.generate(prompts, max_new_tokens=64, temperature=1.0, seed=0)
+    with optimized_compiles():
+        made = trainer.generate(prompts, max_new_tokens=64, temperature=1.0, seed=0)
     generated = np.concatenate([starts[:, None], np.asarray(made.tokens)], axis=1)
     assert generated.max() < VOCAB
     # The chain itself, sampled from the same first tokens: the sampling noise of the statistic.
@@ -181,7 +183,8 @@ def test_trained_on_a_markov_chain_it_generates_that_chain(markov_run):
         truth[:, t] = (chain._cdf[truth[:, t - 1]] < rng.random((len(starts), 1))).sum(1)
     noise = _transition_tv(truth, chain.transitions)
     trained = _transition_tv(generated, chain.transitions)
-    before = generate(trainer.engine, untrained, prompts, max_new_tokens=64, temperature=1.0, seed=0).tokens
+    with optimized_compiles():
+        before = generate(trainer.engine, untrained, prompts, max_new_tokens=64, temperature=1.0, seed=0).tokens
     untrained_tv = _transition_tv(np.concatenate([starts[:, None], np.asarray(before)], axis=1), chain.transitions)
     print(f"TV: chain's own sampling noise {noise:.3f}, trained {trained:.3f}, untrained {untrained_tv:.3f}")
     assert trained < noise + 0.05

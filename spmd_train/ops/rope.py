@@ -47,7 +47,7 @@ def _yarn(inv_freq: jax.Array, head_dim: int, theta: float, scaling) -> jax.Arra
     low, high = max(low, 0), min(high, head_dim - 1)
     high = high + 0.001 if low == high else high
     ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
-    kept = 1 - ramp
+    kept = 1 - ramp  # transformers' extrapolation factor, blended as it blends (to its last bit)
     return inv_freq / scaling.factor * (1 - kept) + inv_freq * kept
 
 
@@ -70,7 +70,7 @@ def rope_tables(length: int, head_dim: int, theta: float, positions: jax.Array |
                 scaling=None) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables for rotary position embeddings (fp32): [length, head_dim // 2] for positions
     0 .. length - 1, or [batch, length, head_dim // 2] for given per-token `positions` [batch, length].
-    `scaling` as in `inverse_frequencies`."""
+    `scaling` as in `inverse_frequencies`; YaRN's tables are also multiplied by its attention factor."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling)
     pos = jnp.arange(length, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
     angles = pos[..., None] * inv_freq

@@ -72,6 +72,14 @@ def _matmul(matmul, x: jax.Array, w: jax.Array, names: tuple[str, ...], dtype, p
     return prepare.reduce(out) if names == DOWN_AXES else out
 
 
+def run_of_rows(sizes: jax.Array, rows: int) -> jax.Array:
+    """For `rows` rows laid out as consecutive runs of `sizes` [R] rows, each row's run [rows] (R past the last run).
+
+    How many runs end at or before the row: a searchsorted written as a scatter and a cumsum, because jnp's
+    searchsorted trips over varying-manual-axis types inside a shard_map region in jax 0.10."""
+    return jnp.cumsum(jnp.zeros((rows,), jnp.int32).at[jnp.cumsum(sizes)].add(1, mode="drop"))
+
+
 def _bias(b: jax.Array | None, names: tuple[str, ...], dtype, prepare: Prepare) -> jax.Array | None:
     return None if b is None else prepare.weight(b, names, dtype)
 
@@ -104,11 +112,9 @@ def ragged_swiglu(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, 
     def ragged(a, w):
         return jax.lax.ragged_dot(a, w, group_sizes)
 
-    # Each row's expert, for the biases: how many groups end at or before it (a searchsorted written as a scatter
-    # and a cumsum, which jax 0.10 types correctly inside a region manual over the token axes).
-    ends = jnp.cumsum(group_sizes)
-    expert = jnp.minimum(jnp.cumsum(jnp.zeros(x.shape[:1], jnp.int32).at[ends].add(1, mode="drop")),
-                         group_sizes.shape[0] - 1)
+    # Each row's expert, for the biases (only a biased model needs it; padding rows take the last, then are zeroed).
+    if weights.b_gate is not None:
+        expert = jnp.minimum(run_of_rows(group_sizes, x.shape[0]), group_sizes.shape[0] - 1)
 
     def plus(y, b, names):
         b = _bias(b, names, dtype, prepare)

@@ -22,7 +22,7 @@ from spmd_train.config.model_schema import MoEImpl
 from spmd_train.config.validity import expert_divides_experts, refuse
 from spmd_train.errors import ConfigError
 from spmd_train.ops.capacity import capacity
-from spmd_train.ops.experts import ExpertWeights, Prepare, batched_swiglu, ragged_swiglu
+from spmd_train.ops.experts import ExpertWeights, Prepare, batched_swiglu, ragged_swiglu, run_of_rows
 from spmd_train.ops.routing import expert_counts, slot_positions
 from spmd_train.sharding.arithmetic import entry_axes, manual_axes
 from spmd_train.sharding.constrain import active_layout, constrain, stored_param
@@ -182,10 +182,7 @@ def _exchange_and_run(xs, counts, weights, num_experts, dtype, axis, prepare, to
     # Received: per source, rows sorted by local expert. Regroup by local expert for ragged_dot;
     # rows past the received ones get label `local_experts` and sort last.
     mine = per[:, me, :]
-    # segment[r] = how many (source, expert) runs end at or before row r (a searchsorted; jnp's trips
-    # over varying-manual-axis types in jax 0.10, so count run ends with a scatter and a cumsum).
-    ends = jnp.cumsum(mine.reshape(-1))
-    segment = jnp.cumsum(jnp.zeros((ways * n,), jnp.int32).at[ends].add(1, mode="drop"))
+    segment = run_of_rows(mine.reshape(-1), ways * n)  # each row's (source, expert) run
     label = jnp.where(segment < ways * local_experts, segment % local_experts, local_experts)
     regroup = jnp.argsort(label, stable=True)
     out = ragged_swiglu(got[regroup], mine.sum(0), weights, dtype, prepare, limit)

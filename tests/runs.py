@@ -38,14 +38,17 @@ def run_steps(overrides: list[str], devices, steps: int = 3, config: str | None 
     engine = Engine.build(cfg, list(devices))
     state = engine.init_state()
     data = make_source(cfg)
-    step_fn = engine.train_step
-    if optimized:
-        step_fn = step_fn.lower(state, data.batch(0, engine.batch_sharding)).compile(compiler_options=OPTIMIZED)
+    step_fn = optimized_step(engine, state, data) if optimized else engine.train_step
     losses = []
     for step in range(steps):
         state, metrics = step_fn(state, data.batch(step, engine.batch_sharding))
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.tree.map(np.asarray, state.params), engine, state
+
+
+def optimized_step(engine: Engine, state, data):
+    """`engine`'s train step compiled for `state` and `data`'s batches by XLA:CPU's optimizing backend (`OPTIMIZED`)."""
+    return engine.train_step.lower(state, data.batch(0, engine.batch_sharding)).compile(compiler_options=OPTIMIZED)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
 from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.data import make_source
 from spmd_train.ops.capacity import capacity
-from tests.runs import OPTIMIZED, ROOT, cli, relative_error
+from tests.runs import ROOT, cli, optimized_step, relative_error
 from tests.tiers import fast_cases
 
 CONFIG = ROOT / "configs" / "moe.yaml"
@@ -42,9 +42,7 @@ def _train(overrides, devices, steps, optimized=False):
     cfg = load_config(CONFIG, list(overrides))
     engine = Engine.build(cfg, list(devices))
     state, data = engine.init_state(), make_source(cfg)
-    step_fn = engine.train_step
-    if optimized:
-        step_fn = step_fn.lower(state, data.batch(0, engine.batch_sharding)).compile(compiler_options=OPTIMIZED)
+    step_fn = optimized_step(engine, state, data) if optimized else engine.train_step
     history, pending = [], None
     for step in range(steps):
         state, metrics = step_fn(state, data.batch(step, engine.batch_sharding))

@@ -99,6 +99,8 @@ def test_overrides_parse_yaml_scalars_and_lists():
         (["train.steps=0"], ["train.steps=0", "greater than or equal to 1"]),
         (["data.val_fraction=1.0"], ["data.val_fraction=1.0", "less than 1"]),
         (["model.moe.num_experts=0"], ["model.moe.num_experts=0", "greater than or equal to 1"]),
+        (["model.mlp_activation=gelu_tanh", "model.moe.num_experts=4"], ["model.mlp_activation=gelu_tanh",
+                                                                          "valid with model.moe: silu"]),
         (["model.attention=xla"], ["'model.attention' has moved", "backends.attention"]),
         (["model.moe_impl=dropless"], ["'model.moe_impl' has moved", "backends.moe"]),
         (["backends.attention_blocks=[12,64]"], ["backends.attention_blocks=[12, 64]", "positive multiples of 8"]),

@@ -29,7 +29,8 @@ from spmd_train.train.engine import Engine
 from tests.runs import cli, main_in_process
 
 REFERENCE = Path(__file__).parent / "hf_reference"
-FAMILIES = ("llama", "llama32", "mistral", "mistral_window", "qwen2", "qwen3", "qwen3_yarn", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "llama32", "mistral", "mistral_window", "qwen2", "qwen3", "qwen3_yarn", "mixtral", "qwen3_moe",
+            "gemma3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 TOLERANCE = 1e-4
 """Largest |ours - transformers'| over the largest |logit|, fp32 on both sides."""
@@ -63,11 +64,17 @@ MESHES = {"1 device": ((), 1), "fsdp 2 x tensor 4": (("mesh.fsdp=2", "mesh.tenso
           "fsdp 2 x expert 4": (("mesh.fsdp=2", "mesh.expert=4"), 8)}
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("family", FAMILIES)
+SHARDED_IN_SLOW_TIER = ("mistral_window", "qwen3_yarn")
+"""Fixtures whose tensor names and sharding `mistral` and `qwen3` already prove on 8 devices in the fast tier."""
+LOGIT_CASES = [pytest.param(family, mesh, marks=[pytest.mark.slow] if mesh != "1 device" and family in
+                            SHARDED_IN_SLOW_TIER else [])
+               for family in FAMILIES for mesh in MESHES
+               if mesh == "1 device" or (mesh == "fsdp 2 x expert 4") == (family in MOE_FAMILIES)]
+"""Each fixture on 1 device, and on 8: tensor 4 for dense families, expert 4 for the mixtures of experts."""
+
+
+@pytest.mark.parametrize(("family", "mesh"), LOGIT_CASES)
 def test_imported_checkpoints_give_the_reference_logits(devices, family, mesh):
-    if (mesh == "fsdp 2 x expert 4") != (family in MOE_FAMILIES) and mesh != "1 device":
-        pytest.skip("tensor 4 for dense families, expert 4 for the mixtures of experts")
     overrides, count = MESHES[mesh]
     engine = _engine(family, devices[:count], *overrides)
     ref = np.load(REFERENCE / family / "reference.npz")
@@ -115,6 +122,10 @@ def _heads_transposed(pieces):
     ("mistral_window", None, ("model.sliding_window=null",)),  # the window ignored
     ("qwen3_yarn", None, ("model.rope_scaling.attention_factor=1.0",)),  # YaRN's factor on cos and sin left out
     ("qwen3_yarn", None, ("model.rope_scaling.truncate=false",)),  # the ramp's ends not rounded out
+    ("gemma3", None, ("model.scale_embeddings=false",)),  # the embeddings' sqrt(d_model) left out
+    ("gemma3", None, ("model.rope_local_theta=null",)),  # the sliding layer's own RoPE base ignored
+    ("gemma3", None, ("model.query_pre_attn_scalar=null",)),  # 1/sqrt(head_dim) instead of Gemma's query scale
+    ("gemma3", None, ("model.mlp_activation=silu",)),  # GeGLU read as SwiGLU
 ])
 def test_a_conversion_bug_fails_the_comparison(devices, monkeypatch, family, mutation, overrides):
     if mutation is not None:
@@ -141,6 +152,7 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize(("family", "mesh"), [("qwen2", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mistral_window", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("qwen3_yarn", ()),
+                                              ("gemma3", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_import_then_export_gives_the_same_bytes_and_an_equivalent_config(devices, tmp_path, family, mesh):
@@ -234,6 +246,28 @@ def test_unsupported_config_fields_are_named():
         model_section({**cfg, "attention_bias": True})
 
 
+def test_gemma3_fields_its_transformers_code_ignores_or_lacks_are_refused():
+    from spmd_train.config.hf_config import infer_family
+    from spmd_train.config.load import model_from_record
+
+    cfg = read_hf_config(REFERENCE / "gemma3")
+    with pytest.raises(ConfigError, match="attn_logit_softcapping=50.0 is not supported .transformers' Gemma 3 does "
+                                          "not apply it"):
+        model_section({**cfg, "attn_logit_softcapping": 50.0})
+    with pytest.raises(ConfigError, match="hidden_activation='gelu' is not supported .valid: gelu_pytorch_tanh, silu"):
+        model_section({**cfg, "hidden_activation": "gelu"})
+    gemma = model_from_record(model_section(cfg))
+    assert infer_family(gemma).model_type == "gemma3_text"
+    with pytest.raises(ConfigError, match=r"no supported Hugging Face family \(.*gemma3_text\) holds "
+                                          "model.attn_logit_softcap=50.0; the model trains, it does not export"):
+        infer_family(model_from_record({**model_section(cfg), "attn_logit_softcap": 50.0}))
+    with pytest.raises(ConfigError, match="this model: model.scale_embeddings=false; valid: all four true"):
+        infer_family(model_from_record({**model_section(cfg), "scale_embeddings": False}))
+    scaled = {**model_section(cfg), "rope_local_theta": None}
+    with pytest.raises(ConfigError, match="Gemma 3's sliding layers take no rope_scaling"):
+        infer_family(model_from_record(scaled))
+
+
 @pytest.mark.faults
 def test_an_import_killed_before_its_checkpoint_was_finished_can_be_rerun_into_the_same_directory(tmp_path, capsys):
     # What `convert hf` killed mid-write leaves: its (unlocked) lock file, config.json, an unfinished Orbax step.
@@ -294,6 +328,7 @@ def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tm
                                               ("qwen3", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mistral_window", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("qwen3_yarn", ("mesh.fsdp=2", "mesh.tensor=4")),
+                                              ("gemma3", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_greedy_generation_from_an_imported_model_equals_transformers(devices, family, mesh):

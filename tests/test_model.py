@@ -113,6 +113,24 @@ def test_fine_grained_moe_presets_have_their_published_sizes(preset):
     assert shape.active_params == pytest.approx(active, rel=5e-3)
 
 
+# Gemma 3 Technical Report (arXiv:2503.19786), Table 1: non-embedding parameters of the text models. Its embedding
+# column (302M, 675M, 1,012M, 1,416M) is within 0.6% of vocab_size x d_model, which the test holds exactly.
+GEMMA3_PRESETS = {"gemma3-1b": 698e6, "gemma3-4b": 3209e6, "gemma3-12b": 10759e6, "gemma3-27b": 25600e6}
+
+
+@pytest.mark.parametrize("preset", GEMMA3_PRESETS)
+def test_gemma3_presets_have_their_published_sizes(preset):
+    from spmd_train.analysis.plan.shape import ModelShape
+
+    cfg = load_config(None, [f"model.preset={preset}"]).model
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
+    assert count == ModelShape.from_config(cfg).total_params
+    table = cfg.vocab_size * cfg.d_model
+    assert count - table == pytest.approx(GEMMA3_PRESETS[preset], rel=1e-3)
+    assert cfg.layer_kinds[:6] == ("sliding",) * 5 + ("full",)
+
+
 @pytest.mark.slow
 def test_bfloat16_compute_tracks_float32(devices):
     f32, _, _, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=4"], devices)

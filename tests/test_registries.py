@@ -26,7 +26,7 @@ from spmd_train.analysis.render import _bubble_formula
 from spmd_train.cli.schedule import schedule_report
 from spmd_train.config.attention_facts import PLATFORMS, attention_facts, attention_names, fallback_attention
 from spmd_train.config.families import families
-from spmd_train.config.hf_config import hf_config, infer_family, model_section
+from spmd_train.config.hf_config import VARIANTS, hf_config, infer_family, model_section
 from spmd_train.config.load import model_from_record
 from spmd_train.config.mesh_schema import ScheduleName
 from spmd_train.config.model_schema import AttentionImpl, BackendsConfig, ModelConfig, MoEConfig
@@ -188,14 +188,23 @@ def _model(qkv_bias=False, qk_norm=False, moe=False, window=None) -> ModelConfig
                                      router_z_weight=0.0) if moe else None)
 
 
+ALWAYS = {"gemma3_text": {"norm_plus_one": True, "sandwich_norms": True, "scale_embeddings": True,
+                           "mlp_activation": "gelu_tanh", "query_pre_attn_scalar": 24.0, "final_logit_softcap": 30.0}}
+"""What a family's checkpoints always have besides qkv_bias, qk_norm and moe (a new family with more adds a row)."""
+
+
+def _family_model(family) -> ModelConfig:
+    return replace(_model(family.qkv_bias, family.qk_norm, family.moe), **ALWAYS.get(family.model_type, {}))
+
+
 ARCHITECTURE = ("num_layers", "d_model", "num_heads", "num_kv_heads", "resolved_head_dim", "d_ff", "vocab_size",
                 "rope_theta", "rope_scaling", "qkv_bias", "qk_norm", "sliding_window", "norm_eps", "tie_embeddings",
-                "resolved_moe_d_ff")
+                "resolved_moe_d_ff", *VARIANTS)
 
 
 @pytest.mark.parametrize("family", families(), ids=lambda f: f.model_type)
 def test_each_family_maps_our_model_to_its_config_json_and_back(family):
-    model = _model(family.qkv_bias, family.qk_norm, family.moe)
+    model = _family_model(family)
     config = hf_config(model, {"model_type": family.model_type}, dtype="float32")
     assert config["model_type"] == family.model_type and config["architectures"] == [family.architecture]
     back = model_from_record(model_section(config))
@@ -208,7 +217,7 @@ def test_each_family_maps_our_model_to_its_config_json_and_back(family):
 
 @pytest.mark.parametrize("family", families(), ids=lambda f: f.model_type)
 def test_each_familys_tensor_names_cover_every_parameter_once(family):
-    model = _model(family.qkv_bias, family.qk_norm, family.moe)
+    model = _family_model(family)
     shapes = {g.path: g.shape for g in ModelShape.from_config(model).params}
     plan = list(pieces(model, family))
     assert len({p.hf_name for p in plan}) == len(plan)

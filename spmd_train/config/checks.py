@@ -43,6 +43,9 @@ def check_config(cfg: Config) -> None:
             "(set model.head_dim, or model.d_model and model.num_heads so d_model // num_heads is even)"
         )
     check_layer_types(m)
+    if m.mlp_activation != "silu" and m.moe is not None:
+        raise ConfigError(f"model.mlp_activation={m.mlp_activation} is for dense models: the routed experts are SwiGLU "
+                          "(valid with model.moe: silu; model.moe=null for a dense GeGLU model)")
     sc = m.rope_scaling
     if sc is not None and sc.type == "llama3" and sc.low_freq_factor >= sc.high_freq_factor:
         raise ConfigError(f"model.rope_scaling.low_freq_factor={sc.low_freq_factor} must be below "

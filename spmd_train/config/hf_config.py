@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> our `model` section, for the families `config.families` registers (Llama, Mistral,
-Qwen2, Qwen3, Mixtral, Qwen3-MoE).
+Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma 3).
 
 Both layouts of `config.json` are read: the one most published checkpoints use (top-level `rope_theta`,
 `rope_scaling`, `torch_dtype`) and the one current `transformers` writes (`rope_parameters`, `dtype`).
@@ -108,6 +108,9 @@ def _attention_layers(hf: Mapping[str, Any], window: int | None, layers: int) ->
     if window is None:
         return {"sliding_window": None}
     names = hf.get("layer_types")
+    if names is None and hf.get("sliding_window_pattern"):  # Gemma 2/3 configs before layer_types: every n-th full
+        every = int(hf["sliding_window_pattern"])
+        names = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
     if names is None and hf.get("max_window_layers") is not None and hf.get("use_sliding_window"):
         names = ["sliding_attention" if i >= int(hf["max_window_layers"]) else "full_attention" for i in range(layers)]
     if not names:
@@ -175,20 +178,26 @@ def _model_section(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
     return model
 
 
+VARIANTS = {"attention_sinks": False, "attn_output_bias": False, "attn_logit_softcap": None,
+            "final_logit_softcap": None, "query_pre_attn_scalar": None, "rope_local_theta": None,
+            "norm_plus_one": False, "sandwich_norms": False, "scale_embeddings": False, "mlp_activation": "silu"}
+"""Model fields beyond what every family's config.json holds, with their plain values: a family writes a model that
+sets one only when it lists it in `Family.holds`."""
+
+
 def unexportable(model: ModelConfig, fam: Family | None = None) -> str | None:
-    """Why no registered family (or `fam`) can hold this model's attention variants, or None when one can: none
-    has MLA, sinks, an attention output bias, soft-caps, a query scale or a separate local RoPE yet, and only
-    families that write per-layer kinds (Qwen's layer_types) hold a mix of full and sliding layers."""
-    fields = {"attention_sinks": model.attention_sinks, "attn_output_bias": model.attn_output_bias,
-              "attn_logit_softcap": model.attn_logit_softcap,
-              "final_logit_softcap": model.final_logit_softcap, "query_pre_attn_scalar": model.query_pre_attn_scalar,
-              "rope_local_theta": model.rope_local_theta}
-    held = [f"model.{k}={v}" for k, v in fields.items() if v not in (None, False)]
+    """Why no registered family (or `fam`) can hold this model's variants, or None when one can: the fields of
+    `VARIANTS` set away from their plain values that no family (or `fam`) holds, MLA (none holds it yet), and a mix of
+    full and sliding layers in a family without per-layer kinds (`Family.layer_types`)."""
+    holders = [fam] if fam is not None else list(families())
+    held = [f"model.{k}={getattr(model, k)}" for k, plain in VARIANTS.items()
+            if getattr(model, k) != plain and not any(k in f.holds for f in holders)]
     if model.mla is not None:
         held.append("model.mla")
     if held:
-        return (f"no supported Hugging Face family holds {', '.join(held)} yet (supported model_type: "
-                f"{', '.join(f.model_type for f in families())}); the model trains, it does not export")
+        which = (f"{fam.title} ({fam.model_type}) cannot hold" if fam is not None else "no supported Hugging Face "
+                 f"family (supported model_type: {', '.join(f.model_type for f in families())}) holds")
+        return f"{which} {', '.join(held)}; the model trains, it does not export as it"
     if fam is not None and len(model.attention_kinds) > 1 and not fam.layer_types:
         return (f"{fam.title}'s config.json has no per-layer attention kinds, and model.layer_types="
                 f"{list(model.layer_types)} mixes full and sliding layers")
@@ -197,16 +206,21 @@ def unexportable(model: ModelConfig, fam: Family | None = None) -> str | None:
 
 def infer_family(model: ModelConfig) -> Family:
     """The Hugging Face family a model of ours exports as: the first registered one that claims it (`Family.claims`)
-    and can hold it (`Family.refusal`); ConfigError with the first claimant's refusal, or naming what none has."""
+    and can hold it (`unexportable`, `Family.refusal`); ConfigError with the reason of the first claimant that holds
+    its variant fields (else of the first claimant), or naming what none has."""
     why = unexportable(model)
     if why is not None:
         raise ConfigError(why)
     claimants = [fam for fam in families() if fam.claims(model)]
+    reasons = []
     for fam in claimants:
-        if fam.refusal(model) is None:
+        variants = unexportable(model, fam)
+        refusal = variants or fam.refusal(model)
+        if refusal is None:
             return fam
-    if claimants:
-        raise ConfigError(claimants[0].refusal(model))
+        reasons.append((variants is not None, refusal))
+    if reasons:
+        raise ConfigError(min(reasons, key=lambda r: r[0])[1])  # a claimant holding the variants says it best
     raise ConfigError(f"no supported family (model_type {', '.join(f.model_type for f in families())}) has this "
                       f"model's features (model.qkv_bias={model.qkv_bias}, qk_norm={model.qk_norm}, "
                       f"sliding_window={model.sliding_window}, moe={'set' if model.moe else 'null'})")

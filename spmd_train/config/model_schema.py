@@ -20,6 +20,8 @@ from spmd_train.config.field_types import (
 AttentionImpl = Literal[("auto", *attention_names())]
 """backends.attention's values: auto and the implementations `config.attention_facts` registers."""
 MoEImpl = Literal["capacity", "dropless"]
+MLPActivation = Literal["silu", "gelu_tanh"]
+"""The gated MLP's gate activation: silu (SwiGLU) or tanh-approximated GELU (GeGLU)."""
 LayerType = Literal["full", "sliding"]
 """A layer's attention: over every earlier token (full) or over the model.sliding_window latest (sliding)."""
 
@@ -196,6 +198,16 @@ class ModelConfig:
     query_pre_attn_scalar: PositiveFloat | None = None
     """Attention logits are scaled by 1 / sqrt(this) instead of 1 / sqrt(head_dim) (Gemma 2 27B: 144)."""
     norm_eps: NonNegativeFloat = 1e-5
+    norm_plus_one: bool = False
+    """Every RMSNorm multiplies by (1 + scale), its scale stored and initialised at zero (Gemma); false: by scale,
+    initialised at one."""
+    sandwich_norms: bool = False
+    """An RMSNorm on the attention output and one on the MLP output, each before its residual add, besides the
+    norms on their inputs (Gemma 2/3)."""
+    scale_embeddings: bool = False
+    """The embedded tokens are multiplied by sqrt(d_model), rounded to the compute dtype (Gemma)."""
+    mlp_activation: MLPActivation = "silu"
+    """The dense MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma; dense models only)."""
     tie_embeddings: bool = False
     init_std: PositiveFloat = 0.02
     compute_dtype: DType = "float32"

@@ -127,10 +127,10 @@ def _block_step(block: Block, x: jax.Array, rope: tuple, mask: jax.Array, cache:
         out, cache = run(0)(q, k, v, cache)
     else:
         out, cache = jax.lax.switch(kind, [run(i) for i in range(len(kinds))], q, k, v, cache)
-    x = x + output(out)
+    x = block.add_attention(x, output(out))
     out = block.mlp(constrain(block.mlp_norm(x), RESIDUAL))
     out = out[0] if isinstance(out, tuple) else out  # an MoE layer's router statistics are not needed
-    return constrain(x + out, RESIDUAL), cache
+    return block.add_mlp(x, out), cache
 
 
 def _values(keys: jax.Array, values: jax.Array, latent: int | None) -> jax.Array:

@@ -97,17 +97,21 @@ def _compute_layout(value: jax.Array, names: tuple[str, ...], dtype, *, pinned: 
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm over the last axis with a learned scale; statistics in fp32.
+    """Root-mean-square norm over the last axis with a learned scale (or 1 + scale: model.norm_plus_one); statistics
+    in fp32.
 
     The residual stream's norms span `embed`; Qwen3's query/key norms span each head's `head_dim`; MLA's latent
     norms span `q_lora` or `kv_lora`.
     """
 
-    def __init__(self, cfg: ModelConfig, *, stack: int | None = None, axis: str = "embed"):
-        self.eps = cfg.norm_eps
-        self.scale = param(None, *norm_params(cfg, axis)["scale"], std=None, dtype=cfg.param_dtype, stack=stack)
+    def __init__(self, cfg: ModelConfig, *, stack: int | tuple[int, ...] | None = None, axis: str = "embed"):
+        self.eps, self.plus_one = cfg.norm_eps, cfg.norm_plus_one
+        self.scale = param(None, *norm_params(cfg, axis)["scale"], std=0.0 if self.plus_one else None,
+                           dtype=cfg.param_dtype, stack=stack)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * weight(self.scale, jnp.float32)).astype(x.dtype)
+        scale = weight(self.scale, jnp.float32)
+        # Gemma's (1 + scale) is formed in fp32 and applied before the cast back, as its checkpoints were trained.
+        return (normed * (1.0 + scale if self.plus_one else scale)).astype(x.dtype)

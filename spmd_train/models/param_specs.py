@@ -70,7 +70,7 @@ def mla_params(cfg: ModelConfig) -> dict[str, Spec]:
 
 
 def mlp_params(cfg: ModelConfig) -> dict[str, Spec]:
-    """The dense SwiGLU feed-forward."""
+    """The dense gated feed-forward (SwiGLU, or GeGLU with model.mlp_activation=gelu_tanh)."""
     d, f = cfg.d_model, cfg.d_ff
     return {"w_gate": ((d, f), ("embed", "mlp")), "w_up": ((d, f), ("embed", "mlp")),
             "w_down": ((f, d), ("mlp", "embed"))}
@@ -105,8 +105,10 @@ def table_params(cfg: ModelConfig) -> dict[str, Spec]:
 
 
 def block_params(cfg: ModelConfig, *, moe: bool) -> dict[str, Spec]:
-    """One layer (`Block`): its two norms, attention and a dense or MoE feed-forward, by dot-joined path."""
-    out = {"attn_norm.scale": norm_params(cfg)["scale"], "mlp_norm.scale": norm_params(cfg)["scale"]}
+    """One layer (`Block`): its two norms (four with model.sandwich_norms), attention and a dense or MoE feed-forward,
+    by dot-joined path."""
+    norms = ("attn_norm", "mlp_norm") + (("attn_post_norm", "mlp_post_norm") if cfg.sandwich_norms else ())
+    out = {f"{n}.scale": norm_params(cfg)["scale"] for n in norms}
     out |= {f"attn.{k}": v for k, v in (mla_params(cfg) if cfg.mla else attention_params(cfg)).items()}
     if cfg.qk_norm:
         out |= {f"attn.{n}.scale": norm_params(cfg, "head_dim")["scale"] for n in ("q_norm", "k_norm")}

@@ -150,7 +150,8 @@ def rope_of(cfg: ModelConfig, length: int, positions: jax.Array | None) -> tuple
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward; gate/up column-parallel, down row-parallel over `mlp`."""
+    """Gated feed-forward, SwiGLU or GeGLU (model.mlp_activation); gate/up column-parallel, down row-parallel over
+    `mlp`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, stack: int | None = None):
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
@@ -159,18 +160,24 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs.params(), *specs["w_gate"], std=cfg.init_std, **kw)
         self.w_up = param(rngs.params(), *specs["w_up"], std=cfg.init_std, **kw)
         self.w_down = param(rngs.params(), *specs["w_down"], std=out_std, **kw)
-        self.compute_dtype = cfg.compute_dtype
+        self.compute_dtype, self.activation = cfg.compute_dtype, cfg.mlp_activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.compute_dtype
         gate = constrain(dense("bld,df->blf", x, self.w_gate, dt), ("batch", "length", "mlp"))
         up = constrain(dense("bld,df->blf", x, self.w_up, dt), ("batch", "length", "mlp"))
-        hidden = jax.nn.silu(gate) * up
+        hidden = gate_activation(gate, self.activation) * up
         return constrain(dense("blf,fd->bld", hidden, self.w_down, dt), RESIDUAL)
 
 
+def gate_activation(gate: jax.Array, activation: str) -> jax.Array:
+    """silu(gate) for SwiGLU, or the tanh-approximated GELU for GeGLU (Gemma's gelu_pytorch_tanh)."""
+    return jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
+
+
 class Block(nnx.Module):
-    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)); the MLP may be an MoE layer.
+    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)); the MLP may be an MoE layer. With
+    model.sandwich_norms each update is normalised again before its add: x + norm(attn(norm(x))) (Gemma 2/3).
 
     Returns (x, stats): the MoE layer's router statistics, or an empty dict. `rope`: (cos, sin) per attention
     kind; `segments` [batch, length]: each token's document, when attention must stay inside documents; `kind`:
@@ -186,15 +193,27 @@ class Block(nnx.Module):
             self.attn = MLAttention(cfg, rngs, backends, scorings=scorings, stack=stack)
         self.mlp_norm = RMSNorm(cfg, stack=stack)
         self.mlp = MoE(cfg, rngs, backends, stack=stack) if moe else MLP(cfg, rngs, stack=stack)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.attn_post_norm = RMSNorm(cfg, stack=stack)
+            self.mlp_post_norm = RMSNorm(cfg, stack=stack)
 
     def __call__(self, x: jax.Array, rope: tuple, segments: jax.Array | None = None,
                  kind: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         with jax.named_scope("attention"):
-            x = x + self.attn(constrain(self.attn_norm(x), RESIDUAL), rope, segments, kind)
+            x = self.add_attention(x, self.attn(constrain(self.attn_norm(x), RESIDUAL), rope, segments, kind))
         with jax.named_scope("mlp"):
             out = self.mlp(constrain(self.mlp_norm(x), RESIDUAL))
         out, stats = out if isinstance(out, tuple) else (out, {})
-        return constrain(x + out, RESIDUAL), stats
+        return self.add_mlp(x, out), stats
+
+    def add_attention(self, x: jax.Array, update: jax.Array) -> jax.Array:
+        """The residual stream after the attention's `update` (normalised first with model.sandwich_norms)."""
+        return x + (constrain(self.attn_post_norm(update), RESIDUAL) if self.sandwich else update)
+
+    def add_mlp(self, x: jax.Array, update: jax.Array) -> jax.Array:
+        """The residual stream after the MLP's `update` (normalised first with model.sandwich_norms)."""
+        return constrain(x + (self.mlp_post_norm(update) if self.sandwich else update), RESIDUAL)
 
 
 class MoEGroup(nnx.Module):
@@ -281,6 +300,8 @@ class Transformer(nnx.Module):
         with jax.named_scope("embedding"):
             rows = weight(self.embedding if table is None else table, self.cfg.compute_dtype)
             x = constrain(jnp.take(rows, tokens, axis=0), ("batch", "length", "embed"))
+            if self.cfg.scale_embeddings:  # sqrt(d_model) rounded to the compute dtype first, as Gemma's checkpoints
+                x = x * jnp.asarray(self.cfg.d_model**0.5, x.dtype)
             return constrain(x, RESIDUAL)
 
     def head(self, x: jax.Array, table: Pinned | None = None) -> jax.Array:

@@ -1,6 +1,7 @@
 """Make the committed Hugging Face reference fixtures under ``tests/hf_reference/<family>/``.
 
-For each tiny model family (llama, llama32, mistral, mistral_window, qwen2, qwen3, mixtral, qwen3_moe, qwen3_yarn)
+For each tiny model family (llama, llama32, mistral, mistral_window, qwen2, qwen3, mixtral, qwen3_moe, qwen3_yarn,
+gemma3)
 this script builds a randomly initialised ``transformers`` model in float32, re-initialises every parameter with
 large-ish values (so that interop tests are sensitive to any layout or math mistake), and writes:
 
@@ -40,6 +41,8 @@ import torch
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -168,6 +171,25 @@ def make_config(family: str):
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if family == "gemma3":
+        # Gemma 3's text model with everything it has on at once: (1 + w) and sandwich norms, scaled embeddings, GeGLU,
+        # Q/K norms, a query scale of 24 (not head_dim 32), a sliding layer (window 7, RoPE base 1e4) then a full one
+        # (base 1e6, linearly scaled by 2), and the output logits soft-capped at 10. Not the attention soft-cap:
+        # transformers' Gemma 3 reads attn_logit_softcapping but never applies it.
+        return Gemma3TextConfig(
+            **{k: v for k, v in COMMON.items() if k != "hidden_act"},
+            head_dim=32,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=24,
+            sliding_window=7,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            attn_logit_softcapping=None,
+            final_logit_softcapping=10.0,
+            tie_word_embeddings=True,
+            attention_bias=False,
+        )
     raise ValueError(family)
 
 
@@ -181,12 +203,14 @@ MODEL_CLASSES = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mistral_window": MistralForCausalLM,
     "qwen3_yarn": Qwen3ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 FEATURE = {
     "llama": ("llama3 rope scaling", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
     "qwen3_yarn": ("YaRN", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
     "mistral_window": ("the sliding window", "sliding_window", None),
     "qwen3_moe": ("renormalising the top-k gates", "norm_topk_prob", True),
+    "gemma3": ("the output soft-cap", "final_logit_softcapping", None),
 }
 """The feature a fixture exists for: (what, the config attribute, its value with the feature off)."""
 TOP_K = {"mixtral": 2, "qwen3_moe": 4}

@@ -12,6 +12,7 @@ from spmd_train.config.families import (  # noqa: F401, I001 (importing a module
     qwen3,
     mixtral,
     qwen3_moe,
+    gemma3,
 )
 from spmd_train.config.families.hf_family import (
     Family,

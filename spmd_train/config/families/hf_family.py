@@ -153,6 +153,9 @@ class Family:
     when every claimant refuses."""
     tensors: TensorNames = field(default=LLAMA_TENSORS)
     """Where its checkpoints keep each tensor (`hf.names.pieces`)."""
+    holds: frozenset[str] = frozenset()
+    """The model variant fields (`config.hf_config.VARIANTS`) its config.json can express when set (Gemma 3's
+    soft-caps, query scale, local RoPE and norms); a model setting any other is not exported as it."""
 
 
 _FAMILIES: Registry[Family] = Registry("model_type", key=lambda family: family.model_type)

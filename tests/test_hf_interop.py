@@ -30,8 +30,8 @@ from tests.runs import cli, main_in_process
 
 REFERENCE = Path(__file__).parent / "hf_reference"
 FAMILIES = ("llama", "llama32", "mistral", "mistral_window", "qwen2", "qwen3", "qwen3_yarn", "mixtral", "qwen3_moe",
-            "gemma3")
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+            "gemma3", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 TOLERANCE = 1e-4
 """Largest |ours - transformers'| over the largest |logit|, fp32 on both sides."""
 
@@ -138,6 +138,37 @@ def test_a_conversion_bug_fails_the_comparison(devices, monkeypatch, family, mut
         > 100 * TOLERANCE
 
 
+def _rope_left_interleaved(pieces):
+    for p in pieces:  # DeepSeek's interleaved rotary pairs read as if they were rotate-half's
+        yield hf_names.Piece(p.hf_name, p.path, p.index, hf_names.Layout(p.layout.kind)) if p.layout.rope else p
+
+
+def _selection_bias_dropped(pieces):
+    zero = type("Zero", (hf_names.Layout,), {"to_ours": lambda self, x, ours: np.zeros(ours, x.dtype)})("same")
+    for p in pieces:
+        yield hf_names.Piece(p.hf_name, p.path, p.index, zero) if p.path == "blocks.mlp.router_bias" else p
+
+
+@pytest.mark.parametrize(("mutation", "overrides", "patch"), [
+    (_rope_left_interleaved, (), None),
+    (_selection_bias_dropped, (), None),
+    (None, (), "spmd_train.models.transformer.yarn_softmax_factor"),  # YaRN's mscale squared left off the softmax
+    (None, ("model.moe.routed_scaling_factor=1.0",), None),
+    (None, ("model.moe.topk_group=4",), None),  # experts chosen from every group
+], ids=["rope_interleave", "selection_bias", "yarn_softmax_factor", "routed_scaling", "group_limit"])
+def test_each_deepseek_v3_feature_moves_the_logits(devices, monkeypatch, mutation, overrides, patch):
+    if mutation is not None:
+        original = hf_names.pieces
+        monkeypatch.setattr("spmd_train.hf.import_params.pieces",
+                            lambda model, family: list(mutation(original(model, family))))
+    if patch is not None:
+        monkeypatch.setattr(patch, lambda scaling: 1.0)
+    engine = _engine("deepseek_v3", devices[:1], *overrides)
+    ref = np.load(REFERENCE / "deepseek_v3" / "reference.npz")
+    params = load_hf_params(engine, REFERENCE / "deepseek_v3")
+    assert _error(_logits(engine, params, ref["input_ids"]), ref["logits"]) > 100 * TOLERANCE
+
+
 # --- export ---------------------------------------------------------------------------------------------------
 
 
@@ -154,7 +185,8 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
                                               ("qwen3_yarn", ()),
                                               ("gemma3", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
-                                              ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
+                                              ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4")),
+                                              ("deepseek_v3", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_import_then_export_gives_the_same_bytes_and_an_equivalent_config(devices, tmp_path, family, mesh):
     engine = _engine(family, devices, *mesh)
     params = load_hf_params(engine, REFERENCE / family)
@@ -258,7 +290,7 @@ def test_gemma3_fields_its_transformers_code_ignores_or_lacks_are_refused():
         model_section({**cfg, "hidden_activation": "gelu"})
     gemma = model_from_record(model_section(cfg))
     assert infer_family(gemma).model_type == "gemma3_text"
-    with pytest.raises(ConfigError, match=r"no supported Hugging Face family \(.*gemma3_text\) holds "
+    with pytest.raises(ConfigError, match=r"no supported Hugging Face family \(.*gemma3_text.*\) holds "
                                           "model.attn_logit_softcap=50.0; the model trains, it does not export"):
         infer_family(model_from_record({**model_section(cfg), "attn_logit_softcap": 50.0}))
     with pytest.raises(ConfigError, match="this model: model.scale_embeddings=false; valid: all four true"):
@@ -330,7 +362,8 @@ def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tm
                                               ("qwen3_yarn", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("gemma3", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
-                                              ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4"))])
+                                              ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4")),
+                                              ("deepseek_v3", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_greedy_generation_from_an_imported_model_equals_transformers(devices, family, mesh):
     from spmd_train.train.generation import generate
 

@@ -219,8 +219,6 @@ REFUSED = {
     "missing_widths": (["model.num_kv_heads=8", "model.mla.kv_lora_rank=16"],
                        "model.mla.qk_nope_head_dim is required.*model.mla.v_head_dim is required"),
     "zero_query_rank": ([*MLA, "model.mla.q_lora_rank=0"], "model.mla.q_lora_rank=0 is invalid"),
-    "yarn": ([*MLA, "model.rope_scaling.type=yarn", "model.rope_scaling.factor=40"],
-             "model.rope_scaling.type=yarn with model.mla: DeepSeek's attention also multiplies its softmax scale"),
 }
 
 
@@ -257,14 +255,15 @@ def test_kernels_that_take_one_width_are_refused_or_passed_over_with_the_reason(
             check_layout(cfg, {**cfg.mesh.sizes(), "fsdp": 1}, "gpu")
 
 
-def test_hugging_face_export_and_import_refuse_mla():
+def test_hugging_face_export_refuses_a_dense_mla_model_naming_the_family_that_holds_mla():
     from spmd_train.config.hf_config import family, infer_family
     from spmd_train.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"no supported Hugging Face family \(.*\) holds model.mla"):
+    with pytest.raises(ConfigError, match=r"Llama \(llama\) cannot hold model.mla \(held by DeepSeek-V3 "
+                                          r"\(deepseek_v3\), with its other settings\)"):
         infer_family(_model(MLA))
-    with pytest.raises(ConfigError, match="unsupported architecture: model_type='deepseek_v3'"):
-        family({"model_type": "deepseek_v3", "kv_lora_rank": 512})
+    with pytest.raises(ConfigError, match="unsupported architecture: model_type='deepseek_v2'"):
+        family({"model_type": "deepseek_v2", "kv_lora_rank": 512})
 
 
 # --- generation from the compressed cache -------------------------------------------------------------------------

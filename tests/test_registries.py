@@ -29,7 +29,7 @@ from spmd_train.config.families import families
 from spmd_train.config.hf_config import VARIANTS, hf_config, infer_family, model_section
 from spmd_train.config.load import model_from_record
 from spmd_train.config.mesh_schema import ScheduleName
-from spmd_train.config.model_schema import AttentionImpl, BackendsConfig, ModelConfig, MoEConfig
+from spmd_train.config.model_schema import AttentionImpl, BackendsConfig, MLAConfig, ModelConfig, MoEConfig
 from spmd_train.config.optimizer_facts import MOMENT_KEYS, optimizer_facts, optimizer_names
 from spmd_train.config.schedule_facts import PLACEMENTS, schedule_facts, schedule_names
 from spmd_train.config.train_schema import OptimizerName
@@ -189,7 +189,13 @@ def _model(qkv_bias=False, qk_norm=False, moe=False, window=None) -> ModelConfig
 
 
 ALWAYS = {"gemma3_text": {"norm_plus_one": True, "sandwich_norms": True, "scale_embeddings": True,
-                           "mlp_activation": "gelu_tanh", "query_pre_attn_scalar": 24.0, "final_logit_softcap": 30.0}}
+                           "mlp_activation": "gelu_tanh", "query_pre_attn_scalar": 24.0, "final_logit_softcap": 30.0},
+          "deepseek_v3": {"num_kv_heads": 4, "mla": MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                                              v_head_dim=8, q_lora_rank=24),
+                          "moe": MoEConfig(first_k_dense=1, num_experts=4, experts_per_token=2, num_shared_experts=1,
+                                           router_score="sigmoid", routed_scaling_factor=2.5, n_group=2, topk_group=1,
+                                           bias_update_rate=0.0, seq_aux_weight=0.0001, router_aux_weight=0.0,
+                                           router_z_weight=0.0)}}
 """What a family's checkpoints always have besides qkv_bias, qk_norm and moe (a new family with more adds a row)."""
 
 

@@ -56,3 +56,22 @@ def test_yarn_attention_factor_and_the_tables_it_scales():
     angles = np.arange(16)[:, None] * np.asarray(inverse_frequencies(32, 10000.0, scaling), np.float64)
     np.testing.assert_allclose(np.asarray(cos), np.cos(angles) * (1 + 0.1 * math.log(4)), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(sin), np.sin(angles) * (1 + 0.1 * math.log(4)), rtol=1e-5, atol=1e-6)
+
+
+def test_mla_under_yarn_multiplies_its_softmax_scale_by_mscale_all_dim_squared():
+    from spmd_train.config.load import load_config
+    from spmd_train.models.transformer import layer_scoring
+    from spmd_train.ops.rope import yarn_softmax_factor
+
+    deepseek = RopeScaling(type="yarn", factor=40.0, original_max_position=4096, mscale=1.0, mscale_all_dim=1.0)
+    assert yarn_softmax_factor(deepseek) == pytest.approx((0.1 * math.log(40.0) + 1.0) ** 2)  # 1.874
+    assert rope_attention_factor(deepseek) == 1.0  # mscale / mscale_all_dim: the whole temperature is on the logits
+    assert yarn_softmax_factor(RopeScaling(type="yarn", factor=40.0)) == 1.0  # Qwen's YaRN: cos and sin only
+    assert yarn_softmax_factor(RopeScaling(type="linear", factor=40.0)) == 1.0
+    mla = ["model.num_kv_heads=8", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
+           "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6", "model.rope_scaling.type=yarn",
+           "model.rope_scaling.factor=40", "model.rope_scaling.mscale=1", "model.rope_scaling.mscale_all_dim=1"]
+    scoring = layer_scoring(load_config(None, mla).model, "full")
+    assert scoring.scale == pytest.approx(12**-0.5 * yarn_softmax_factor(deepseek))
+    grouped = load_config(None, mla[5:]).model  # grouped-query attention keeps 1/sqrt(head_dim)
+    assert layer_scoring(grouped, "full").scale is None

@@ -115,10 +115,6 @@ def check_mla(m) -> None:
         raise ConfigError(f"{' and '.join(held)} with model.mla: MLA has no attention biases and normalises its "
                           "latents (model.mla's q and kv norms), not each head (valid: model.qkv_bias=false, "
                           "model.attn_output_bias=false, model.qk_norm=false)")
-    if m.rope_scaling is not None and m.rope_scaling.type == "yarn":
-        raise ConfigError("model.rope_scaling.type=yarn with model.mla: DeepSeek's attention also multiplies its "
-                          "softmax scale by YaRN's mscale squared, which is not built yet (valid with model.mla: "
-                          "model.rope_scaling=null, or type llama3 or linear)")
     if a.qk_rope_head_dim < 2 or a.qk_rope_head_dim % 2:
         raise ConfigError(f"model.mla.qk_rope_head_dim={a.qk_rope_head_dim} is invalid: rotary embeddings turn "
                           "pairs of values (valid: an even number >= 2, DeepSeek's 64)")

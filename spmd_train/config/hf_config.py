@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> our `model` section, for the families `config.families` registers (Llama, Mistral,
-Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma 3).
+Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma 3, DeepSeek-V3).
 
 Both layouts of `config.json` are read: the one most published checkpoints use (top-level `rope_theta`,
 `rope_scaling`, `torch_dtype`) and the one current `transformers` writes (`rope_parameters`, `dtype`).
@@ -187,17 +187,23 @@ sets one only when it lists it in `Family.holds`."""
 
 def unexportable(model: ModelConfig, fam: Family | None = None) -> str | None:
     """Why no registered family (or `fam`) can hold this model's variants, or None when one can: the fields of
-    `VARIANTS` set away from their plain values that no family (or `fam`) holds, MLA (none holds it yet), and a mix of
-    full and sliding layers in a family without per-layer kinds (`Family.layer_types`)."""
+    `VARIANTS` set away from their plain values that no family (or `fam`) holds, MLA ("mla" in `Family.holds`), and a
+    mix of full and sliding layers in a family without per-layer kinds (`Family.layer_types`)."""
     holders = [fam] if fam is not None else list(families())
     held = [f"model.{k}={getattr(model, k)}" for k, plain in VARIANTS.items()
             if getattr(model, k) != plain and not any(k in f.holds for f in holders)]
-    if model.mla is not None:
+    if model.mla is not None and not any("mla" in f.holds for f in holders):
         held.append("model.mla")
     if held:
-        which = (f"{fam.title} ({fam.model_type}) cannot hold" if fam is not None else "no supported Hugging Face "
-                 f"family (supported model_type: {', '.join(f.model_type for f in families())}) holds")
-        return f"{which} {', '.join(held)}; the model trains, it does not export as it"
+        if fam is None:
+            return (f"no supported Hugging Face family (supported model_type: "
+                    f"{', '.join(f.model_type for f in families())}) holds {', '.join(held)}; the model trains, it "
+                    "does not export")
+        keys = {h.removeprefix("model.").split("=")[0] for h in held}
+        others = [f"{f.title} ({f.model_type})" for f in families() if keys <= f.holds]
+        where = f" (held by {', '.join(others)}, with its other settings)" if others else ""
+        return f"{fam.title} ({fam.model_type}) cannot hold {', '.join(held)}{where}; the model trains, it does not " \
+               "export as it"
     if fam is not None and len(model.attention_kinds) > 1 and not fam.layer_types:
         return (f"{fam.title}'s config.json has no per-layer attention kinds, and model.layer_types="
                 f"{list(model.layer_types)} mixes full and sliding layers")

@@ -143,7 +143,8 @@ class RopeScaling:
     """yarn: frequencies that turn fewer than this many times over original_max_position are divided by factor."""
     mscale: PositiveFloat | None = None
     """yarn: with mscale_all_dim, the attention factor is (0.1 mscale ln factor + 1) / (0.1 mscale_all_dim ln factor
-    + 1) (DeepSeek-V3: 1.0 and 1.0); else 0.1 ln factor + 1."""
+    + 1) (DeepSeek-V3: 1.0 and 1.0); else 0.1 ln factor + 1. With model.mla, mscale_all_dim also multiplies the
+    softmax scale by (0.1 mscale_all_dim ln factor + 1) squared, as DeepSeek's attention does."""
     mscale_all_dim: PositiveFloat | None = None
     """yarn: see mscale."""
     attention_factor: PositiveFloat | None = None

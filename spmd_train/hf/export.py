@@ -29,7 +29,7 @@ from spmd_train.config.families import family_named
 from spmd_train.config.hf_config import hf_config
 from spmd_train.errors import ConfigError
 from spmd_train.hf.files import INDEX
-from spmd_train.hf.names import pieces
+from spmd_train.hf.names import pieces, stored_index
 from spmd_train.output_dir import make_output_dir
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
@@ -79,7 +79,7 @@ def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mappin
             tensors = {}
             for k in members:
                 p = plan[k]
-                index = p.index if not p.index else (int(row[p.index[0]]), *p.index[1:])
+                index = stored_index(p, row)
                 value = _gather(flat[p.path][index] if index else flat[p.path])
                 tensors[p.hf_name] = p.layout.to_hf(value.astype(np_dtype))
                 weight_map[p.hf_name] = name

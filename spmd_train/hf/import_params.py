@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from spmd_train.config.hf_config import family, read_hf_config
 from spmd_train.errors import ConfigError
 from spmd_train.hf.files import SafetensorsDir
-from spmd_train.hf.names import IGNORED_SUFFIXES, pieces
+from spmd_train.hf.names import IGNORED_SUFFIXES, pieces, stored_index
 
 log = logging.getLogger("spmd_train")
 
@@ -49,7 +49,7 @@ def load_hf_params(engine, directory: str | Path) -> Any:
         params[path] = _zeros(struct.shape, struct.dtype, shardings[path])
     for piece in plan:
         struct, sharding = shapes[piece.path], shardings[piece.path]
-        index = piece.index if not piece.index else (int(row[piece.index[0]]), *piece.index[1:])
+        index = stored_index(piece, row)
         ours = tuple(struct.shape[len(index):])
         host = piece.layout.to_ours(files.tensor(piece.hf_name), ours)
         part = NamedSharding(sharding.mesh, P(*_spec(sharding, struct.ndim)[len(index):]))

@@ -16,6 +16,7 @@ import numpy as np
 
 from spmd_train.config.families import Family
 from spmd_train.config.model_schema import ModelConfig
+from spmd_train.models.param_specs import block_params
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,21 @@ class Layout:
     kind: str
     """same | transpose (linear [out, in] -> [in, out]) | heads_in (q/k/v [heads*hd, d] -> [d, heads, hd]) |
     heads_out (o [d, heads*hd] -> [heads, hd, d]) | heads (bias [heads*hd] -> [heads, hd])."""
+    rope: int = 0
+    """The last `rope` entries of our last axis are rotary dimensions the checkpoint keeps in interleaved pairs
+    (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave): they become rotate-half's order, evens then odds."""
 
     def to_ours(self, x: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
         """The Hugging Face tensor as our slice of shape `ours` (a view where numpy can give one)."""
+        out = self._to_ours(x, ours)
+        return out[..., self._order(out.shape[-1])] if self.rope else out
+
+    def _order(self, n: int) -> np.ndarray:
+        # Rotate-half pairs dimension j with j + r/2; interleaved pairs 2j with 2j + 1: ours[j] = theirs[perm[j]].
+        r = self.rope
+        return np.concatenate([np.arange(n - r), n - r + np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])])
+
+    def _to_ours(self, x: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
         if self.kind == "same":
             return x
         if self.kind == "transpose":
@@ -42,6 +55,8 @@ class Layout:
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         """Our slice as the Hugging Face tensor (contiguous, ready to write)."""
+        if self.rope:
+            x = x[..., np.argsort(self._order(x.shape[-1]))]
         if self.kind == "transpose":
             x = x.T
         elif self.kind == "heads_in":
@@ -82,27 +97,48 @@ SAME, T = Layout("same"), Layout("transpose")
 
 def pieces(model: ModelConfig, family: Family) -> Iterator[Piece]:
     """Every Hugging Face tensor of a checkpoint of `model` in `family`'s names (`Family.tensors`), in file order
-    (embedding, layers, norm, head)."""
+    (embedding, layers, norm, head). A row naming a parameter the model does not have (MLA's query latent when
+    q_lora_rank is null) is skipped; model.moe.first_k_dense's layers fill `first_blocks`."""
     if model.moe is not None and model.moe.every != 1:
-        raise ValueError("Hugging Face checkpoints have an MoE layer in every layer or none (model.moe.every=1)")
+        raise ValueError("Hugging Face checkpoints have an MoE layer in every layer after the dense first ones, or "
+                         "none (model.moe.every=1)")
     names = family.tensors
     yield Piece(names.embedding, "embedding", (), SAME)
-    per_layer = [*names.layer, *(names.qkv_bias if model.qkv_bias else ()), *(names.qk_norm if model.qk_norm else ())]
+    shared = names.shared if model.moe is not None and model.moe.num_shared_experts else ()
     for i in range(model.num_layers):
-        at = names.layer_prefix.format(i=i)
-        for path, name, kind in per_layer:
-            yield Piece(at + name, f"blocks.{path}", (i,), Layout(kind))
-        if model.moe is None:
-            for path, name, kind in names.mlp:
-                yield Piece(at + name, f"blocks.{path}", (i,), Layout(kind))
+        at, moe = names.layer_prefix.format(i=i), model.is_moe_layer(i)
+        stack, row = ("first_blocks", i) if i < model.first_dense else ("blocks", i - model.first_dense)
+        has = block_params(model, moe=moe)
+        rows = [*names.layer, *(names.qkv_bias if model.qkv_bias else ()), *(names.qk_norm if model.qk_norm else ()),
+                *(() if moe else names.mlp), *(shared if moe else ())]
+        for path, name, kind in rows:
+            if path in has:
+                yield Piece(at + name, f"{stack}.{path}", (row,), _layout(kind, model))
+        if not moe:
             continue
-        yield Piece(at + names.router, "blocks.mlp.router", (i,), T)
+        yield Piece(at + names.router, "blocks.mlp.router", (row,), T)
+        if model.moe.router_bias:
+            yield Piece(at + names.router_bias, "blocks.mlp.router_bias", (row,), SAME)
         for e in range(model.moe.num_experts):
             for path, w in names.expert_weights:
-                yield Piece(at + names.expert.format(e=e, w=w), f"blocks.{path}", (i, e), T)
+                yield Piece(at + names.expert.format(e=e, w=w), f"blocks.{path}", (row, e), T)
     yield Piece(names.final_norm, "final_norm.scale", (), SAME)
     if not model.tie_embeddings:
         yield Piece(names.lm_head, "lm_head", (), T)
+
+
+def _layout(kind: str, model: ModelConfig) -> Layout:
+    """A row's layout: its kind, with "+rope" for interleaved rotary dimensions at the end (`Layout.rope`)."""
+    base, _, rope = kind.partition("+")
+    return Layout(base, model.rope_head_dim if rope else 0)
+
+
+def stored_index(piece: Piece, row: np.ndarray) -> tuple[int, ...]:
+    """Where `piece` sits in the stored parameters: a `blocks` row mapped through `row` (the stored row of each model
+    row, `Engine.stored_row_of_model`: pipeline layer orders and padding); other indices as they are."""
+    if not piece.index or not piece.path.startswith("blocks."):
+        return piece.index
+    return (int(row[piece.index[0]]), *piece.index[1:])
 
 
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

@@ -23,7 +23,7 @@ from spmd_train.models.padded_row import padded_row
 from spmd_train.models.param_specs import attention_params, mlp_params, table_params
 from spmd_train.models.remat import apply_remat
 from spmd_train.ops.attention import Scoring
-from spmd_train.ops.rope import apply_rope, rope_tables
+from spmd_train.ops.rope import apply_rope, rope_tables, yarn_softmax_factor
 from spmd_train.parallel import Backends, attention, resolve_backends
 from spmd_train.sharding.constrain import constrain
 
@@ -117,8 +117,12 @@ def attention_kinds(cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def layer_scoring(cfg: ModelConfig, kind: str) -> Scoring:
-    """How a `kind` layer scores q.k: the query scale, the logit soft-cap and (sliding) the window."""
+    """How a `kind` layer scores q.k: the query scale, the logit soft-cap and (sliding) the window. MLA under YaRN
+    with mscale_all_dim scales its logits by `yarn_softmax_factor` too, as DeepSeek's attention does."""
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    factor = yarn_softmax_factor(cfg.rope_scaling) if cfg.mla is not None else 1.0
+    if factor != 1.0:
+        scale = (scale if scale is not None else cfg.resolved_head_dim ** -0.5) * factor
     return Scoring(scale=scale, softcap=cfg.attn_logit_softcap, window=cfg.window_of(kind))
 
 

@@ -57,13 +57,23 @@ def rope_attention_factor(scaling) -> float:
         return 1.0
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
-
-    def mscale(scale: float) -> float:
-        return 1.0 if scaling.factor <= 1 else 0.1 * scale * math.log(scaling.factor) + 1.0
-
     if scaling.mscale and scaling.mscale_all_dim:
-        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
-    return mscale(1.0)
+        return _mscale(scaling.factor, scaling.mscale) / _mscale(scaling.factor, scaling.mscale_all_dim)
+    return _mscale(scaling.factor, 1.0)
+
+
+def yarn_softmax_factor(scaling) -> float:
+    """What DeepSeek's MLA multiplies its softmax scale by under YaRN: mscale(mscale_all_dim) squared (1 without it).
+
+    With mscale = mscale_all_dim (DeepSeek-V3: both 1) the tables' attention factor is 1 and this is YaRN's whole
+    temperature, on the logits instead of on cos and sin."""
+    if scaling is None or scaling.type != "yarn" or not scaling.mscale_all_dim:
+        return 1.0
+    return _mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
+def _mscale(factor: float, scale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
 
 
 def rope_tables(length: int, head_dim: int, theta: float, positions: jax.Array | None = None, *,

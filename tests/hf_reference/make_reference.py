@@ -1,7 +1,7 @@
 """Make the committed Hugging Face reference fixtures under ``tests/hf_reference/<family>/``.
 
 For each tiny model family (llama, llama32, mistral, mistral_window, qwen2, qwen3, mixtral, qwen3_moe, qwen3_yarn,
-gemma3)
+gemma3, deepseek_v3)
 this script builds a randomly initialised ``transformers`` model in float32, re-initialises every parameter with
 large-ish values (so that interop tests are sensitive to any layout or math mistake), and writes:
 
@@ -41,6 +41,8 @@ import torch
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -190,6 +192,35 @@ def make_config(family: str):
             tie_word_embeddings=True,
             attention_bias=False,
         )
+    if family == "deepseek_v3":
+        # DeepSeek-V3's layout at 3 layers: MLA (query latent 48, key/value latent 32, nope 16 + rope 8 per head,
+        # values 16; rotary pairs interleaved on disk), layer 0 dense, then 8 sigmoid-routed experts of width 32 in 4
+        # groups, top-2 from the best 2 groups, gates renormalised and scaled by 2.5, one shared expert, a selection
+        # bias (e_score_correction_bias, drawn N(0, 0.1)), and YaRN (factor 4 over 6 positions, mscale =
+        # mscale_all_dim = 1: the tables' factor is 1, the softmax scale is multiplied by (1 + 0.1 ln 4)^2).
+        return DeepseekV3Config(
+            **dict(COMMON, num_hidden_layers=3, num_key_value_heads=8, max_position_embeddings=24),
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 6, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0},
+            tie_word_embeddings=False,
+            attention_bias=False,
+        )
     raise ValueError(family)
 
 
@@ -204,6 +235,7 @@ MODEL_CLASSES = {
     "mistral_window": MistralForCausalLM,
     "qwen3_yarn": Qwen3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 FEATURE = {
     "llama": ("llama3 rope scaling", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
@@ -211,9 +243,10 @@ FEATURE = {
     "mistral_window": ("the sliding window", "sliding_window", None),
     "qwen3_moe": ("renormalising the top-k gates", "norm_topk_prob", True),
     "gemma3": ("the output soft-cap", "final_logit_softcapping", None),
+    "deepseek_v3": ("YaRN with its softmax mscale", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
 }
 """The feature a fixture exists for: (what, the config attribute, its value with the feature off)."""
-TOP_K = {"mixtral": 2, "qwen3_moe": 4}
+TOP_K = {"mixtral": 2, "qwen3_moe": 4, "deepseek_v3": 2}
 """Experts each token picks, for the MoE families: the router's k-th and (k+1)-th choices must not be near-tied."""
 FAMILIES = list(MODEL_CLASSES)
 SEEDS = {f: 1000 + i for i, f in enumerate(FAMILIES)}
@@ -224,7 +257,7 @@ SEEDS = {f: 1000 + i for i, f in enumerate(FAMILIES)}
 ROUTER_STD = 0.3
 # Top-4 of 8: the 4th and 5th choices are small probabilities, whose absolute gap says little; what an fp32
 # re-implementation could flip is the order of their logits, so that gap alone is held, 10x Mixtral's.
-MIN_GAPS = {"qwen3_moe": (0.0, 1e-2)}
+MIN_GAPS = {"qwen3_moe": (0.0, 1e-2), "deepseek_v3": (0.0, 1e-3)}
 ATTEMPTS = 400
 ROUTER_MIN_GAP = 1e-4  # on probabilities: 100x the fp32 difference between implementations
 ROUTER_MIN_LOGIT_GAP = 1e-3  # and on logits, so an fp32 re-implementation cannot flip a choice
@@ -250,23 +283,40 @@ def reinit(model: torch.nn.Module, router_std: float = ROUTER_STD) -> None:
 def router_margin(model, input_ids: torch.Tensor, k: int) -> tuple[float, float]:
     """Smallest gap between the k-th and (k+1)-th router probability (and logit) over all tokens and layers."""
     captured = []
+    routed = [layer for layer in model.model.layers if hasattr(layer.mlp, "gate")]  # DeepSeek's first are dense
     hooks = [
-        layer.mlp.gate.register_forward_hook(lambda mod, args, out: captured.append(out[0]))
-        for layer in model.model.layers
+        layer.mlp.gate.register_forward_hook(lambda mod, args, out: captured.append((mod, out[0])))
+        for layer in routed
     ]
     try:
         model(input_ids)
     finally:
         for h in hooks:
             h.remove()
-    assert len(captured) == len(model.model.layers)
+    assert len(captured) == len(routed)
+    if hasattr(captured[0][0], "e_score_correction_bias"):
+        return float("inf"), min(selection_gap(gate, logits, k) for gate, logits in captured)
     prob_gaps, logit_gaps = [], []
-    for router_logits in captured:
+    for _, router_logits in captured:
         probs = torch.softmax(router_logits.float(), dim=-1).sort(dim=-1, descending=True).values
         prob_gaps.append((probs[:, k - 1] - probs[:, k]).min().item())
         top = router_logits.float().sort(dim=-1, descending=True).values
         logit_gaps.append((top[:, k - 1] - top[:, k]).min().item())
     return min(prob_gaps), min(logit_gaps)
+
+
+def selection_gap(gate, logits: torch.Tensor, k: int) -> float:
+    """DeepSeek-V3's choices, as margins: the topk_group-th against the next group score, and the k-th against the
+    (k+1)-th biased sigmoid score inside the chosen groups (the least over tokens)."""
+    scores = logits.float().sigmoid() + gate.e_score_correction_bias
+    groups = scores.view(-1, gate.num_group, gate.num_experts // gate.num_group).topk(2, dim=-1)[0].sum(-1)
+    ranked = groups.sort(dim=-1, descending=True).values
+    gaps = [(ranked[:, gate.topk_group - 1] - ranked[:, gate.topk_group]).min().item()]
+    chosen = torch.zeros_like(groups).scatter_(1, groups.topk(gate.topk_group, dim=-1)[1], 1.0)
+    allowed = chosen.repeat_interleave(gate.num_experts // gate.num_group, dim=-1).bool()
+    top = scores.masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True).values
+    gaps.append((top[:, k - 1] - top[:, k]).min().item())
+    return min(gaps)
 
 
 @torch.no_grad()
@@ -323,6 +373,9 @@ def make_family(family: str, out_root: Path) -> None:
         torch.manual_seed(seed + 100 * attempt)
         model = MODEL_CLASSES[family](config).to(torch.float32)
         reinit(model)
+        for name, buffer in model.named_buffers():  # DeepSeek's selection bias is a buffer; drawn so it steers choices
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
         model.eval()
         if family not in TOP_K:
             break

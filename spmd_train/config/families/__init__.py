@@ -13,6 +13,7 @@ from spmd_train.config.families import (  # noqa: F401, I001 (importing a module
     mixtral,
     qwen3_moe,
     gemma3,
+    deepseek_v3,
 )
 from spmd_train.config.families.hf_family import (
     Family,

@@ -19,7 +19,8 @@ from spmd_train.registry import Registry
 
 Row = tuple[str, str, str]
 """(our parameter path under `blocks.`, the tensor's name under the layer prefix, its layout: one of `hf.names.Layout`'s
-kinds: same, transpose, heads_in, heads_out, heads)."""
+kinds: same, transpose, heads_in, heads_out, heads; "+rope" after it when the last rotary dimensions are stored in
+interleaved pairs)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class TensorNames:
     """An MoE layer's expert weight, a format of {e} (the expert) and {w} (its name in `expert_weights`)."""
     expert_weights: tuple[tuple[str, str], ...] = ()
     """(our path under `blocks.`, {w}) of each expert weight (transposed), in file order."""
+    router_bias: str = ""
+    """An MoE layer's selection bias (model.moe.bias_update_rate set: DeepSeek-V3's e_score_correction_bias)."""
+    shared: tuple[Row, ...] = ()
+    """An MoE layer's shared experts, as one SwiGLU (model.moe.num_shared_experts)."""
     layer_prefix: str = "model.layers.{i}."
     embedding: str = "model.embed_tokens.weight"
     final_norm: str = "model.norm.weight"

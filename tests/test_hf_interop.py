@@ -30,8 +30,8 @@ from tests.runs import cli, main_in_process
 
 REFERENCE = Path(__file__).parent / "hf_reference"
 FAMILIES = ("llama", "llama32", "mistral", "mistral_window", "qwen2", "qwen3", "qwen3_yarn", "mixtral", "qwen3_moe",
-            "gemma3", "deepseek_v3")
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+            "gemma3", "deepseek_v3", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 TOLERANCE = 1e-4
 """Largest |ours - transformers'| over the largest |logit|, fp32 on both sides."""
 
@@ -105,6 +105,13 @@ def _swap_experts(pieces):
             yield p
 
 
+def _gate_and_up_swapped(pieces):
+    swap = {"evens": "odds", "odds": "evens"}
+    for p in pieces:
+        kind = swap.get(p.layout.kind, p.layout.kind)
+        yield hf_names.Piece(p.hf_name, p.path, p.index, hf_names.Layout(kind, p.layout.rope))
+
+
 def _heads_transposed(pieces):
     # A plausible bug: splitting q_proj's rows as [head_dim, heads] instead of [heads, head_dim].
     wrong = type("Wrong", (hf_names.Layout,), {
@@ -122,6 +129,8 @@ def _heads_transposed(pieces):
     ("mistral_window", None, ("model.sliding_window=null",)),  # the window ignored
     ("qwen3_yarn", None, ("model.rope_scaling.attention_factor=1.0",)),  # YaRN's factor on cos and sin left out
     ("qwen3_yarn", None, ("model.rope_scaling.truncate=false",)),  # the ramp's ends not rounded out
+    ("gpt_oss", _gate_and_up_swapped, ()),  # gate_up_proj's columns read as [gate | up] halves' other parity
+    ("gpt_oss", None, ("model.moe.swiglu_limit=100.0",)),  # config.json's swiglu_limit misread
     ("gemma3", None, ("model.scale_embeddings=false",)),  # the embeddings' sqrt(d_model) left out
     ("gemma3", None, ("model.rope_local_theta=null",)),  # the sliding layer's own RoPE base ignored
     ("gemma3", None, ("model.query_pre_attn_scalar=null",)),  # 1/sqrt(head_dim) instead of Gemma's query scale
@@ -187,7 +196,8 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
                                               ("gemma3", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4")),
-                                              ("deepseek_v3", ("mesh.fsdp=2", "mesh.expert=4"))])
+                                              ("deepseek_v3", ("mesh.fsdp=2", "mesh.expert=4")),
+                                              ("gpt_oss", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_import_then_export_gives_the_same_bytes_and_an_equivalent_config(devices, tmp_path, family, mesh):
     engine = _engine(family, devices, *mesh)
     params = load_hf_params(engine, REFERENCE / family)
@@ -303,6 +313,15 @@ def test_gemma3_fields_its_transformers_code_ignores_or_lacks_are_refused():
         infer_family(model_from_record(scaled))
 
 
+def test_gpt_oss_fields_outside_its_model_are_refused():
+    cfg = read_hf_config(REFERENCE / "gpt_oss")
+    with pytest.raises(ConfigError, match="swiglu_alpha=1.5 is not supported .the clamped SwiGLU's slope is gpt-oss's; "
+                                          "valid: 1.702"):
+        model_section({**cfg, "swiglu_alpha": 1.5})
+    with pytest.raises(ConfigError, match="attention_bias=False is not supported"):
+        model_section({**cfg, "attention_bias": False})
+
+
 @pytest.mark.faults
 def test_an_import_killed_before_its_checkpoint_was_finished_can_be_rerun_into_the_same_directory(tmp_path, capsys):
     # What `convert hf` killed mid-write leaves: its (unlocked) lock file, config.json, an unfinished Orbax step.
@@ -370,7 +389,8 @@ def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tm
                                               ("gemma3", ("mesh.fsdp=2", "mesh.tensor=4")),
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4")),
-                                              ("deepseek_v3", ("mesh.fsdp=2", "mesh.expert=4"))])
+                                              ("deepseek_v3", ("mesh.fsdp=2", "mesh.expert=4")),
+                                              ("gpt_oss", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_greedy_generation_from_an_imported_model_equals_transformers(devices, family, mesh):
     from spmd_train.train.generation import generate
 

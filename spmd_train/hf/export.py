@@ -29,7 +29,7 @@ from spmd_train.config.families import family_named
 from spmd_train.config.hf_config import hf_config
 from spmd_train.errors import ConfigError
 from spmd_train.hf.files import INDEX
-from spmd_train.hf.names import pieces, stored_index
+from spmd_train.hf.names import Piece, pieces, stored_index
 from spmd_train.output_dir import make_output_dir
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
@@ -61,11 +61,15 @@ def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mappin
                           "nothing was written)")
     model = engine.cfg.model
     config = hf_config(model, base_config, dtype=dtype)
-    plan = list(pieces(model, family_named(config["model_type"])))
+    plan: dict[str, list[Piece]] = {}  # each tensor's pieces: two for a fused one (gpt-oss's gate_up_proj)
+    for piece in pieces(model, family_named(config["model_type"])):
+        plan.setdefault(piece.hf_name, []).append(piece)
     flat = traverse_util.flatten_dict(params, sep=".")
     row = engine.stored_row_of_model  # the stored row of each model row (stack order and padding may differ)
     np_dtype = np.dtype(dtype)
-    sizes = [math.prod(p.layout.hf_shape(tuple(flat[p.path].shape[len(p.index):]))) * np_dtype.itemsize for p in plan]
+    tensor_names = list(plan)
+    sizes = [math.prod(p.layout.hf_shape(tuple(flat[p.path].shape[len(p.index):]))) * np_dtype.itemsize
+             for p in (plan[name][0] for name in tensor_names)]
     groups = _pack(sizes, max_shard_bytes)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))])
@@ -78,11 +82,13 @@ def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mappin
         for name, members in zip(names, groups, strict=True):
             tensors = {}
             for k in members:
-                p = plan[k]
-                index = stored_index(p, row)
-                value = _gather(flat[p.path][index] if index else flat[p.path])
-                tensors[p.hf_name] = p.layout.to_hf(value.astype(np_dtype))
-                weight_map[p.hf_name] = name
+                hf_name, tensor = tensor_names[k], None
+                for p in plan[hf_name]:
+                    index = stored_index(p, row)
+                    value = _gather(flat[p.path][index] if index else flat[p.path])
+                    tensor = p.layout.into_hf(value.astype(np_dtype), tensor)
+                tensors[hf_name] = tensor
+                weight_map[hf_name] = name
             if writer:
                 save_file(tensors, str(staging / name), metadata={"format": "pt"})
             del tensors
@@ -99,7 +105,7 @@ def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mappin
         if writer and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Exported(directory, tuple(names), len(plan), sum(sizes))
+    return Exported(directory, tuple(names), len(tensor_names), sum(sizes))
 
 
 def _default_permissions(directory: Path) -> None:

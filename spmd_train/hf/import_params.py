@@ -56,7 +56,7 @@ def load_hf_params(engine, directory: str | Path) -> Any:
         value = jax.make_array_from_callback(ours, part, functools.partial(_shard, host, struct.dtype))
         params[piece.path] = _place(params[piece.path], value, index) if index else value
         del host
-    log.info("imported %d tensors from %s", len(plan), directory)
+    log.info("imported %d tensors from %s", len({p.hf_name for p in plan}), directory)
     return traverse_util.unflatten_dict(params, sep=".")
 
 

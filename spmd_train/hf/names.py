@@ -19,13 +19,19 @@ from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.param_specs import block_params
 
 
+FUSED = {"evens": 0, "odds": 1}
+"""The fused layouts, and the first column of each part."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """How one Hugging Face tensor becomes one slice of ours: a transpose, a split of fused heads, or nothing."""
 
     kind: str
     """same | transpose (linear [out, in] -> [in, out]) | heads_in (q/k/v [heads*hd, d] -> [d, heads, hd]) |
-    heads_out (o [d, heads*hd] -> [heads, hd, d]) | heads (bias [heads*hd] -> [heads, hd])."""
+    heads_out (o [d, heads*hd] -> [heads, hd, d]) | heads (bias [heads*hd] -> [heads, hd]) | evens, odds (one of
+    two parameters fused column by column into one tensor: gpt-oss's gate_up_proj [..., 2f] holds the gate in its
+    even columns, the up projection in its odd ones)."""
     rope: int = 0
     """The last `rope` entries of our last axis are rotary dimensions the checkpoint keeps in interleaved pairs
     (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave): they become rotate-half's order, evens then odds."""
@@ -51,6 +57,8 @@ class Layout:
         if self.kind == "heads_out":
             h, hd, d = ours
             return x.reshape(d, h, hd).transpose(1, 2, 0)
+        if self.kind in FUSED:
+            return x[..., FUSED[self.kind]::2]
         return x.reshape(ours)  # heads
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
@@ -67,8 +75,20 @@ class Layout:
             x = x.reshape(-1)
         return np.ascontiguousarray(x)
 
+    def into_hf(self, x: np.ndarray, tensor: np.ndarray | None = None) -> np.ndarray:
+        """The Hugging Face tensor with our slice `x` in it: `to_hf`, or (evens, odds) its columns of `tensor`, which
+        the other part of the fusion fills (a new one when None)."""
+        if self.kind not in FUSED:
+            return self.to_hf(x)
+        if tensor is None:
+            tensor = np.empty(self.hf_shape(x.shape), x.dtype)
+        tensor[..., FUSED[self.kind]::2] = x
+        return tensor
+
     def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face tensor's shape for our slice of shape `ours`."""
+        if self.kind in FUSED:
+            return (*ours[:-1], 2 * ours[-1])
         if self.kind == "transpose":
             return tuple(reversed(ours))
         if self.kind == "heads_in":
@@ -97,8 +117,9 @@ SAME, T = Layout("same"), Layout("transpose")
 
 def pieces(model: ModelConfig, family: Family) -> Iterator[Piece]:
     """Every Hugging Face tensor of a checkpoint of `model` in `family`'s names (`Family.tensors`), in file order
-    (embedding, layers, norm, head). A row naming a parameter the model does not have (MLA's query latent when
-    q_lora_rank is null) is skipped; model.moe.first_k_dense's layers fill `first_blocks`."""
+    (embedding, layers, norm, head); a fused tensor is two pieces of one name (`Layout.into_hf`). A row naming a
+    parameter the model does not have (MLA's query latent when q_lora_rank is null) is skipped;
+    model.moe.first_k_dense's layers fill `first_blocks`."""
     if model.moe is not None and model.moe.every != 1:
         raise ValueError("Hugging Face checkpoints have an MoE layer in every layer after the dense first ones, or "
                          "none (model.moe.every=1)")
@@ -116,7 +137,8 @@ def pieces(model: ModelConfig, family: Family) -> Iterator[Piece]:
                 yield Piece(at + name, f"{stack}.{path}", (row,), _layout(kind, model))
         if not moe:
             continue
-        yield Piece(at + names.router, "blocks.mlp.router", (row,), T)
+        if names.router:  # gpt-oss's router, a biased linear layer, is among its layer rows
+            yield Piece(at + names.router, "blocks.mlp.router", (row,), T)
         if model.moe.router_bias:
             yield Piece(at + names.router_bias, "blocks.mlp.router_bias", (row,), SAME)
         for e in range(model.moe.num_experts):

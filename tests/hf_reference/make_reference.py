@@ -1,7 +1,7 @@
 """Make the committed Hugging Face reference fixtures under ``tests/hf_reference/<family>/``.
 
 For each tiny model family (llama, llama32, mistral, mistral_window, qwen2, qwen3, mixtral, qwen3_moe, qwen3_yarn,
-gemma3, deepseek_v3)
+gemma3, deepseek_v3, gpt_oss)
 this script builds a randomly initialised ``transformers`` model in float32, re-initialises every parameter with
 large-ish values (so that interop tests are sensitive to any layout or math mistake), and writes:
 
@@ -44,6 +44,8 @@ from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -221,6 +223,27 @@ def make_config(family: str):
             tie_word_embeddings=False,
             attention_bias=False,
         )
+    if family == "gpt_oss":
+        # gpt-oss at 2 layers: a sliding layer (window 7) then a full one, Q/K/V and output biases, a sink logit per
+        # head, YaRN (factor 4 over 6 positions, theta 150000, ramp ends unrounded), 4 experts of width 32 with biases
+        # and the clamped SwiGLU (limit 1, not gpt-oss's 7, so that the clamp bites at these widths), top-2 by a
+        # biased router, each
+        # layer's experts in one fused gate_up_proj (gate in even columns) and one down_proj.
+        return GptOssConfig(
+            **{k: v for k, v in dict(COMMON, max_position_embeddings=24).items() if k != "intermediate_size"},
+            intermediate_size=32,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=7,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 6, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False},
+            swiglu_limit=1.0,
+            tie_word_embeddings=False,
+            attention_bias=True,
+        )
     raise ValueError(family)
 
 
@@ -236,6 +259,7 @@ MODEL_CLASSES = {
     "qwen3_yarn": Qwen3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 FEATURE = {
     "llama": ("llama3 rope scaling", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
@@ -244,9 +268,10 @@ FEATURE = {
     "qwen3_moe": ("renormalising the top-k gates", "norm_topk_prob", True),
     "gemma3": ("the output soft-cap", "final_logit_softcapping", None),
     "deepseek_v3": ("YaRN with its softmax mscale", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
+    "gpt_oss": ("the clamp on the experts' SwiGLU", "swiglu_limit", 1e9),
 }
 """The feature a fixture exists for: (what, the config attribute, its value with the feature off)."""
-TOP_K = {"mixtral": 2, "qwen3_moe": 4, "deepseek_v3": 2}
+TOP_K = {"mixtral": 2, "qwen3_moe": 4, "deepseek_v3": 2, "gpt_oss": 2}
 """Experts each token picks, for the MoE families: the router's k-th and (k+1)-th choices must not be near-tied."""
 FAMILIES = list(MODEL_CLASSES)
 SEEDS = {f: 1000 + i for i, f in enumerate(FAMILIES)}
@@ -265,13 +290,16 @@ ROUTER_MIN_LOGIT_GAP = 1e-3  # and on logits, so an fp32 re-implementation canno
 
 @torch.no_grad()
 def reinit(model: torch.nn.Module, router_std: float = ROUTER_STD) -> None:
-    """Matrices ~ N(0, 0.15), norm weights ~ 1 + N(0, 0.2), biases ~ N(0, 0.2), routers ~ N(0, router_std)."""
+    """Matrices ~ N(0, 0.15), norm weights ~ 1 + N(0, 0.2), biases ~ N(0, 0.2), routers ~ N(0, router_std), sinks
+    ~ N(0, 1)."""
     for name, p in model.named_parameters():  # tied parameters appear once
-        if name.endswith("bias"):
+        if name.endswith("self_attn.sinks"):  # gpt-oss's sink logit per head: about an attention logit's size
+            p.normal_(0.0, 1.0)
+        elif name.endswith("bias"):
             p.normal_(0.0, 0.2)
         elif "norm" in name and p.ndim == 1:
             p.normal_(0.0, 0.2).add_(1.0)
-        elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+        elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
             p.normal_(0.0, router_std)
         elif p.ndim >= 2:
             p.normal_(0.0, 0.15)
@@ -283,17 +311,16 @@ def reinit(model: torch.nn.Module, router_std: float = ROUTER_STD) -> None:
 def router_margin(model, input_ids: torch.Tensor, k: int) -> tuple[float, float]:
     """Smallest gap between the k-th and (k+1)-th router probability (and logit) over all tokens and layers."""
     captured = []
-    routed = [layer for layer in model.model.layers if hasattr(layer.mlp, "gate")]  # DeepSeek's first are dense
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda mod, args, out: captured.append((mod, out[0])))
-        for layer in routed
-    ]
+    # The router is mlp.gate (gpt-oss: mlp.router); DeepSeek's first layers are dense, without one.
+    routers = [r for layer in model.model.layers if (r := getattr(layer.mlp, "gate", getattr(layer.mlp, "router", None)))
+               is not None]
+    hooks = [r.register_forward_hook(lambda mod, args, out: captured.append((mod, out[0]))) for r in routers]
     try:
         model(input_ids)
     finally:
         for h in hooks:
             h.remove()
-    assert len(captured) == len(routed)
+    assert len(captured) == len(routers)
     if hasattr(captured[0][0], "e_score_correction_bias"):
         return float("inf"), min(selection_gap(gate, logits, k) for gate, logits in captured)
     prob_gaps, logit_gaps = [], []

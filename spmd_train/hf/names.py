@@ -18,7 +18,6 @@ from spmd_train.config.families import Family
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.param_specs import block_params
 
-
 FUSED = {"evens": 0, "odds": 1}
 """The fused layouts, and the first column of each part."""
 

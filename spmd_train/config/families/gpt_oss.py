@@ -84,7 +84,8 @@ def _read(hf: Mapping[str, Any], model: dict[str, Any]) -> None:
 def _write(model: ModelConfig, out: dict[str, Any]) -> None:
     moe = model.moe
     out.update({"sliding_window": model.sliding_window,
-                "layer_types": [f"{kind}_attention" for kind in model.layer_kinds],"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
+                "layer_types": [f"{kind}_attention" for kind in model.layer_kinds],
+                "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
                 "intermediate_size": model.resolved_moe_d_ff, "swiglu_limit": moe.swiglu_limit,
                 "swiglu_alpha": ALPHA, "router_aux_loss_coef": moe.router_aux_weight, "attention_bias": True})
 

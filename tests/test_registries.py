@@ -198,7 +198,8 @@ ALWAYS = {"gemma3_text": {"norm_plus_one": True, "sandwich_norms": True, "scale_
                                            router_z_weight=0.0)},
           "gpt_oss": {"attn_output_bias": True, "attention_sinks": True, "d_ff": 32,
                       "moe": MoEConfig(num_experts=4, experts_per_token=2, router_logit_bias=True,
-                                       expert_bias=True, swiglu_limit=7.0, router_aux_weight=0.02, router_z_weight=0.0)}}
+                                       expert_bias=True, swiglu_limit=7.0, router_aux_weight=0.02,
+                                       router_z_weight=0.0)}}
 """What a family's checkpoints always have besides qkv_bias, qk_norm and moe (a new family with more adds a row)."""
 
 

@@ -312,8 +312,8 @@ def router_margin(model, input_ids: torch.Tensor, k: int) -> tuple[float, float]
     """Smallest gap between the k-th and (k+1)-th router probability (and logit) over all tokens and layers."""
     captured = []
     # The router is mlp.gate (gpt-oss: mlp.router); DeepSeek's first layers are dense, without one.
-    routers = [r for layer in model.model.layers if (r := getattr(layer.mlp, "gate", getattr(layer.mlp, "router", None)))
-               is not None]
+    routers = [getattr(layer.mlp, "gate", getattr(layer.mlp, "router", None)) for layer in model.model.layers]
+    routers = [r for r in routers if r is not None]
     hooks = [r.register_forward_hook(lambda mod, args, out: captured.append((mod, out[0]))) for r in routers]
     try:
         model(input_ids)

@@ -30,8 +30,8 @@ from tests.runs import cli, main_in_process
 
 REFERENCE = Path(__file__).parent / "hf_reference"
 FAMILIES = ("llama", "llama32", "mistral", "mistral_window", "qwen2", "qwen3", "qwen3_yarn", "mixtral", "qwen3_moe",
-            "gemma3", "deepseek_v3", "gpt_oss")
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+            "gemma3", "deepseek_v3", "gpt_oss", "gpt_oss_mxfp4")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "gpt_oss_mxfp4")
 TOLERANCE = 1e-4
 """Largest |ours - transformers'| over the largest |logit|, fp32 on both sides."""
 
@@ -64,8 +64,9 @@ MESHES = {"1 device": ((), 1), "fsdp 2 x tensor 4": (("mesh.fsdp=2", "mesh.tenso
           "fsdp 2 x expert 4": (("mesh.fsdp=2", "mesh.expert=4"), 8)}
 
 
-SHARDED_IN_SLOW_TIER = ("mistral_window", "qwen3_yarn")
-"""Fixtures whose tensor names and sharding `mistral` and `qwen3` already prove on 8 devices in the fast tier."""
+SHARDED_IN_SLOW_TIER = ("mistral_window", "qwen3_yarn", "gpt_oss_mxfp4")
+"""Fixtures whose tensor names and sharding `mistral`, `qwen3` and `gpt_oss` already prove on 8 devices in the fast
+tier."""
 LOGIT_CASES = [pytest.param(family, mesh, marks=[pytest.mark.slow] if mesh != "1 device" and family in
                             SHARDED_IN_SLOW_TIER else [])
                for family in FAMILIES for mesh in MESHES
@@ -313,6 +314,42 @@ def test_gemma3_fields_its_transformers_code_ignores_or_lacks_are_refused():
         infer_family(model_from_record(scaled))
 
 
+def test_mxfp4_experts_import_exactly_and_export_unquantized(devices, tmp_path):
+    # The fixture's experts are MXFP4-packed (blocks and scales, as gpt-oss publishes them); its logits are
+    # transformers' on the weights its own converter dequantizes.
+    source = REFERENCE / "gpt_oss_mxfp4"
+    assert {"mxfp4"} == {read_hf_config(source)["quantization_config"]["quant_method"]}
+    assert any(name.endswith("gate_up_proj_blocks") for name in _tensors(source))
+    engine = _engine("gpt_oss_mxfp4", devices[:1])
+    params = load_hf_params(engine, source)
+    export_hf(engine, params, tmp_path / "out", base_config=read_hf_config(source), dtype="float32")
+    exported = read_hf_config(tmp_path / "out")
+    assert "quantization_config" not in exported
+    ours = _tensors(tmp_path / "out")
+    assert ours["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert not any(name.endswith(("_blocks", "_scales")) for name in ours)
+    ref = np.load(source / "reference.npz")
+    back = _engine("", devices[:1], directory=tmp_path / "out")
+    assert _error(_logits(back, load_hf_params(back, tmp_path / "out"), ref["input_ids"]), ref["logits"]) < TOLERANCE
+
+
+def test_mxfp4_scales_that_do_not_pair_with_their_blocks_are_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    from spmd_train.hf.files import SafetensorsDir
+
+    source = _copy("gpt_oss_mxfp4", tmp_path)
+    tensors = _tensors(source)
+    name = "model.layers.0.mlp.experts.down_proj"
+    tensors[f"{name}_scales"] = tensors[f"{name}_scales"][:, :-1]
+    save_file(tensors, str(source / "model.safetensors"))
+    files = SafetensorsDir(source)
+    assert files.shapes[name] == (4, 32, 64)  # listed dequantized: [experts, in, out]
+    with pytest.raises(ConfigError, match=f"{name} in .*: MXFP4 blocks uint8.4, 64, 1, 16. and scales uint8.4, 63, "
+                                          r"1. do not pair"):
+        files.tensor(name)
+
+
 def test_gpt_oss_fields_outside_its_model_are_refused():
     cfg = read_hf_config(REFERENCE / "gpt_oss")
     with pytest.raises(ConfigError, match="swiglu_alpha=1.5 is not supported .the clamped SwiGLU's slope is gpt-oss's; "
@@ -320,6 +357,8 @@ def test_gpt_oss_fields_outside_its_model_are_refused():
         model_section({**cfg, "swiglu_alpha": 1.5})
     with pytest.raises(ConfigError, match="attention_bias=False is not supported"):
         model_section({**cfg, "attention_bias": False})
+    with pytest.raises(ConfigError, match=r"quantization_config.quant_method='gptq' is not supported \(valid: mxfp4"):
+        model_section({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}})
 
 
 @pytest.mark.faults

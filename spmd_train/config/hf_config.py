@@ -147,7 +147,17 @@ def model_section(hf: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json of a {fam.model_type} model has a value of the wrong type: {err}") from None
 
 
+QUANTIZATIONS = ("mxfp4",)
+"""config.json's quantization_config.quant_method values whose tensors `hf.files` reads (dequantized)."""
+
+
 def _model_section(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else quantization
+        if method not in QUANTIZATIONS:
+            raise ConfigError(f"config.json: quantization_config.quant_method={method!r} is not supported (valid: "
+                              f"{', '.join(QUANTIZATIONS)}, read dequantized; or an unquantized checkpoint)")
     refuse_field(hf, "hidden_act", "silu", "the MLP is SwiGLU")
     refuse_field(hf, "mlp_bias", False, "the MLP has no biases")
     refuse_field(hf, "pretraining_tp", 1, "the projections are not split")
@@ -243,7 +253,9 @@ def hf_config(model: ModelConfig, base: Mapping[str, Any] | None = None, *, dtyp
         raise ConfigError(why)
     out = dict(base or {})
     legacy = not base or "rope_parameters" not in base
-    for key in ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype", "head_dim"):
+    # Export writes every tensor unquantized, whatever the imported checkpoint's quantization_config said.
+    for key in ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype", "head_dim",
+                "quantization_config"):
         out.pop(key, None)
     out.update({"architectures": [fam.architecture], "model_type": fam.model_type, "hidden_act": "silu",
                 "num_hidden_layers": model.num_layers, "hidden_size": model.d_model,

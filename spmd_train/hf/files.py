@@ -10,6 +10,7 @@ import numpy as np
 from safetensors import safe_open
 
 from spmd_train.errors import ConfigError
+from spmd_train.hf.mxfp4 import BLOCKS, SCALES, dequantize, dequantized_shape
 
 INDEX = "model.safetensors.index.json"
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -18,7 +19,8 @@ _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float
 class SafetensorsDir:
     """The tensors of DIR/*.safetensors (through DIR/model.safetensors.index.json when there is one).
 
-    Only headers are read when opened; `tensor(name)` reads that one tensor from disk.
+    Only headers are read when opened; `tensor(name)` reads that one tensor from disk. An MXFP4-packed tensor
+    (NAME_blocks with NAME_scales: gpt-oss's experts) is listed and read as NAME, dequantized to bfloat16.
     """
 
     def __init__(self, directory: str | Path):
@@ -54,9 +56,21 @@ class SafetensorsDir:
                 if isinstance(err, ConfigError):
                     raise
                 raise ConfigError(f"{path} is not a readable safetensors file: {err}") from None
+        self._packed: dict[str, tuple[str, str]] = {}
+        for key in [k for k in self.shapes if k.endswith(BLOCKS) and k[: -len(BLOCKS)] + SCALES in self.shapes]:
+            name = key[: -len(BLOCKS)]
+            self._packed[name] = (key, name + SCALES)
+            self.shapes[name], self.dtypes[name] = dequantized_shape(self.shapes[key]), "BF16"
+            for part in self._packed[name]:
+                del self.shapes[part], self.dtypes[part]
 
     def tensor(self, name: str) -> np.ndarray:
-        """One tensor as a numpy array in its stored dtype (bfloat16 through ml_dtypes)."""
+        """One tensor as a numpy array in its stored dtype (bfloat16 through ml_dtypes; a packed one dequantized)."""
+        if name in self._packed:
+            try:
+                return dequantize(*(self.tensor(part) for part in self._packed[name]))
+            except ValueError as err:
+                raise ConfigError(f"{name} in {self.directory}: {err}") from None
         with safe_open(self._file[name], framework="np") as f:
             return f.get_tensor(name)
 

@@ -1,7 +1,8 @@
 """Make the committed Hugging Face reference fixtures under ``tests/hf_reference/<family>/``.
 
 For each tiny model family (llama, llama32, mistral, mistral_window, qwen2, qwen3, mixtral, qwen3_moe, qwen3_yarn,
-gemma3, deepseek_v3, gpt_oss)
+gemma3, deepseek_v3, gpt_oss,
+gpt_oss_mxfp4)
 this script builds a randomly initialised ``transformers`` model in float32, re-initialises every parameter with
 large-ish values (so that interop tests are sensitive to any layout or math mistake), and writes:
 
@@ -53,6 +54,7 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Mxfp4Config,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -223,7 +225,7 @@ def make_config(family: str):
             tie_word_embeddings=False,
             attention_bias=False,
         )
-    if family == "gpt_oss":
+    if family in ("gpt_oss", "gpt_oss_mxfp4"):
         # gpt-oss at 2 layers: a sliding layer (window 7) then a full one, Q/K/V and output biases, a sink logit per
         # head, YaRN (factor 4 over 6 positions, theta 150000, ramp ends unrounded), 4 experts of width 32 with biases
         # and the clamped SwiGLU (limit 1, not gpt-oss's 7, so that the clamp bites at these widths), top-2 by a
@@ -260,6 +262,7 @@ MODEL_CLASSES = {
     "gemma3": Gemma3ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "gpt_oss_mxfp4": GptOssForCausalLM,
 }
 FEATURE = {
     "llama": ("llama3 rope scaling", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
@@ -271,7 +274,9 @@ FEATURE = {
     "gpt_oss": ("the clamp on the experts' SwiGLU", "swiglu_limit", 1e9),
 }
 """The feature a fixture exists for: (what, the config attribute, its value with the feature off)."""
-TOP_K = {"mixtral": 2, "qwen3_moe": 4, "deepseek_v3": 2, "gpt_oss": 2}
+TOP_K = {"mixtral": 2, "qwen3_moe": 4, "deepseek_v3": 2, "gpt_oss": 2, "gpt_oss_mxfp4": 2}
+MXFP4 = ("gpt_oss_mxfp4",)
+"""Fixtures whose experts are stored MXFP4-packed, as the published gpt-oss checkpoints are."""
 """Experts each token picks, for the MoE families: the router's k-th and (k+1)-th choices must not be near-tied."""
 FAMILIES = list(MODEL_CLASSES)
 SEEDS = {f: 1000 + i for i, f in enumerate(FAMILIES)}
@@ -305,6 +310,51 @@ def reinit(model: torch.nn.Module, router_std: float = ROUTER_STD) -> None:
             p.normal_(0.0, 0.15)
         else:
             raise AssertionError(f"unhandled parameter {name} {tuple(p.shape)}")
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [experts, in, out] -> (blocks uint8 [experts, out, in/32, 16], scales uint8 [experts, out, in/32]): each
+    run of 32 inputs of an output scaled by the power of two that brings its largest value to at most 6, every value
+    rounded to the nearest E2M1 code, two codes per byte (the even input in the low nibble), as gpt-oss stores them."""
+    rows = weight.transpose(1, 2).reshape(weight.shape[0], weight.shape[2], -1, 32)  # [experts, out, groups, 32]
+    exponent = torch.ceil(torch.log2(rows.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    scaled = rows / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - E2M1).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+@torch.no_grad()
+def quantize_experts(model) -> dict[str, torch.Tensor]:
+    """Round every expert matrix through MXFP4, dequantized by transformers' own converter, so the reference model
+    computes with exactly the weights the packed tensors hold; returns the packed tensors by checkpoint name."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    packed = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4_pack(p.float())
+            p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            packed |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+    assert packed, "no expert matrices to pack"
+    return packed
+
+
+def write_mxfp4(out: Path, packed: dict[str, torch.Tensor]) -> None:
+    """Replace the saved expert matrices with their packed blocks and scales, and say so in config.json, as the
+    published gpt-oss checkpoints do."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = {k: v for k, v in load_file(path).items() if f"{k}_blocks" not in packed}
+    save_file({**tensors, **packed}, path, metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 @torch.no_grad()
@@ -403,6 +453,7 @@ def make_family(family: str, out_root: Path) -> None:
         for name, buffer in model.named_buffers():  # DeepSeek's selection bias is a buffer; drawn so it steers choices
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
+        packed = quantize_experts(model) if family in MXFP4 else {}
         model.eval()
         if family not in TOP_K:
             break
@@ -438,6 +489,8 @@ def make_family(family: str, out_root: Path) -> None:
 
     if family == "llama":
         legacy_llama_config(out / "config.json")
+    if packed:
+        write_mxfp4(out, packed)
     if family in FEATURE:
         what, key, off = FEATURE[family]
         # The feature must matter at these 24 positions, otherwise the fixture could not catch it ignored.
@@ -451,7 +504,8 @@ def make_family(family: str, out_root: Path) -> None:
         assert effect > 1e-2, (family, effect)
 
     # Reload what was written (legacy llama config included) and check it reproduces the reference.
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    quantized = {"quantization_config": Mxfp4Config(dequantize=True)} if family in MXFP4 else {}
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **quantized).eval()
     if family == "llama":
         rp = reloaded.config.rope_parameters
         assert rp["rope_type"] == "llama3" and rp["factor"] == 8.0, rp

@@ -4,8 +4,7 @@ biases whose gate and up projections are stored fused, column by column (`GptOss
 
 The experts are stored as one tensor per layer: gate_up_proj [experts, d, 2 x width] (gate in the even columns, up in
 the odd ones) and down_proj [experts, width, d], both [in, out] as they are used. The published checkpoints keep them
-MXFP4-quantized (`*_blocks`, `*_scales`, config.json's quantization_config), which this family does not read: a
-dequantized (bf16) copy imports.
+MXFP4-quantized (`*_blocks`, `*_scales`), which `hf.files` reads dequantized; export writes them unquantized.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from spmd_train.config.families.hf_family import (
     register_family,
 )
 from spmd_train.config.model_schema import ModelConfig
-from spmd_train.errors import ConfigError
 
 ALPHA = 1.702
 """The clamped SwiGLU's sigmoid slope (config.json's swiglu_alpha), fixed in `ops.experts.activate`."""
@@ -67,11 +65,6 @@ def _refusal(model: ModelConfig) -> str | None:
 def _read(hf: Mapping[str, Any], model: dict[str, Any]) -> None:
     refuse_field(hf, "attention_bias", True, "gpt-oss's attention has biases")
     refuse_field(hf, "swiglu_alpha", ALPHA, "the clamped SwiGLU's slope is gpt-oss's")
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method")
-        raise ConfigError(f"config.json: quantization_config.quant_method={method!r} is not supported (the experts "
-                          "are read unquantized; valid: a dequantized checkpoint, e.g. saved by transformers with "
-                          "Mxfp4Config(dequantize=True))")
     width = int(hf["intermediate_size"])
     model.update({"attn_output_bias": True, "attention_sinks": True})
     model["moe"] = {"every": 1, "num_experts": int(hf["num_local_experts"]),

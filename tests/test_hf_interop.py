@@ -350,6 +350,19 @@ def test_mxfp4_scales_that_do_not_pair_with_their_blocks_are_named(tmp_path):
         files.tensor(name)
 
 
+def test_deepseek_v3_fields_outside_its_model_are_refused():
+    from spmd_train.config.hf_config import infer_family
+    from spmd_train.config.load import model_from_record
+
+    cfg = read_hf_config(REFERENCE / "deepseek_v3")
+    with pytest.raises(ConfigError, match="rope_interleave=False is not supported"):
+        model_section({**cfg, "rope_interleave": False})
+    with pytest.raises(ConfigError, match="rms_norm_eps=1e-05 is not supported .its latent norms' epsilon is fixed"):
+        model_section({**cfg, "rms_norm_eps": 1e-5})
+    with pytest.raises(ConfigError, match="this model: model.norm_eps=1e-05 .its latent norms' epsilon is fixed"):
+        infer_family(model_from_record({**model_section(cfg), "norm_eps": 1e-5}))
+
+
 def test_gpt_oss_fields_outside_its_model_are_refused():
     cfg = read_hf_config(REFERENCE / "gpt_oss")
     with pytest.raises(ConfigError, match="swiglu_alpha=1.5 is not supported .the clamped SwiGLU's slope is gpt-oss's; "

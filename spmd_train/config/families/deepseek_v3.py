@@ -17,6 +17,10 @@ from spmd_train.config.families.hf_family import LLAMA_TENSORS, Family, refuse_f
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.errors import ConfigError
 
+LATENT_EPS = 1e-6
+"""transformers' DeepSeek-V3 normalises the query and key/value latents with this epsilon whatever rms_norm_eps says;
+our MLA's latent norms take model.norm_eps, so the two must agree."""
+
 TENSORS = replace(
     LLAMA_TENSORS,
     layer=(("attn_norm.scale", "input_layernorm.weight", "same"),
@@ -54,15 +58,19 @@ def _refusal(model: ModelConfig) -> str | None:
         wrong.append("sinks, Q/K norms or attention biases")
     if model.sliding_window is not None:
         wrong.append(f"model.sliding_window={model.sliding_window}")
+    if model.norm_eps != LATENT_EPS:
+        wrong.append(f"model.norm_eps={model.norm_eps} (its latent norms' epsilon is fixed at {LATENT_EPS})")
     if wrong:
         return (f"DeepSeek-V3 routes every layer after the dense first ones by sigmoid scores with a selection bias "
                 f"(bias_update_rate set; 0 keeps it) through plain SwiGLU experts, and its MLA has no sinks, norms on "
-                f"heads, biases or window (this model: {', '.join(wrong)})")
+                f"heads, biases or window, and norm epsilon {LATENT_EPS} (this model: {', '.join(wrong)})")
     return None
 
 
 def _read(hf: Mapping[str, Any], model: dict[str, Any]) -> None:
     refuse_field(hf, "rope_interleave", True, "import reorders interleaved rotary dimensions, DeepSeek's layout")
+    refuse_field(hf, "rms_norm_eps", LATENT_EPS, f"its latent norms' epsilon is fixed at {LATENT_EPS}, and ours is "
+                 "model.norm_eps for every norm")
     refuse_field(hf, "scoring_func", "sigmoid", "DeepSeek-V3 routes by sigmoid scores")
     refuse_field(hf, "topk_method", "noaux_tc", "DeepSeek-V3 selects with a bias, group-limited")
     refuse_field(hf, "moe_layer_freq", 1, "every layer after the dense first ones is an MoE layer")

@@ -43,6 +43,10 @@ def _refusal(model: ModelConfig) -> str | None:
     if missing:
         return (f"Gemma 3 has Q/K norms, (1 + w) norms, sandwich norms and scaled embeddings together (this model: "
                 f"{', '.join(missing)}; valid: all four true)")
+    scalar = model.query_pre_attn_scalar
+    if scalar is not None and not float(scalar).is_integer():
+        return (f"Gemma 3's config.json holds query_pre_attn_scalar as an integer (this model: "
+                f"model.query_pre_attn_scalar={scalar}; valid: a whole number, or null for head_dim)")
     if model.qkv_bias or model.attn_output_bias:
         return ("Gemma 3's attention_bias puts biases on all four projections together (this model: model.qkv_bias="
                 f"{model.qkv_bias}, attn_output_bias={model.attn_output_bias}; valid: both false)")
@@ -75,7 +79,7 @@ def _write(model: ModelConfig, out: dict[str, Any]) -> None:
     out.pop("hidden_act", None)
     local = model.rope_local_theta if model.rope_local_theta is not None else model.rope_theta
     out.update({"hidden_activation": {v: k for k, v in ACTIVATIONS.items()}[model.mlp_activation],
-                "query_pre_attn_scalar": model.query_pre_attn_scalar or model.resolved_head_dim,
+                "query_pre_attn_scalar": int(model.query_pre_attn_scalar or model.resolved_head_dim),
                 "attn_logit_softcapping": None,
                 "final_logit_softcapping": model.final_logit_softcap, "attention_bias": False,
                 "sliding_window": model.sliding_window,

@@ -76,6 +76,12 @@ def _read(hf: Mapping[str, Any], model: dict[str, Any]) -> None:
 
 def _write(model: ModelConfig, out: dict[str, Any]) -> None:
     moe = model.moe
+    if "rope_parameters" not in out:
+        # transformers' GptOssConfig reads an absent rope_parameters as YaRN x32 (the published setting) whatever the
+        # legacy rope_theta and rope_scaling say, so its RoPE is always written in the current layout.
+        scaling = out.pop("rope_scaling", None) or {"rope_type": "default"}
+        out["rope_parameters"] = {**scaling, "rope_theta": out.pop("rope_theta")}
+        out["dtype"] = out.pop("torch_dtype")
     out.update({"sliding_window": model.sliding_window,
                 "layer_types": [f"{kind}_attention" for kind in model.layer_kinds],
                 "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,

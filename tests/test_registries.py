@@ -190,8 +190,9 @@ def _model(qkv_bias=False, qk_norm=False, moe=False, window=None) -> ModelConfig
 
 ALWAYS = {"gemma3_text": {"norm_plus_one": True, "sandwich_norms": True, "scale_embeddings": True,
                            "mlp_activation": "gelu_tanh", "query_pre_attn_scalar": 24.0, "final_logit_softcap": 30.0},
-          "deepseek_v3": {"num_kv_heads": 4, "norm_eps": 1e-6, "mla": MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                                                              v_head_dim=8, q_lora_rank=24),
+          "deepseek_v3": {"num_kv_heads": 4, "norm_eps": 1e-6,
+                          "mla": MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                           q_lora_rank=24),
                           "moe": MoEConfig(first_k_dense=1, num_experts=4, experts_per_token=2, num_shared_experts=1,
                                            router_score="sigmoid", routed_scaling_factor=2.5, n_group=2, topk_group=1,
                                            bias_update_rate=0.0, seq_aux_weight=0.0001, router_aux_weight=0.0,

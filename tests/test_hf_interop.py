@@ -350,6 +350,24 @@ def test_mxfp4_scales_that_do_not_pair_with_their_blocks_are_named(tmp_path):
         files.tensor(name)
 
 
+def test_deepseek_v3_mtp_layers_after_the_last_layer_are_left_unread(devices, tmp_path):
+    from safetensors.numpy import save_file
+
+    source = _copy("deepseek_v3", tmp_path)
+    tensors = _tensors(source)
+    layer = {k.replace("model.layers.2.", "model.layers.3."): v for k, v in tensors.items() if ".layers.2." in k}
+    mtp = {"model.layers.3.eh_proj.weight": np.ones((64, 128), np.float32), **layer}  # as DeepSeek-V3 ships it
+    save_file({**tensors, **mtp}, str(source / "model.safetensors"))
+    config = read_hf_config(source)
+    (source / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    engine = _engine("deepseek_v3", devices[:1], directory=source)
+    ref = np.load(source / "reference.npz")
+    assert _error(_logits(engine, load_hf_params(engine, source), ref["input_ids"]), ref["logits"]) < TOLERANCE
+    (source / "config.json").write_text(json.dumps(config))  # without the count, the same tensors are refused
+    with pytest.raises(ConfigError, match=r"holds 39 tensor\(s\) this architecture has no place for: model.layers.{i}.eh_"):
+        load_hf_params(engine, source)
+
+
 def test_deepseek_v3_fields_outside_its_model_are_refused():
     from spmd_train.config.hf_config import infer_family
     from spmd_train.config.load import model_from_record

@@ -36,8 +36,14 @@ def load_hf_params(engine, directory: str | Path) -> Any:
     ConfigError before anything is read when a tensor is missing, unexpected, or of another shape.
     """
     directory = Path(directory)
-    fam = family(read_hf_config(directory))
+    config = read_hf_config(directory)
+    fam = family(config)
     files = SafetensorsDir(directory)
+    unread = [name for name in files.shapes if name.startswith(fam.unread(config))] if fam.unread(config) else []
+    if unread:
+        log.info("leaving %d tensors of %s unread (%s)", len(unread), directory, ", ".join(fam.unread(config)))
+        for name in unread:
+            del files.shapes[name]
     model = engine.cfg.model
     plan = list(pieces(model, fam))
     shapes = traverse_util.flatten_dict(engine.param_shapes, sep=".")

@@ -219,6 +219,7 @@ def make_config(family: str):
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
             rope_interleave=True,
+            num_nextn_predict_layers=0,  # no MTP layers: tests add one to show import leaves it unread
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                              "original_max_position_embeddings": 6, "beta_fast": 32.0, "beta_slow": 1.0,
                              "mscale": 1.0, "mscale_all_dim": 1.0},

@@ -3,8 +3,8 @@ then sigmoid-routed experts with a selection bias, group-limited top-k, routed s
 
 Its rotary dimensions are stored in interleaved pairs (config.json's rope_interleave, true by default); import
 reorders them into rotate-half's order, export back (`hf.names.Layout.rope`). YaRN's mscale_all_dim also scales its
-softmax (model.rope_scaling, `models.transformer.layer_scoring`). The multi-token-prediction layers some checkpoints
-carry after the last layer (num_nextn_predict_layers) are not read.
+softmax (model.rope_scaling, `models.transformer.layer_scoring`). The multi-token-prediction layers the published
+checkpoints carry after the last layer (num_nextn_predict_layers) are left unread, and export writes none.
 """
 
 from __future__ import annotations
@@ -94,6 +94,12 @@ def _read(hf: Mapping[str, Any], model: dict[str, Any]) -> None:
                     "router_z_weight": 0.0}
 
 
+def _unread(hf: Mapping[str, Any]) -> tuple[str, ...]:
+    # The MTP modules are stored as layers num_hidden_layers .. + num_nextn_predict_layers - 1.
+    first = int(hf["num_hidden_layers"])
+    return tuple(f"model.layers.{i}." for i in range(first, first + int(hf.get("num_nextn_predict_layers") or 0)))
+
+
 def _rank(value: Any) -> int | None:
     return int(value) if value else None
 
@@ -109,9 +115,9 @@ def _write(model: ModelConfig, out: dict[str, Any]) -> None:
                 "moe_intermediate_size": model.resolved_moe_d_ff, "n_shared_experts": moe.num_shared_experts,
                 "first_k_dense_replace": moe.first_k_dense, "norm_topk_prob": moe.norm_topk_prob,
                 "routed_scaling_factor": moe.routed_scaling_factor, "n_group": moe.n_group,
-                "topk_group": moe.topk_group, "attention_bias": False})
+                "topk_group": moe.topk_group, "attention_bias": False, "num_nextn_predict_layers": 0})
 
 
 DEEPSEEK_V3 = register_family(Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3", _claims, moe=True,
-                                     read=_read, write=_write, refusal=_refusal, tensors=TENSORS,
+                                     read=_read, write=_write, refusal=_refusal, tensors=TENSORS, unread=_unread,
                                      holds=frozenset({"mla"})))

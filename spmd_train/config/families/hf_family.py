@@ -124,6 +124,10 @@ def _nothing(*args: Any) -> None:
     return None
 
 
+def _no_prefixes(hf: Mapping[str, Any]) -> tuple[str, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class Family:
     """A Hugging Face model family: config.json <-> our `model` section, and its tensor names."""
@@ -158,6 +162,9 @@ class Family:
     when every claimant refuses."""
     tensors: TensorNames = field(default=LLAMA_TENSORS)
     """Where its checkpoints keep each tensor (`hf.names.pieces`)."""
+    unread: Callable[[Mapping[str, Any]], tuple[str, ...]] = _no_prefixes
+    """unread(config.json): name prefixes of tensors its checkpoints carry that import leaves unread
+    (DeepSeek-V3's multi-token-prediction layers after the last layer)."""
     holds: frozenset[str] = frozenset()
     """The model variant fields (`config.hf_config.VARIANTS`) its config.json can express when set (Gemma 3's
     soft-caps, query scale, local RoPE and norms); a model setting any other is not exported as it."""

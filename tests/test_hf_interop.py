@@ -364,7 +364,8 @@ def test_deepseek_v3_mtp_layers_after_the_last_layer_are_left_unread(devices, tm
     ref = np.load(source / "reference.npz")
     assert _error(_logits(engine, load_hf_params(engine, source), ref["input_ids"]), ref["logits"]) < TOLERANCE
     (source / "config.json").write_text(json.dumps(config))  # without the count, the same tensors are refused
-    with pytest.raises(ConfigError, match=r"holds 39 tensor\(s\) this architecture has no place for: model.layers.{i}.eh_"):
+    with pytest.raises(ConfigError, match=r"holds 39 tensor\(s\) this architecture has no place for: "
+                                          r"model.layers.{i}.eh_"):
         load_hf_params(engine, source)
 
 

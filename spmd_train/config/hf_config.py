@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> our `model` section, for the families `config.families` registers (Llama, Mistral,
-Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma 3, DeepSeek-V3).
+Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma 3, DeepSeek-V3, gpt-oss).
 
 Both layouts of `config.json` are read: the one most published checkpoints use (top-level `rope_theta`,
 `rope_scaling`, `torch_dtype`) and the one current `transformers` writes (`rope_parameters`, `dtype`).
@@ -200,17 +200,16 @@ def unexportable(model: ModelConfig, fam: Family | None = None) -> str | None:
     `VARIANTS` set away from their plain values that no family (or `fam`) holds, MLA ("mla" in `Family.holds`), and a
     mix of full and sliding layers in a family without per-layer kinds (`Family.layer_types`)."""
     holders = [fam] if fam is not None else list(families())
-    held = [f"model.{k}={getattr(model, k)}" for k, plain in VARIANTS.items()
-            if getattr(model, k) != plain and not any(k in f.holds for f in holders)]
-    if model.mla is not None and not any("mla" in f.holds for f in holders):
-        held.append("model.mla")
+    keys = [k for k, plain in VARIANTS.items() if getattr(model, k) != plain]
+    keys += ["mla"] if model.mla is not None else []
+    keys = [k for k in keys if not any(k in f.holds for f in holders)]
+    held = [f"model.{k}" if k == "mla" else f"model.{k}={getattr(model, k)}" for k in keys]
     if held:
         if fam is None:
             return (f"no supported Hugging Face family (supported model_type: "
                     f"{', '.join(f.model_type for f in families())}) holds {', '.join(held)}; the model trains, it "
                     "does not export")
-        keys = {h.removeprefix("model.").split("=")[0] for h in held}
-        others = [f"{f.title} ({f.model_type})" for f in families() if keys <= f.holds]
+        others = [f"{f.title} ({f.model_type})" for f in families() if set(keys) <= f.holds]
         where = f" (held by {', '.join(others)}, with its other settings)" if others else ""
         return f"{fam.title} ({fam.model_type}) cannot hold {', '.join(held)}{where}; the model trains, it does not " \
                "export as it"

@@ -39,9 +39,10 @@ def load_hf_params(engine, directory: str | Path) -> Any:
     config = read_hf_config(directory)
     fam = family(config)
     files = SafetensorsDir(directory)
-    unread = [name for name in files.shapes if name.startswith(fam.unread(config))] if fam.unread(config) else []
+    prefixes = fam.unread(config)
+    unread = [name for name in files.shapes if name.startswith(prefixes)] if prefixes else []
     if unread:
-        log.info("leaving %d tensors of %s unread (%s)", len(unread), directory, ", ".join(fam.unread(config)))
+        log.info("leaving %d tensors of %s unread (%s)", len(unread), directory, ", ".join(prefixes))
         for name in unread:
             del files.shapes[name]
     model = engine.cfg.model

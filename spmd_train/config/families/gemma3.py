@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from spmd_train.config.families.hf_family import Family, TensorNames, refuse_field, register_family
+from spmd_train.config.families.hf_family import (
+    Family,
+    TensorNames,
+    hf_layer_types,
+    refuse_field,
+    register_family,
+)
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.errors import ConfigError
 
@@ -83,7 +89,7 @@ def _write(model: ModelConfig, out: dict[str, Any]) -> None:
                 "attn_logit_softcapping": None,
                 "final_logit_softcapping": model.final_logit_softcap, "attention_bias": False,
                 "sliding_window": model.sliding_window,
-                "layer_types": [f"{kind}_attention" for kind in model.layer_kinds]})
+                "layer_types": hf_layer_types(model)})
     out.pop("sliding_window_pattern", None)  # layer_types alone says which layers slide
     if "rope_parameters" in out:  # the current layout: RoPE per layer type, the sliding layers' unscaled
         out["rope_parameters"] = {"full_attention": out["rope_parameters"],

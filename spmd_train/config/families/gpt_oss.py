@@ -16,6 +16,7 @@ from typing import Any
 from spmd_train.config.families.hf_family import (
     LLAMA_TENSORS,
     Family,
+    hf_layer_types,
     refuse_field,
     register_family,
 )
@@ -83,7 +84,7 @@ def _write(model: ModelConfig, out: dict[str, Any]) -> None:
         out["rope_parameters"] = {**scaling, "rope_theta": out.pop("rope_theta")}
         out["dtype"] = out.pop("torch_dtype")
     out.update({"sliding_window": model.sliding_window,
-                "layer_types": [f"{kind}_attention" for kind in model.layer_kinds],
+                "layer_types": hf_layer_types(model),
                 "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
                 "intermediate_size": model.resolved_moe_d_ff, "swiglu_limit": moe.swiglu_limit,
                 "swiglu_alpha": ALPHA, "router_aux_loss_coef": moe.router_aux_weight, "attention_bias": True})

@@ -82,13 +82,19 @@ def write_plain_window(model: ModelConfig, out: dict[str, Any]) -> None:
     out["sliding_window"] = model.sliding_window
 
 
+def hf_layer_types(model: ModelConfig) -> list[str]:
+    """config.json's layer_types: each layer's attention as transformers names it (sliding_attention or
+    full_attention)."""
+    return [f"{kind}_attention" for kind in model.layer_kinds]
+
+
 def write_qwen_window(model: ModelConfig, out: dict[str, Any]) -> None:
     """Qwen's use_sliding_window, sliding_window and per-layer layer_types (max_window_layers is read only when
     layer_types is absent, so the list alone says which layers slide)."""
     out["use_sliding_window"] = model.sliding_window is not None
     if model.sliding_window is not None:
         out["sliding_window"] = model.sliding_window
-        out["layer_types"] = [f"{kind}_attention" for kind in model.layer_kinds]
+        out["layer_types"] = hf_layer_types(model)
         return
     types = out.get("layer_types") or []
     if len(types) != model.num_layers or set(types) != {"full_attention"}:

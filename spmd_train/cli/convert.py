@@ -118,6 +118,9 @@ def _export(source: Path, out: Path, dtype: str | None, max_shard_bytes: int) ->
     result = export_hf(engine, state.params, out, base_config=base, dtype=dtype, max_shard_bytes=max_shard_bytes)
     print(f"exported step {done} of {run_dir} to {out}: {result.tensors} tensors, "
           f"{result.total_bytes / 2**30:.2f} GiB in {len(result.files)} file(s), {dtype}")
+    if cfg.model.mtp is not None:
+        print(f"left out the {cfg.model.mtp.depth} multi-token prediction module(s) (model.mtp): transformers runs "
+              "the next-token head only, whose logits are the trained model's")
     return 0
 
 

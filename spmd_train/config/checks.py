@@ -16,6 +16,7 @@ from spmd_train.config.validity import (
     divisors,
     expert_divides_experts,
     first_dense_outside_pipeline,
+    mtp_outside_pipeline,
     refuse,
     ring_outside_pipeline,
     ring_zigzag_chunks,
@@ -43,6 +44,9 @@ def check_config(cfg: Config) -> None:
             "(set model.head_dim, or model.d_model and model.num_heads so d_model // num_heads is even)"
         )
     check_layer_types(m)
+    if m.mtp is not None and m.mtp.depth >= t.seq_len:
+        raise ConfigError(f"model.mtp.depth={m.mtp.depth} leaves no position a target with train.seq_len={t.seq_len}: "
+                          f"depth k predicts the token k + 1 places ahead (valid: 1 to {t.seq_len - 1})")
     if m.mlp_activation != "silu" and m.moe is not None:
         raise ConfigError(f"model.mlp_activation={m.mlp_activation} is for dense models: the routed experts are SwiGLU "
                           "(valid with model.moe: silu; model.moe=null for a dense GeGLU model)")
@@ -153,6 +157,7 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
     refuse(axes_divide_tokens(t.seq_len, sizes["sequence"], tensor, par.sequence_parallel))
     if sizes["pipeline"] > 1:
         refuse(virtual_stages_fit(par.pipeline_schedule, par.virtual_stages))
+    refuse(mtp_outside_pipeline(0 if m.mtp is None else m.mtp.depth, sizes["pipeline"]))
     layers = par.pipeline_layers
     if sizes["pipeline"] == 1 and layers not in (None, "balanced") and tuple(layers) != (cfg.model.num_layers,):
         raise ConfigError(f"parallel.pipeline_layers=[{', '.join(map(str, layers))}] splits the layers into stages, "

@@ -154,6 +154,21 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3 report, section 2.2): `depth` modules after the trunk, the k-th predicting
+    the token k + 1 places ahead from the previous depth's hidden state and the embedding of the token k places
+    ahead, through the model's own embedding and LM head. A training signal only: generation and export leave it."""
+
+    __pydantic_config__ = STRICT
+
+    depth: PositiveInt = 1
+    """Modules, each one transformer layer of the model's kind (an MoE layer in an MoE model; DeepSeek-V3: 1)."""
+    loss_weight: PositiveFloat = 0.3
+    """lambda: the mean of the modules' cross-entropies joins the loss times this (DeepSeek-V3: 0.3 for its first
+    10T tokens, then 0.1)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model: a decoder-only transformer (Llama-style), optionally with MoE layers.
 
@@ -218,6 +233,8 @@ class ModelConfig:
     mla: MLAConfig | None = None
     """Multi-head latent attention in every layer (then num_kv_heads = num_heads, head_dim null); null: grouped-query
     attention."""
+    mtp: MTPConfig | None = None
+    """Multi-token prediction modules trained beside the next-token head; null: none."""
 
     @property
     def resolved_head_dim(self) -> int:

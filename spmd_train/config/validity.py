@@ -236,6 +236,16 @@ def first_dense_outside_pipeline(first_k_dense: int, pipeline: int) -> Violation
                      "or model.moe.first_k_dense=0)")
 
 
+def mtp_outside_pipeline(depth: int, pipeline: int) -> Violation | None:
+    """model.mtp's modules run after the trunk on the last stage's output: not yet under a pipeline."""
+    if depth == 0 or pipeline == 1:
+        return None
+    return Violation(f"model.mtp.depth={depth} with a pipeline", f"pipeline={pipeline}",
+                     f"model.mtp (depth {depth}) with mesh.pipeline={pipeline}: the multi-token prediction modules "
+                     "read the trunk's output and the embedding after the last stage, which the pipeline schedules do "
+                     "not yet run (valid: mesh.pipeline=1, or model.mtp=null)")
+
+
 def chunks_hold_moe_groups(num_layers: int, moe_every: int, pipeline: int, virtual: int) -> Violation | None:
     """Equal stage chunks hold whole MoE groups (model.moe.every layers, the stack's rows): moe.every divides a
     chunk's layers."""

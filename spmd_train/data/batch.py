@@ -27,6 +27,9 @@ class Batch(NamedTuple):
     weights: jax.Array | None = None
     """Per target [rows, seq_len]: `loss_weights` of the whole batch, filled in by the step before it splits the
     batch into microbatches and device shards (sources leave it None)."""
+    mtp_weights: jax.Array | None = None
+    """Per target [rows, model.mtp.depth, seq_len]: each multi-token prediction depth's weights
+    (`train.inputs.mtp_weights`), filled in by the step like `weights` (sources leave it None)."""
 
     @property
     def documents(self) -> bool:

@@ -4,7 +4,8 @@ Per token: 6 x the parameters that take part in matmuls (MoE: those a token is a
 attention, 6 x heads x (qk width + v width) x the keys a query sees on average, per layer: seq / 2 for a full
 layer (6 x seq x heads x head_dim with equal widths), window - window^2 / (2 seq) for a sliding one (the band's
 area over seq); MLA's scores are qk_nope_head_dim + qk_rope_head_dim wide, its weighted values v_head_dim;
-remat and MoE dispatch overhead are not counted. Also split
+remat and MoE dispatch overhead are not counted. Multi-token prediction modules (model.mtp) count as one more layer of
+the model's kind with full attention each, plus their projection and the LM head they share. Also split
 per layer (`layer_flops_per_token`) for pipeline stages, and `balanced_depths`, the cheapest contiguous split.
 
 Derivation: docs/explanation/flops-and-mfu.md
@@ -45,7 +46,21 @@ def matmul_params(m: ModelConfig) -> int:
     dense_mlp = 3 * m.d_model * m.d_ff
     moe = moe_layer_count(m)
     mlp = (m.num_layers - moe) * dense_mlp + moe * active_moe_mlp_params(m)
-    return m.num_layers * attention + mlp + m.d_model * m.vocab_size
+    return m.num_layers * attention + mlp + m.d_model * m.vocab_size + mtp_matmul_params(m)
+
+
+def mtp_matmul_params(m: ModelConfig) -> int:
+    """Matmul parameters per token of the multi-token prediction modules: each one's projection (2 d_model wide in),
+    its layer (MoE layers counting their active parameters, as above) and the LM head it shares."""
+    if m.mtp is None:
+        return 0
+    mlp = active_moe_mlp_params(m) if m.moe_every > 0 else 3 * m.d_model * m.d_ff
+    return m.mtp.depth * (2 * m.d_model * m.d_model + attention_matmul_params(m) + mlp + m.d_model * m.vocab_size)
+
+
+def mtp_kind(m: ModelConfig) -> str:
+    """The attention kind of the multi-token prediction modules' layers: full, unless every layer is sliding."""
+    return "full" if "full" in m.attention_kinds else "sliding"
 
 
 def attention_matmul_params(m: ModelConfig) -> int:
@@ -83,12 +98,15 @@ def layer_windows(m: ModelConfig) -> tuple[int | None, ...]:
 
 
 def window_counts(m: ModelConfig) -> tuple[tuple[int | None, int], ...]:
-    """(window, how many layers have it) per attention kind, from the repeated pattern (cheap at any depth)."""
+    """(window, how many layers have it) per attention kind, from the repeated pattern (cheap at any depth); the
+    multi-token prediction modules' layers included."""
     pattern, n = m.layer_pattern, m.num_layers
     whole, rest = divmod(n, len(pattern))
     counts: dict[str, int] = {}
     for i, kind in enumerate(pattern):
         counts[kind] = counts.get(kind, 0) + whole + (i < rest)
+    if m.mtp is not None:
+        counts[mtp_kind(m)] = counts.get(mtp_kind(m), 0) + m.mtp.depth
     return tuple((m.window_of(kind), count) for kind, count in sorted(counts.items()) if count)
 
 

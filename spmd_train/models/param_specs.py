@@ -116,9 +116,21 @@ def block_params(cfg: ModelConfig, *, moe: bool) -> dict[str, Spec]:
     return out
 
 
+def mtp_params(cfg: ModelConfig) -> dict[str, Spec]:
+    """One multi-token prediction module (`models.mtp.MTP`): norms on the embedded next tokens and on the previous
+    depth's hidden state, the projection of the two (concatenated, embedding first) back to d_model, one layer of the
+    model's kind, and the norm before the shared LM head."""
+    d = cfg.d_model
+    out = {f"{n}.scale": norm_params(cfg)["scale"] for n in ("embed_norm", "hidden_norm", "head_norm")}
+    out["eh_proj"] = ((2 * d, d), ("embed", "mlp"))
+    out |= {f"block.{k}": v for k, v in block_params(cfg, moe=cfg.moe_every > 0).items()}
+    return out
+
+
 def model_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
     """(dot-joined path, shape, logical axes) of every array `Transformer(cfg)` creates, the layer stacks' leading
-    `layers` (and `sublayers`) dimensions included: the tables, then the layer stack(s), then the final norm."""
+    `layers` (and `sublayers`) dimensions included: the tables, then the layer stack(s), then the final norm, then any
+    multi-token prediction modules (stacked on `layers`, one row per depth)."""
     tables = table_params(cfg)
     out = [("embedding", *tables["embedding"])]
     every, first = cfg.moe_every, cfg.first_dense
@@ -133,6 +145,8 @@ def model_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str
     out.append(("final_norm.scale", *norm_params(cfg)["scale"]))
     if "lm_head" in tables:
         out.append(("lm_head", *tables["lm_head"]))
+    if cfg.mtp is not None:
+        out += _stacked(mtp_params(cfg), "mtp", (cfg.mtp.depth,))
     return out
 
 

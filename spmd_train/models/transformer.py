@@ -16,9 +16,11 @@ import numpy as np
 from flax import nnx
 
 from spmd_train.config.model_schema import BackendsConfig, ModelConfig
+from spmd_train.models.flops import mtp_kind
 from spmd_train.models.layers import Pinned, RMSNorm, dense, param, pin, weight
 from spmd_train.models.mla import MLAttention
 from spmd_train.models.moe import MoE
+from spmd_train.models.mtp import MTP
 from spmd_train.models.padded_row import padded_row
 from spmd_train.models.param_specs import attention_params, mlp_params, table_params
 from spmd_train.models.remat import apply_remat
@@ -268,6 +270,8 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg)
         if "lm_head" in tables:
             self.lm_head = param(rngs.params(), *tables["lm_head"], std=cfg.init_std, dtype=cfg.param_dtype)
+        if cfg.mtp is not None:
+            self.mtp = MTP(cfg, rngs, backends, Block)
 
     def __call__(self, tokens: jax.Array, *, segments: jax.Array | None = None, positions: jax.Array | None = None,
                  remat: str = "none") -> jax.Array:
@@ -281,16 +285,44 @@ class Transformer(nnx.Module):
         inside documents and `positions` [batch, length] (each token's place in its document) are
         RoPE's positions.
         """
+        table = self.shared_table()
+        x, stats = self.trunk(tokens, table, segments=segments, positions=positions, remat=remat)
+        return self.head(x, table), stats
+
+    def forward_mtp(self, tokens: jax.Array, ahead: list[jax.Array], *, segments: jax.Array | None = None,
+                    positions: jax.Array | None = None, remat: str = "none"
+                    ) -> tuple[jax.Array, list[jax.Array], dict[str, jax.Array]]:
+        """(logits, each multi-token prediction depth's logits, stats) for a model with model.mtp: `ahead[k]` [batch,
+        length] holds, at each position i, the token k + 1 places ahead (`train.inputs.mtp_inputs`). The MTP layers'
+        router statistics follow the trunk's on the leading axis."""
+        table = self.shared_table()
+        x, stats = self.trunk(tokens, table, segments=segments, positions=positions, remat=remat)
+        logits = self.head(x, table)
+        cfg = self.cfg
+        kinds = attention_kinds(cfg)
+        kind = None if len(kinds) == 1 else jnp.asarray(kinds.index(mtp_kind(cfg)), jnp.int32)
+        rope = rope_of(cfg, tokens.shape[1], None if positions is None else constrain(positions, ("batch", "length")))
+        embedded = [self.embed(t, table) for t in ahead]
+        outputs, mtp_stats = self.mtp(x, embedded, rope, segments, kind, remat)
+        mtp_logits = [self.head(out, table, normed=True) for out in outputs]
+        if mtp_stats[0]:
+            stats = {key: jnp.concatenate([stats[key], jnp.stack([s[key] for s in mtp_stats])]) for key in stats}
+        return logits, mtp_logits, stats
+
+    def shared_table(self) -> Pinned | None:
+        """The tied table pinned once for all its uses, so its gradients are added before the one reduce-scatter."""
+        return pin(self.embedding, self.cfg.compute_dtype) if self.cfg.tie_embeddings else None
+
+    def trunk(self, tokens: jax.Array, table: Pinned | None = None, *, segments: jax.Array | None = None,
+              positions: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Tokens -> (the last layer's residual stream, before the final norm; the MoE statistics)."""
         graphdef, stacked = nnx.split(self.blocks)
-        # A tied table is pinned once for both uses, so its two gradients are added before the one reduce-scatter.
-        table = pin(self.embedding, self.cfg.compute_dtype) if self.cfg.tie_embeddings else None
         x = self.embed(tokens, table)
         if self.cfg.first_dense:
             first_def, first_stacked = nnx.split(self.first_blocks)
             x, _ = apply_blocks(first_def, first_stacked, x, self.cfg, remat, segments=segments, positions=positions,
                                 kinds=jnp.asarray(first_kind_ids(self.cfg)))
-        x, stats = apply_blocks(graphdef, stacked, x, self.cfg, remat, segments=segments, positions=positions)
-        return self.head(x, table), stats
+        return apply_blocks(graphdef, stacked, x, self.cfg, remat, segments=segments, positions=positions)
 
     def embed(self, tokens: jax.Array, table: Pinned | None = None) -> jax.Array:
         """Token ids [batch, length] -> the residual stream [batch, length, d_model] in the compute dtype.
@@ -308,10 +340,11 @@ class Transformer(nnx.Module):
                 x = x * jnp.asarray(self.cfg.d_model**0.5, x.dtype)
             return constrain(x, RESIDUAL)
 
-    def head(self, x: jax.Array, table: Pinned | None = None) -> jax.Array:
+    def head(self, x: jax.Array, table: Pinned | None = None, *, normed: bool = False) -> jax.Array:
         """Final norm and LM head: the residual stream -> logits [batch, length, vocab] (`table` as in `embed`),
-        soft-capped when model.final_logit_softcap is set."""
-        x = self.final_norm(x)
+        soft-capped when model.final_logit_softcap is set. `normed`: x is already normalised (an MTP module's own
+        head norm), so the final norm is skipped."""
+        x = x if normed else self.final_norm(x)
         dt = self.cfg.compute_dtype
         if self.cfg.tie_embeddings:
             logits = dense("bld,vd->blv", x, self.embedding if table is None else table, dt)

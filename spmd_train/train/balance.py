@@ -35,27 +35,35 @@ def update_router_bias(params: Any, load: jax.Array, rate: float) -> Any:
 
     `load` [rows, E]: the step's assignments per expert of each MoE layer (any positive scale:
     only the sign of its difference from the layer's mean counts), in the stored order of the
-    layer stack's rows, as the bias rows are.
+    layer stack's rows, as the bias rows are, then the multi-token prediction layers' (the order in
+    which the parameter tree flattens their biases).
     """
     error = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-
-    def move(path, leaf):
-        if not is_router_bias(path):
-            return leaf
-        return leaf + (rate * error).reshape(leaf.shape).astype(leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(move, params)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    out, used = [], 0
+    for path, leaf in leaves:
+        if is_router_bias(path):
+            rows = leaf.size // leaf.shape[-1]
+            leaf = leaf + (rate * error[used:used + rows]).reshape(leaf.shape).astype(leaf.dtype)
+            used += rows
+        out.append(leaf)
+    if used != load.shape[0]:
+        raise ValueError(f"{load.shape[0]} rows of expert load for {used} router-bias rows")
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
 def bias_metrics(params: Any, model_rows: np.ndarray | None = None) -> dict[str, jax.Array]:
-    """`router_bias.<i>`: the spread (max - min) of MoE layer i's bias, i.e. how hard balancing steers it.
+    """`router_bias.<i>`: the spread (max - min) of MoE layer i's bias, i.e. how hard balancing steers it (the layer
+    stack's MoE layers in model order, then the multi-token prediction layers').
 
     `model_rows`: the stored row of each model row of the layer stack, when they differ (pipeline layer orders).
     """
-    out = {}
+    out: dict[str, jax.Array] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if is_router_bias(path):
-            rows = leaf if model_rows is None else leaf[np.asarray(model_rows)]
+            in_stack = any(getattr(k, "key", None) == "blocks" for k in path)
+            rows = leaf if model_rows is None or not in_stack else leaf[np.asarray(model_rows)]
             rows = rows.reshape(-1, leaf.shape[-1])
-            out.update({f"router_bias.{i}": r for i, r in enumerate(jnp.max(rows, -1) - jnp.min(rows, -1))})
+            first = len(out)
+            out.update({f"router_bias.{first + i}": r for i, r in enumerate(jnp.max(rows, -1) - jnp.min(rows, -1))})
     return out

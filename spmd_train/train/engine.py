@@ -38,7 +38,7 @@ from spmd_train.train.balance import bias_metrics, update_router_bias, without_b
 from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
-from spmd_train.train.inputs import model_inputs, with_loss_weights
+from spmd_train.train.inputs import model_inputs, mtp_inputs, with_loss_weights
 from spmd_train.train.memory_fit import bytes_per_device, check_state_fits, describe_run
 from spmd_train.train.optimizer import lr_schedule, make_optimizer, state_sharding
 from spmd_train.train.pipelined import chunk_depths, layer_order, model_rows, pipeline_plan, pipeline_value_and_grad
@@ -262,21 +262,34 @@ class Engine:
         return self.objective(params, batch)[1]["loss"]
 
     def objective(self, params: Any, batch: Batch | jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(what training minimises, metrics): cross-entropy plus the weighted MoE router losses.
+        """(what training minimises, metrics): cross-entropy plus the weighted multi-token prediction and MoE router
+        losses.
 
-        Metrics: `loss` (the cross-entropy alone) and, with MoE layers, `aux_loss` and `z_loss`
-        (unweighted, mean over MoE layers), `seq_aux_loss` when weighted, `dropped_fraction` and `expert_load.<i>`
-        (max / mean of the tokens routed to each expert of MoE layer i); with router biases `expert_counts`
-        [MoE layers, E] too, the train step's input to the bias update (it pops it before reporting).
+        Metrics: `loss` (the next-token cross-entropy alone), with model.mtp `mtp_loss` (the mean of its depths'
+        cross-entropies, unweighted) and, with MoE layers (an MoE model's MTP layers after the trunk's), `aux_loss`
+        and `z_loss` (unweighted, mean over MoE layers), `seq_aux_loss` when weighted, `dropped_fraction` and
+        `expert_load.<i>` (max / mean of the tokens routed to each expert of MoE layer i); with router biases
+        `expert_counts` [MoE layers, E] too, the train step's input to the bias update (it pops it before reporting).
         """
         model = nnx.merge(self.graphdef, self.model_params(params))
         inputs, targets, docs, weights = model_inputs(batch, self.backends.zigzag)
-        logits, stats = model.forward(inputs, **docs, remat=self.cfg.parallel.remat)
+        mtp = self.cfg.model.mtp
+        if mtp is None:
+            logits, stats = model.forward(inputs, **docs, remat=self.cfg.parallel.remat)
+        else:
+            ahead = mtp_inputs(batch, mtp.depth, self.backends.zigzag)
+            logits, mtp_logits, stats = model.forward_mtp(inputs, [a[0] for a in ahead], **docs,
+                                                          remat=self.cfg.parallel.remat)
         with jax.named_scope("loss"):
             loss = cross_entropy(logits, targets, weights)
-        metrics = {"loss": loss}
+            total = loss
+            metrics = {"loss": loss}
+            if mtp is not None:
+                metrics["mtp_loss"] = sum(cross_entropy(out, target, w)
+                                          for out, (_, target, w) in zip(mtp_logits, ahead, strict=True)) / mtp.depth
+                total = total + mtp.loss_weight * metrics["mtp_loss"]
         if not stats:
-            return loss, metrics
+            return total, metrics
         moe = self.cfg.model.moe
         aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
         load = stats["expert_load"]
@@ -284,7 +297,7 @@ class Engine:
         metrics.update({f"expert_load.{i}": r for i, r in enumerate(jnp.max(load, -1) / jnp.mean(load, -1))})
         if moe.moves_bias:
             metrics["expert_counts"] = load
-        total = loss + moe.router_aux_weight * aux + moe.router_z_weight * z
+        total = total + moe.router_aux_weight * aux + moe.router_z_weight * z
         if moe.seq_aux_weight > 0:
             metrics["seq_aux_loss"] = jnp.mean(stats["seq_aux_loss"])
             total = total + moe.seq_aux_weight * metrics["seq_aux_loss"]
@@ -292,7 +305,8 @@ class Engine:
 
     def step_fn(self, state: TrainState, batch: Batch | jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step (un-jitted; see `train_step`)."""
-        batch = with_loss_weights(as_batch(batch))
+        mtp = self.cfg.model.mtp
+        batch = with_loss_weights(as_batch(batch), 0 if mtp is None else mtp.depth)
         if self.plan is None:
             def value_and_grad(params, batch):
                 (_, metrics), grads = jax.value_and_grad(self.objective, has_aux=True)(params, batch)

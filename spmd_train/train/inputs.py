@@ -36,11 +36,59 @@ def model_inputs(batch: Batch | jax.Array, zigzag: int = 1
     return rows(inputs), rows(targets), docs, None if weights is None else rows(weights)
 
 
-def with_loss_weights(batch: Batch) -> Batch:
-    """The batch with its target weights, where documents decide which targets are scored (`loss_weights`).
+def mtp_inputs(batch: Batch | jax.Array, depth: int, zigzag: int = 1
+               ) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+    """Per multi-token prediction depth k (from 1): (the token k places ahead of each input, the token k + 1 ahead
+    (the depth's target), its weight), each [rows, seq_len] and laid out as `model_inputs`' arrays.
+
+    The weights are the batch's `mtp_weights` when the step filled them in for the whole batch, else this batch's
+    (`mtp_weights`). Positions past the window's end read token 0 and weigh 0.
+    """
+    batch = as_batch(batch)
+    tokens = batch.tokens
+    length = tokens.shape[1] - 1
+    weights = batch.mtp_weights if batch.mtp_weights is not None else mtp_weights(batch, depth)
+    out = []
+    for k in range(1, depth + 1):
+        arrays = (_pad(tokens[:, k:], k - 1), _pad(tokens[:, k + 1:], k), weights[:, k - 1])
+        if zigzag > 1:
+            order = jnp.asarray(zigzag_order(length, zigzag))
+            arrays = tuple(a[:, order] for a in arrays)
+        out.append(tuple(constrain(a, ("batch", "length")) for a in arrays))
+    return out
+
+
+def mtp_weights(batch: Batch, depth: int) -> jax.Array:
+    """[rows, depth, seq_len]: whether depth k's target at each position is scored, as `data.batch.loss_weights`
+    weighs the next-token targets (1 / the fraction of the batch scored, or 0; each depth normalised on its own).
+
+    A position is scored when its target, k + 1 tokens on, lies inside the window and, with documents, inside the
+    input's document (then every token between does too).
+    """
+    rows, length = batch.tokens.shape[0], batch.tokens.shape[1] - 1
+    out = []
+    for k in range(1, depth + 1):
+        scored = jnp.broadcast_to(jnp.arange(length) < length - k, (rows, length))
+        if batch.documents:
+            scored = scored & (batch.segments[:, :length] == _pad(batch.segments[:, k + 1:], k))
+        scored = scored.astype(jnp.float32)
+        out.append(scored * (scored.size / jnp.maximum(jnp.sum(scored), 1.0)))
+    return jnp.stack(out, axis=1)
+
+
+def _pad(a: jax.Array, n: int) -> jax.Array:
+    """`a` [rows, m] with n zero columns appended."""
+    return jnp.concatenate([a, jnp.zeros((a.shape[0], n), a.dtype)], axis=1)
+
+
+def with_loss_weights(batch: Batch, mtp_depth: int = 0) -> Batch:
+    """The batch with its target weights, where documents decide which targets are scored (`loss_weights`), and with
+    `mtp_depth` > 0 each multi-token prediction depth's (`mtp_weights`).
 
     Called on the whole batch, before it is split, so the weights normalise by the global count.
     """
+    if mtp_depth and batch.mtp_weights is None:
+        batch = batch._replace(mtp_weights=mtp_weights(batch, mtp_depth))
     if not batch.documents or batch.weights is not None:
         return batch
     return batch._replace(weights=loss_weights(batch.segments))

@@ -36,6 +36,7 @@ from spmd_train.config.validity import (
     expert_divides_experts,
     first_dense_outside_pipeline,
     microbatches_divide_rows,
+    mtp_outside_pipeline,
     ring_outside_pipeline,
     ring_zigzag_chunks,
     tensor_divides,
@@ -139,6 +140,7 @@ def structure_reason(cfg: Config, shape: ModelShape, c: Candidate) -> Rejection 
                  or chunks_divide_layers(m.num_layers, c.pipeline, c.virtual_stages)
                  or chunks_hold_moe_groups(m.num_layers, m.moe_every, c.pipeline, c.virtual_stages)
                  or first_dense_outside_pipeline(m.first_dense, c.pipeline)
+                 or mtp_outside_pipeline(0 if m.mtp is None else m.mtp.depth, c.pipeline)
                  or microbatches_divide_rows(c.pipeline_microbatches, rows, t.global_batch_size, 1))
     return None if found is None else _invalid((c, Scope.STRUCTURE), found)
 

@@ -345,23 +345,63 @@ def test_mxfp4_scales_that_do_not_pair_with_their_blocks_are_named(tmp_path):
         files.tensor(name)
 
 
-def test_deepseek_v3_mtp_layers_after_the_last_layer_are_left_unread(devices, tmp_path):
+def test_deepseek_v3_mtp_modules_import_and_export_or_stay_unread(devices, tmp_path):
     from safetensors.numpy import save_file
+
+    from spmd_train.config.model_schema import MTPConfig
 
     source = _copy("deepseek_v3", tmp_path)
     tensors = _tensors(source)
-    layer = {k.replace("model.layers.2.", "model.layers.3."): v for k, v in tensors.items() if ".layers.2." in k}
-    mtp = {"model.layers.3.eh_proj.weight": np.ones((64, 128), np.float32), **layer}  # as DeepSeek-V3 ships it
+    norm = tensors["model.norm.weight"]
+    rng = np.random.default_rng(0)
+    draw = lambda *shape: rng.standard_normal(shape).astype(norm.dtype)  # noqa: E731
+    d = norm.shape[0]
+    # Layer 3 after the 3 layers, as DeepSeek-V3 ships its MTP module: a layer of the trunk's kind, its own norms and
+    # projection, and copies of the shared embedding and head.
+    layer = {k.replace("model.layers.2.", "model.layers.3."): draw(*v.shape) for k, v in tensors.items()
+             if ".layers.2." in k}
+    mtp = {**layer, "model.layers.3.enorm.weight": draw(d), "model.layers.3.hnorm.weight": draw(d),
+           "model.layers.3.eh_proj.weight": draw(d, 2 * d), "model.layers.3.shared_head.norm.weight": draw(d),
+           "model.layers.3.embed_tokens.weight": tensors["model.embed_tokens.weight"],
+           "model.layers.3.shared_head.head.weight": tensors["lm_head.weight"]}
     save_file({**tensors, **mtp}, str(source / "model.safetensors"))
     config = read_hf_config(source)
     (source / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    engine = _engine("deepseek_v3", devices[:1], directory=source)
     ref = np.load(source / "reference.npz")
+
+    engine = _engine("deepseek_v3", devices[:1], directory=source)
+    assert engine.cfg.model.mtp == MTPConfig(depth=1, loss_weight=0.1)
+    params = load_hf_params(engine, source)
+    assert _error(_logits(engine, params, ref["input_ids"]), ref["logits"]) < TOLERANCE
+    np.testing.assert_array_equal(params["mtp"]["eh_proj"][0], mtp["model.layers.3.eh_proj.weight"].T)
+    # Export writes the module back as layer 3, byte for byte, copies included; --drop-mtp leaves it out.
+    export_hf(engine, params, tmp_path / "out", base_config=read_hf_config(source), dtype="float32")
+    written = _tensors(tmp_path / "out")
+    assert sorted(written) == sorted({**tensors, **mtp})
+    assert all(written[k].tobytes() == v.tobytes() for k, v in mtp.items())
+    assert read_hf_config(tmp_path / "out")["num_nextn_predict_layers"] == 1
+    export_hf(engine, params, tmp_path / "dropped", base_config=read_hf_config(source), dtype="float32",
+              drop_mtp=True)
+    assert sorted(_tensors(tmp_path / "dropped")) == sorted(tensors)
+    assert read_hf_config(tmp_path / "dropped")["num_nextn_predict_layers"] == 0
+
+    # model.mtp=null at import leaves the module unread; the trunk is the same.
+    engine = _engine("deepseek_v3", devices[:1], "model.mtp=null", directory=source)
     assert _error(_logits(engine, load_hf_params(engine, source), ref["input_ids"]), ref["logits"]) < TOLERANCE
     (source / "config.json").write_text(json.dumps(config))  # without the count, the same tensors are refused
-    with pytest.raises(ConfigError, match=r"holds 39 tensor\(s\) this architecture has no place for: "
+    with pytest.raises(ConfigError, match=r"holds 44 tensor\(s\) this architecture has no place for: "
                                           r"model.layers.{i}.eh_"):
         load_hf_params(engine, source)
+
+
+def test_a_family_without_mtp_modules_imports_them_fresh(devices, tmp_path):
+    engine = _engine("qwen3", devices[:1], "model.mtp.depth=1")
+    params = load_hf_params(engine, REFERENCE / "qwen3")
+    ref = np.load(REFERENCE / "qwen3" / "reference.npz")
+    assert _error(_logits(engine, params, ref["input_ids"]), ref["logits"]) < TOLERANCE
+    # Drawn as a new model's (normal weights, unit norms), not left at zero, so the module trains from the start.
+    assert np.std(np.asarray(params["mtp"]["eh_proj"])) == pytest.approx(engine.cfg.model.init_std, rel=0.2)
+    np.testing.assert_array_equal(np.asarray(params["mtp"]["head_norm"]["scale"]), 1.0)
 
 
 def test_deepseek_v3_fields_outside_its_model_are_refused():

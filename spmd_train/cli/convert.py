@@ -39,6 +39,9 @@ def add_convert_parser(sub) -> None:
                      help="stored dtype (default: the imported checkpoint's, else bfloat16)")
     out.add_argument("--max-shard-size", default="2GiB", metavar="SIZE",
                      help="largest safetensors file, e.g. 5GB or 500MiB (default: 2GiB)")
+    out.add_argument("--drop-mtp", action="store_true",
+                     help="leave model.mtp's multi-token prediction modules out (families that store them, "
+                     "DeepSeek-V3, write them by default; the others always leave them out)")
 
 
 def parse_size(text: str) -> int:
@@ -53,7 +56,7 @@ def run_convert(args: argparse.Namespace) -> int:
     """The `convert` subcommand; returns the exit code (ConfigError propagates to the CLI's handler)."""
     if args.direction == "hf":
         return _import(Path(args.source), Path(args.to), args.overrides)
-    return _export(Path(args.source), Path(args.to), args.dtype, parse_size(args.max_shard_size))
+    return _export(Path(args.source), Path(args.to), args.dtype, parse_size(args.max_shard_size), args.drop_mtp)
 
 
 def _import(source: Path, run_dir: Path, overrides: list[str]) -> int:
@@ -88,7 +91,7 @@ def _interrupted_import(run_dir: Path) -> bool:
     return not checkpoints.exists() or not any(p.name.isdigit() for p in checkpoints.iterdir())
 
 
-def _export(source: Path, out: Path, dtype: str | None, max_shard_bytes: int) -> int:
+def _export(source: Path, out: Path, dtype: str | None, max_shard_bytes: int, drop_mtp: bool = False) -> int:
     from spmd_train.train.restore import load_from_source
 
     run_dir = source.parent.parent if source.name.isdigit() else (
@@ -115,12 +118,16 @@ def _export(source: Path, out: Path, dtype: str | None, max_shard_bytes: int) ->
         origin = recorded_source(run_dir)
         dtype = (SafetensorsDir(origin).dtype() if origin is not None and origin.is_dir()
                  else (base or {}).get("torch_dtype", (base or {}).get("dtype", "bfloat16")))
-    result = export_hf(engine, state.params, out, base_config=base, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    result = export_hf(engine, state.params, out, base_config=base, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                       drop_mtp=drop_mtp)
     print(f"exported step {done} of {run_dir} to {out}: {result.tensors} tensors, "
           f"{result.total_bytes / 2**30:.2f} GiB in {len(result.files)} file(s), {dtype}")
-    if cfg.model.mtp is not None:
-        print(f"left out the {cfg.model.mtp.depth} multi-token prediction module(s) (model.mtp): transformers runs "
-              "the next-token head only, whose logits are the trained model's")
+    mtp = cfg.model.mtp
+    if mtp is not None:
+        kept = result.mtp_layers
+        print(f"wrote the {mtp.depth} multi-token prediction module(s) (model.mtp) as layers {kept[0]}..{kept[-1]}"
+              if kept else f"left out the {mtp.depth} multi-token prediction module(s) (model.mtp): the "
+              "checkpoint's next-token logits are the trained model's")
     return 0
 
 

@@ -8,6 +8,7 @@ leaves no half-written checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -45,13 +46,17 @@ class Exported:
     files: tuple[str, ...]
     tensors: int
     total_bytes: int
+    mtp_layers: tuple[int, ...] = ()
+    """The layer numbers model.mtp's modules were written as (none: left out)."""
 
 
 def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mapping[str, Any] | None = None,
-              dtype: str = "bfloat16", max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Exported:
+              dtype: str = "bfloat16", max_shard_bytes: int = DEFAULT_SHARD_BYTES, drop_mtp: bool = False
+              ) -> Exported:
     """Write `params` (stored layout, `engine`'s shardings) to `directory` as a Hugging Face checkpoint.
 
-    `base_config`: the config.json the model was imported from (its other fields are kept).
+    `base_config`: the config.json the model was imported from (its other fields are kept). model.mtp's modules are
+    written where the family's checkpoints hold them (DeepSeek-V3), unless `drop_mtp`.
     """
     directory = Path(directory)
     if dtype not in EXPORT_DTYPES:
@@ -60,6 +65,8 @@ def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mappin
         raise ConfigError(f"{directory} already exists and is not an empty directory (valid: a new directory; "
                           "nothing was written)")
     model = engine.cfg.model
+    if drop_mtp:
+        model = dataclasses.replace(model, mtp=None)
     config = hf_config(model, base_config, dtype=dtype)
     plan: dict[str, list[Piece]] = {}  # each tensor's pieces: two for a fused one (gpt-oss's gate_up_proj)
     for piece in pieces(model, family_named(config["model_type"])):
@@ -105,7 +112,9 @@ def export_hf(engine, params: Any, directory: str | Path, *, base_config: Mappin
         if writer and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Exported(directory, tuple(names), len(tensor_names), sum(sizes))
+    written = model.mtp is not None and family_named(config["model_type"]).tensors.mtp
+    layers = tuple(range(model.num_layers, model.num_layers + model.mtp.depth)) if written else ()
+    return Exported(directory, tuple(names), len(tensor_names), sum(sizes), layers)
 
 
 def _default_permissions(directory: Path) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
+from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -39,13 +39,13 @@ def load_hf_params(engine, directory: str | Path) -> Any:
     config = read_hf_config(directory)
     fam = family(config)
     files = SafetensorsDir(directory)
-    prefixes = fam.unread(config)
+    model = engine.cfg.model
+    prefixes = fam.unread(config, model)
     unread = [name for name in files.shapes if name.startswith(prefixes)] if prefixes else []
     if unread:
         log.info("leaving %d tensors of %s unread (%s)", len(unread), directory, ", ".join(prefixes))
         for name in unread:
             del files.shapes[name]
-    model = engine.cfg.model
     plan = list(pieces(model, fam))
     shapes = traverse_util.flatten_dict(engine.param_shapes, sep=".")
     shardings = traverse_util.flatten_dict(engine.state_shardings.params, sep=".")
@@ -54,7 +54,13 @@ def load_hf_params(engine, directory: str | Path) -> Any:
     params: dict[str, jax.Array] = {}
     for path, struct in shapes.items():
         params[path] = _zeros(struct.shape, struct.dtype, shardings[path])
+    if model.mtp is not None and not fam.tensors.mtp:
+        log.info("%s holds no multi-token prediction modules: model.mtp's %d start fresh (train.seed)", directory,
+                 model.mtp.depth)
+        params |= _fresh_mtp(engine, shardings)
     for piece in plan:
+        if piece.copy:  # the trunk's own tensor fills the parameter
+            continue
         struct, sharding = shapes[piece.path], shardings[piece.path]
         index = stored_index(piece, row)
         ours = tuple(struct.shape[len(index):])
@@ -92,7 +98,21 @@ def _check(plan, files: SafetensorsDir, shapes: dict, directory: Path, lm_head: 
 
 
 def _families(plan) -> set[str]:
-    return {"MoE" if len(p.index) > 1 or p.path == "blocks.mlp.router" else "dense" for p in plan if p.index}
+    return {"MoE" if len(p.index) > 1 or p.path.endswith("mlp.router") else "dense" for p in plan if p.index}
+
+
+def _fresh_mtp(engine, shardings: dict[str, NamedSharding]) -> dict[str, jax.Array]:
+    """model.mtp's modules drawn as a new model's are (each device computing its own shards), by dotted path."""
+    from spmd_train.models.mtp import MTP
+    from spmd_train.models.transformer import Block
+
+    cfg = engine.cfg
+    out = traverse_util.unflatten_dict({k[len("mtp."):]: v for k, v in shardings.items() if k.startswith("mtp.")},
+                                       sep=".")
+    # A stream of their own: the seed's first draws are the trunk's embedding's.
+    init = jax.jit(lambda: nnx.to_pure_dict(nnx.state(MTP(cfg.model, nnx.Rngs(cfg.train.seed + 1), engine.backends,
+                                                          Block))), out_shardings=out)
+    return {f"mtp.{k}": v for k, v in traverse_util.flatten_dict(init(), sep=".").items()}
 
 
 def _collapse(names: list[str]) -> list[str]:

@@ -109,6 +109,9 @@ class Piece:
     index: tuple[int, ...]
     """Position on the parameter's stacked leading axes (model layer, then expert); () for unstacked ones."""
     layout: Layout
+    copy: bool = False
+    """A second copy of a parameter another piece fills (DeepSeek-V3's MTP modules store the shared embedding and
+    head again): written at export, its shape checked but not read at import."""
 
 
 SAME, T = Layout("same"), Layout("transpose")
@@ -116,36 +119,51 @@ SAME, T = Layout("same"), Layout("transpose")
 
 def pieces(model: ModelConfig, family: Family) -> Iterator[Piece]:
     """Every Hugging Face tensor of a checkpoint of `model` in `family`'s names (`Family.tensors`), in file order
-    (embedding, layers, norm, head); a fused tensor is two pieces of one name (`Layout.into_hf`). A row naming a
-    parameter the model does not have (MLA's query latent when q_lora_rank is null) is skipped;
-    model.moe.first_k_dense's layers fill `first_blocks`."""
+    (embedding, layers, norm, head, then any multi-token prediction modules as layers num_layers + k); a fused tensor
+    is two pieces of one name (`Layout.into_hf`). A row naming a parameter the model does not have (MLA's query latent
+    when q_lora_rank is null) is skipped; model.moe.first_k_dense's layers fill `first_blocks`. model.mtp's modules
+    are left out for a family whose checkpoints hold none."""
     if model.moe is not None and model.moe.every != 1:
         raise ValueError("Hugging Face checkpoints have an MoE layer in every layer after the dense first ones, or "
                          "none (model.moe.every=1)")
     names = family.tensors
     yield Piece(names.embedding, "embedding", (), SAME)
-    shared = names.shared if model.moe is not None and model.moe.num_shared_experts else ()
     for i in range(model.num_layers):
-        at, moe = names.layer_prefix.format(i=i), model.is_moe_layer(i)
         stack, row = ("first_blocks", i) if i < model.first_dense else ("blocks", i - model.first_dense)
-        has = block_params(model, moe=moe)
-        rows = [*names.layer, *(names.qkv_bias if model.qkv_bias else ()), *(names.qk_norm if model.qk_norm else ()),
-                *(() if moe else names.mlp), *(shared if moe else ())]
-        for path, name, kind in rows:
-            if path in has:
-                yield Piece(at + name, f"{stack}.{path}", (row,), _layout(kind, model))
-        if not moe:
-            continue
-        if names.router:  # gpt-oss's router, a biased linear layer, is among its layer rows
-            yield Piece(at + names.router, "blocks.mlp.router", (row,), T)
-        if model.moe.router_bias:
-            yield Piece(at + names.router_bias, "blocks.mlp.router_bias", (row,), SAME)
-        for e in range(model.moe.num_experts):
-            for path, w in names.expert_weights:
-                yield Piece(at + names.expert.format(e=e, w=w), f"blocks.{path}", (row, e), T)
+        yield from _layer(model, names, names.layer_prefix.format(i=i), stack, row, model.is_moe_layer(i))
     yield Piece(names.final_norm, "final_norm.scale", (), SAME)
     if not model.tie_embeddings:
         yield Piece(names.lm_head, "lm_head", (), T)
+    if model.mtp is None or not names.mtp:
+        return
+    for k in range(model.mtp.depth):
+        at = names.layer_prefix.format(i=model.num_layers + k)
+        for path, name, kind in names.mtp_copies:
+            if path in ("embedding", "lm_head") and not (path == "lm_head" and model.tie_embeddings):
+                yield Piece(at + name, path, (), _layout(kind, model), copy=True)
+        for path, name, kind in names.mtp:
+            yield Piece(at + name, f"mtp.{path}", (k,), _layout(kind, model))
+        yield from _layer(model, names, at, "mtp.block", k, model.moe_every > 0)
+
+
+def _layer(model: ModelConfig, names, at: str, stack: str, row: int, moe: bool) -> Iterator[Piece]:
+    """One layer's pieces: its tensors under the name prefix `at`, filling row `row` of our stack `stack`."""
+    has = block_params(model, moe=moe)
+    shared = names.shared if model.moe is not None and model.moe.num_shared_experts else ()
+    rows = [*names.layer, *(names.qkv_bias if model.qkv_bias else ()), *(names.qk_norm if model.qk_norm else ()),
+            *(() if moe else names.mlp), *(shared if moe else ())]
+    for path, name, kind in rows:
+        if path in has:
+            yield Piece(at + name, f"{stack}.{path}", (row,), _layout(kind, model))
+    if not moe:
+        return
+    if names.router:  # gpt-oss's router, a biased linear layer, is among its layer rows
+        yield Piece(at + names.router, f"{stack}.mlp.router", (row,), T)
+    if model.moe.router_bias:
+        yield Piece(at + names.router_bias, f"{stack}.mlp.router_bias", (row,), SAME)
+    for e in range(model.moe.num_experts):
+        for path, w in names.expert_weights:
+            yield Piece(at + names.expert.format(e=e, w=w), f"{stack}.{path}", (row, e), T)
 
 
 def _layout(kind: str, model: ModelConfig) -> Layout:

@@ -74,6 +74,8 @@ class MetricsSink:
             mirror.log(record)
         mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
         status = (f"loss {record['loss']:.4f}  {record['tokens_per_sec']:,.0f} tok/s  MFU {mfu}")
+        if "mtp_loss" in record:
+            status = f"{status}  mtp_loss {record['mtp_loss']:.4f}"
         if "val_loss" in record:
             status = f"{status}  val_loss {record['val_loss']:.4f}"
         if record.get("skipped_steps"):

@@ -35,7 +35,7 @@ SHAPES = {
                     "model.moe.router_z_weight=0", "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
                     "model.rope_scaling.original_max_position=16", "model.rope_scaling.mscale=1",
                     "model.rope_scaling.mscale_all_dim=1", "backends.capacity_factor=4.0", "mesh.tensor=1",
-                    "mesh.fsdp=2", "mesh.expert=4"],
+                    "mesh.fsdp=2", "mesh.expert=4", "model.mtp.depth=1"],
     "gpt_oss": ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
                 "model.sliding_window=8", "model.layer_types=[sliding,full]", "model.head_dim=16", "model.d_ff=32",
                 "model.moe.num_experts=4", "model.moe.experts_per_token=2", "model.moe.d_ff=32",

@@ -3,8 +3,9 @@ then sigmoid-routed experts with a selection bias, group-limited top-k, routed s
 
 Its rotary dimensions are stored in interleaved pairs (config.json's rope_interleave, true by default); import
 reorders them into rotate-half's order, export back (`hf.names.Layout.rope`). YaRN's mscale_all_dim also scales its
-softmax (model.rope_scaling, `models.transformer.layer_scoring`). The multi-token-prediction layers the published
-checkpoints carry after the last layer (num_nextn_predict_layers) are left unread, and export writes none.
+softmax (model.rope_scaling, `models.transformer.layer_scoring`). The multi-token prediction modules the published
+checkpoints carry after the last layer (num_nextn_predict_layers) import as model.mtp (`models.mtp`; override
+model.mtp=null to leave them unread) and export back, each beside a copy of the shared embedding and head.
 """
 
 from __future__ import annotations
@@ -37,9 +38,16 @@ TENSORS = replace(
     expert_weights=(("mlp.w_gate", "gate_proj"), ("mlp.w_up", "up_proj"), ("mlp.w_down", "down_proj")),
     shared=(("mlp.shared_gate", "mlp.shared_experts.gate_proj.weight", "transpose"),
             ("mlp.shared_up", "mlp.shared_experts.up_proj.weight", "transpose"),
-            ("mlp.shared_down", "mlp.shared_experts.down_proj.weight", "transpose")))
+            ("mlp.shared_down", "mlp.shared_experts.down_proj.weight", "transpose")),
+    mtp=(("embed_norm.scale", "enorm.weight", "same"), ("hidden_norm.scale", "hnorm.weight", "same"),
+         ("eh_proj", "eh_proj.weight", "transpose"), ("head_norm.scale", "shared_head.norm.weight", "same")),
+    mtp_copies=(("embedding", "embed_tokens.weight", "same"), ("lm_head", "shared_head.head.weight", "transpose")))
 """Llama's norms and dense MLP names; MLA's projections; the router (`gate`) with its selection bias, each expert's
-SwiGLU and the shared experts' under `mlp`."""
+SwiGLU and the shared experts' under `mlp`; the multi-token prediction modules' own tensors and their copies of the
+shared tables."""
+
+MTP_LOSS_WEIGHT = 0.1
+"""model.mtp.loss_weight of an imported checkpoint: DeepSeek-V3's for the last 4.8T tokens of its pretraining."""
 
 
 def _claims(model: ModelConfig) -> bool:
@@ -92,12 +100,17 @@ def _read(hf: Mapping[str, Any], model: dict[str, Any]) -> None:
                     "n_group": int(hf.get("n_group") or 1), "topk_group": int(hf.get("topk_group") or 1),
                     "bias_update_rate": 0.0, "seq_aux_weight": 0.0001, "router_aux_weight": 0.0,
                     "router_z_weight": 0.0}
+    depth = int(hf.get("num_nextn_predict_layers") or 0)
+    if depth:
+        model["mtp"] = {"depth": depth, "loss_weight": MTP_LOSS_WEIGHT}
 
 
-def _unread(hf: Mapping[str, Any]) -> tuple[str, ...]:
-    # The MTP modules are stored as layers num_hidden_layers .. + num_nextn_predict_layers - 1.
-    first = int(hf["num_hidden_layers"])
-    return tuple(f"model.layers.{i}." for i in range(first, first + int(hf.get("num_nextn_predict_layers") or 0)))
+def _unread(hf: Mapping[str, Any], model: ModelConfig) -> tuple[str, ...]:
+    # The MTP modules are stored as layers num_hidden_layers .. + num_nextn_predict_layers - 1; the model reads the
+    # first model.mtp.depth of them.
+    first, read = int(hf["num_hidden_layers"]), 0 if model.mtp is None else model.mtp.depth
+    return tuple(f"model.layers.{i}." for i in range(first + read,
+                                                     first + int(hf.get("num_nextn_predict_layers") or 0)))
 
 
 def _rank(value: Any) -> int | None:
@@ -115,7 +128,8 @@ def _write(model: ModelConfig, out: dict[str, Any]) -> None:
                 "moe_intermediate_size": model.resolved_moe_d_ff, "n_shared_experts": moe.num_shared_experts,
                 "first_k_dense_replace": moe.first_k_dense, "norm_topk_prob": moe.norm_topk_prob,
                 "routed_scaling_factor": moe.routed_scaling_factor, "n_group": moe.n_group,
-                "topk_group": moe.topk_group, "attention_bias": False, "num_nextn_predict_layers": 0})
+                "topk_group": moe.topk_group, "attention_bias": False,
+                "num_nextn_predict_layers": 0 if model.mtp is None else model.mtp.depth})
 
 
 DEEPSEEK_V3 = register_family(Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3", _claims, moe=True,

@@ -55,6 +55,13 @@ class TensorNames:
     """An MoE layer's selection bias (model.moe.bias_update_rate set: DeepSeek-V3's e_score_correction_bias)."""
     shared: tuple[Row, ...] = ()
     """An MoE layer's shared experts, as one SwiGLU (model.moe.num_shared_experts)."""
+    mtp: tuple[Row, ...] = ()
+    """A multi-token prediction module's own tensors (model.mtp), under the layer prefix of layer num_layers + k
+    beside its layer's (DeepSeek-V3's `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`); empty: the family's
+    checkpoints hold no such modules, and export leaves them out."""
+    mtp_copies: tuple[Row, ...] = ()
+    """What a multi-token prediction module stores again of the shared tables (DeepSeek-V3's `embed_tokens` and
+    `shared_head.head`): written at export, not read at import (the trunk's own tensors are)."""
     layer_prefix: str = "model.layers.{i}."
     embedding: str = "model.embed_tokens.weight"
     final_norm: str = "model.norm.weight"
@@ -130,7 +137,7 @@ def _nothing(*args: Any) -> None:
     return None
 
 
-def _no_prefixes(hf: Mapping[str, Any]) -> tuple[str, ...]:
+def _no_prefixes(hf: Mapping[str, Any], model: ModelConfig) -> tuple[str, ...]:
     return ()
 
 
@@ -168,9 +175,9 @@ class Family:
     when every claimant refuses."""
     tensors: TensorNames = field(default=LLAMA_TENSORS)
     """Where its checkpoints keep each tensor (`hf.names.pieces`)."""
-    unread: Callable[[Mapping[str, Any]], tuple[str, ...]] = _no_prefixes
-    """unread(config.json): name prefixes of tensors its checkpoints carry that import leaves unread
-    (DeepSeek-V3's multi-token-prediction layers after the last layer)."""
+    unread: Callable[[Mapping[str, Any], ModelConfig], tuple[str, ...]] = _no_prefixes
+    """unread(config.json, the model imported into): name prefixes of tensors its checkpoints carry that import leaves
+    unread (DeepSeek-V3's multi-token-prediction layers beyond model.mtp's depth)."""
     holds: frozenset[str] = frozenset()
     """The model variant fields (`config.hf_config.VARIANTS`) its config.json can express when set (Gemma 3's
     soft-caps, query scale, local RoPE and norms); a model setting any other is not exported as it."""

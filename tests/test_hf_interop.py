@@ -354,7 +354,7 @@ def test_deepseek_v3_mtp_modules_import_and_export_or_stay_unread(devices, tmp_p
     tensors = _tensors(source)
     norm = tensors["model.norm.weight"]
     rng = np.random.default_rng(0)
-    draw = lambda *shape: rng.standard_normal(shape).astype(norm.dtype)  # noqa: E731
+    draw = lambda *shape: rng.standard_normal(shape).astype(norm.dtype)
     d = norm.shape[0]
     # Layer 3 after the 3 layers, as DeepSeek-V3 ships its MTP module: a layer of the trunk's kind, its own norms and
     # projection, and copies of the shared embedding and head.

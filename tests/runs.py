@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,19 @@ def tpu_attention_flops(seq_len: int, extra: list[str]) -> tuple[float, float]:
                              "backends.attention=pallas", "backends.attention_blocks=[512,512]", *extra])
     d = describe(cfg, topology="v5e:2x2").per_device
     return d["attention_flops"], d["model_attention_flops"]
+
+
+def tensorboard_events(run_dir) -> list:
+    """Every event of the run's TensorBoard files, in the order written (TFRecord frames of `Event` protos)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for path in sorted((run_dir / "tensorboard").iterdir(), key=lambda p: (p.stat().st_mtime_ns, p.name)):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = Event()
+            event.ParseFromString(data[i + 12:i + 12 + n])  # length, its CRC, the record, its CRC
+            events.append(event)
+            i += 12 + n + 4
+    return events

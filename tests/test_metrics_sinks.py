@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import subprocess
 import sys
 import textwrap
+import types
 
+import numpy as np
 import pytest
 
 from spmd_train import Engine, Trainer, load_config
 from spmd_train.errors import ConfigError
 from spmd_train.train.metrics import MetricsSink
-from tests.runs import ROOT, TINY, cli_env
+from tests.runs import ROOT, TINY, cli_env, tensorboard_events
 
 
 def _strict_loads(line: str):
@@ -35,22 +36,6 @@ def test_non_finite_values_are_written_as_null_and_named(tmp_path):
     assert second["loss"] is None and second["grad_norm"] is None and second["nonfinite"] == ["loss", "grad_norm"]
 
 
-def _tensorboard_events(run_dir) -> list:
-    """Every event of the run's TensorBoard files, in the order written (TFRecord frames of `Event` protos)."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    events = []
-    for path in sorted((run_dir / "tensorboard").iterdir(), key=lambda p: (p.stat().st_mtime_ns, p.name)):
-        data, i = path.read_bytes(), 0
-        while i < len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = Event()
-            event.ParseFromString(data[i + 12:i + 12 + n])  # length, its CRC, the record, its CRC
-            events.append(event)
-            i += 12 + n + 4
-    return events
-
-
 def test_tensorboard_gets_finite_scalars_and_a_resume_hides_the_steps_it_repeats(tmp_path):
     base = {"grad_norm": 0.5, "lr": 1e-3, "tokens_per_sec": 10.0, "mfu": None}
     sink = MetricsSink(tmp_path, total_steps=6, log_every=1, progress=False)
@@ -61,7 +46,7 @@ def test_tensorboard_gets_finite_scalars_and_a_resume_hides_the_steps_it_repeats
     for step in range(4, 7):
         sink.write({"step": step, **base, "loss": 2.0})
     sink.close()
-    events = _tensorboard_events(tmp_path)
+    events = tensorboard_events(tmp_path)
     (start,) = [i for i, e in enumerate(events) if e.HasField("session_log")]
 
     def losses(part):
@@ -131,3 +116,24 @@ def test_a_script_running_the_api_shows_a_progress_bar_on_a_terminal_and_log_lin
     piped = subprocess.run([sys.executable, str(script), str(tmp_path / "pipe")], env=cli_env(), capture_output=True,
                            text=True, timeout=300, check=True)
     assert "step 3/3  loss" in piped.stderr and "tok/s" in piped.stderr and "\x1b" not in piped.stderr
+
+
+def test_wandb_gets_one_histogram_per_moe_layer(monkeypatch):
+    from spmd_train.train.wandb_run import WandbRun
+
+    logged = []
+
+    class Run:
+        def log(self, values, step, commit):
+            logged.append((step, values, commit))
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Histogram=lambda row: ("histogram", list(row))))
+    run = WandbRun.__new__(WandbRun)  # the W&B run itself is the fake's
+    run._run = Run()
+    run.log({"step": 2, "loss": 1.5}, {"expert_load": np.array([[0.25] * 4, [0.5, 0.5, 0.0, 0.0]])})
+    run.log({"step": 3, "loss": 1.25})
+    (step, values, commit), (later, plain, _) = logged
+    assert (step, commit, later) == (2, True, 3)  # the histograms in the step's own row
+    assert values == {"train/loss": 1.5, "train/expert_load.0": ("histogram", [0.25] * 4),
+                      "train/expert_load.1": ("histogram", [0.5, 0.5, 0.0, 0.0])}
+    assert plain == {"train/loss": 1.25}

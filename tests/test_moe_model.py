@@ -17,7 +17,7 @@ from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
 from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.data import make_source
 from spmd_train.ops.capacity import capacity
-from tests.runs import ROOT, cli, optimized_step, relative_error
+from tests.runs import ROOT, cli, optimized_step, relative_error, tensorboard_events
 from tests.tiers import fast_cases
 
 CONFIG = ROOT / "configs" / "moe.yaml"
@@ -47,9 +47,9 @@ def _train(overrides, devices, steps, optimized=False):
     for step in range(steps):
         state, metrics = step_fn(state, data.batch(step, engine.batch_sharding))
         if pending is not None:  # one step in flight at most (XLA:CPU collectives on 8 simulated devices)
-            history.append({k: float(v) for k, v in jax.device_get(pending).items()})
+            history.append({k: float(v) for k, v in jax.device_get(pending).items() if k != "histograms"})
         pending = metrics
-    history.append({k: float(v) for k, v in jax.device_get(pending).items()})
+    history.append({k: float(v) for k, v in jax.device_get(pending).items() if k != "histograms"})
     return history, jax.tree.map(np.asarray, state.params), engine
 
 
@@ -97,9 +97,9 @@ def test_step_metrics_report_every_moe_layer_plausibly(one_device):
 
 
 @pytest.mark.slow
-def test_trainer_writes_moe_metrics_to_metrics_jsonl(tmp_path, devices):
+def test_trainer_writes_moe_metrics_and_per_expert_histograms(tmp_path, devices):
     cfg = load_config(CONFIG, ["train.steps=3", f"run.dir={tmp_path}", "checkpoint.every=0",
-                               "checkpoint.async_save=false"])
+                               "checkpoint.async_save=false", "model.moe.bias_update_rate=0.01", "run.log_every=2"])
     trainer = Trainer(cfg, devices)
     trainer.run()
     trainer.close()
@@ -110,6 +110,24 @@ def test_trainer_writes_moe_metrics_to_metrics_jsonl(tmp_path, devices):
         assert 0.0 <= r["dropped_fraction"] < 0.2  # capacity factor 1.25, near-uniform routing
         assert 1.0 < r["expert_load.0"] <= 4.0 and 1.0 < r["expert_load.1"] <= 4.0
         assert r["aux_loss"] == pytest.approx(2.0, rel=0.1) and r["z_loss"] > 0
+    # The notebook API's per-expert vectors of the last step, in agreement with its scalars.
+    load, bias = trainer.expert_balance["expert_load"], trainer.expert_balance["router_bias"]
+    assert load.shape == bias.shape == (2, 8)
+    np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-6)
+    for i in range(2):
+        assert load[i].max() / load[i].mean() == pytest.approx(records[-1][f"expert_load.{i}"], rel=1e-5)
+        assert np.ptp(bias[i]) == pytest.approx(records[-1][f"router_bias.{i}"], rel=1e-5)
+        # Three moves of the rate by the sign of each expert's load error: multiples of 0.01 within 0.03.
+        steps = bias[i] / 0.01
+        np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+        assert 0 < np.abs(steps).max() <= 3 + 1e-4
+    # TensorBoard: one histogram per MoE layer and vector on the logged steps (1, every 2nd, the last).
+    histograms = {(v.tag, e.step): v.histo for e in tensorboard_events(tmp_path) for v in e.summary.value
+                  if v.HasField("histo")}
+    assert sorted({step for _, step in histograms}) == [1, 2, 3]
+    assert {tag for tag, _ in histograms} == {f"train/{n}.{i}" for n in ("expert_load", "router_bias") for i in (0, 1)}
+    last = histograms[("train/expert_load.1", 3)]
+    assert last.num == 8 and last.sum == pytest.approx(1.0) and last.max == pytest.approx(load[1].max())
 
 
 # --- (b) structure: all-to-alls of the compiled train step, and the describe section ------------------

@@ -201,7 +201,7 @@ def test_sharded_steps_with_every_routing_option_equal_one_device(devices):
         history = []
         for step in range(3):
             state, metrics = engine.train_step(state, data.batch(step, engine.batch_sharding))
-            history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+            history.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "histograms"})
         return history, jax.tree.map(np.asarray, jax.device_get(state.params))
 
     sharded, one = run(DEEPSEEK_LIKE, devices), run([*DEEPSEEK_LIKE, *ONE_DEVICE], devices[:1])

@@ -30,7 +30,7 @@ def _steps(overrides, devices, steps):
     history = []
     for step in range(steps):
         state, metrics = engine.train_step(state, data.batch(step, engine.batch_sharding))
-        history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+        history.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "histograms"})
     return history, jax.tree.map(np.asarray, engine.model_params(state.params)), engine
 
 

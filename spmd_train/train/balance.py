@@ -58,12 +58,34 @@ def bias_metrics(params: Any, model_rows: np.ndarray | None = None) -> dict[str,
 
     `model_rows`: the stored row of each model row of the layer stack, when they differ (pipeline layer orders).
     """
-    out: dict[str, jax.Array] = {}
+    rows = bias_rows(params, model_rows)
+    if rows is None:
+        return {}
+    return {f"router_bias.{i}": r for i, r in enumerate(jnp.max(rows, -1) - jnp.min(rows, -1))}
+
+
+def bias_rows(params: Any, model_rows: np.ndarray | None = None) -> jax.Array | None:
+    """Every MoE layer's router bias [MoE layers, E], in `bias_metrics`' order (None: the model has none)."""
+    out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if is_router_bias(path):
             in_stack = any(getattr(k, "key", None) == "blocks" for k in path)
             rows = leaf if model_rows is None or not in_stack else leaf[np.asarray(model_rows)]
-            rows = rows.reshape(-1, leaf.shape[-1])
-            first = len(out)
-            out.update({f"router_bias.{first + i}": r for i, r in enumerate(jnp.max(rows, -1) - jnp.min(rows, -1))})
+            out.append(rows.reshape(-1, leaf.shape[-1]))
+    return jnp.concatenate(out) if out else None
+
+
+def balance_vectors(params: Any, counts: jax.Array, model_rows: np.ndarray | None = None) -> dict[str, jax.Array]:
+    """Per expert, for histograms and the notebook API: `expert_load` [MoE layers, E], each expert's share of its
+    layer's assignments in the step (rows sum to 1), and with router biases `router_bias` [MoE layers, E] after the
+    step; both in model order, multi-token prediction layers last.
+
+    `counts`: the step's assignments per expert, in the stored order of the layer stack's rows (`update_router_bias`);
+    `model_rows` as in `bias_metrics`.
+    """
+    rows = counts if model_rows is None else counts[np.asarray(model_rows)]
+    out = {"expert_load": rows / jnp.maximum(jnp.sum(rows, -1, keepdims=True), 1e-30)}
+    bias = bias_rows(params, model_rows)
+    if bias is not None:
+        out["router_bias"] = bias
     return out

@@ -34,7 +34,7 @@ from spmd_train.sharding.arithmetic import local_shape, rows_per_device
 from spmd_train.sharding.constrain import use_layout
 from spmd_train.sharding.layout import Layout
 from spmd_train.tpu_flags import tpu_flags_in_effect
-from spmd_train.train.balance import bias_metrics, update_router_bias, without_bias_updates
+from spmd_train.train.balance import balance_vectors, bias_metrics, update_router_bias, without_bias_updates
 from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
@@ -268,8 +268,8 @@ class Engine:
         Metrics: `loss` (the next-token cross-entropy alone), with model.mtp `mtp_loss` (the mean of its depths'
         cross-entropies, unweighted) and, with MoE layers (an MoE model's MTP layers after the trunk's), `aux_loss`
         and `z_loss` (unweighted, mean over MoE layers), `seq_aux_loss` when weighted, `dropped_fraction` and
-        `expert_load.<i>` (max / mean of the tokens routed to each expert of MoE layer i); with router biases
-        `expert_counts` [MoE layers, E] too, the train step's input to the bias update (it pops it before reporting).
+        `expert_load.<i>` (max / mean of the tokens routed to each expert of MoE layer i), and `expert_counts` [MoE
+        layers, E], which the train step pops: the bias update's input, and `histograms`' (`balance_vectors`).
         """
         model = nnx.merge(self.graphdef, self.model_params(params))
         inputs, targets, docs, weights = model_inputs(batch, self.backends.zigzag)
@@ -295,8 +295,7 @@ class Engine:
         load = stats["expert_load"]
         metrics.update(aux_loss=aux, z_loss=z, dropped_fraction=jnp.mean(stats["dropped_fraction"]))
         metrics.update({f"expert_load.{i}": r for i, r in enumerate(jnp.max(load, -1) / jnp.mean(load, -1))})
-        if moe.moves_bias:
-            metrics["expert_counts"] = load
+        metrics["expert_counts"] = load
         total = total + moe.router_aux_weight * aux + moe.router_z_weight * z
         if moe.seq_aux_weight > 0:
             metrics["seq_aux_loss"] = jnp.mean(stats["seq_aux_loss"])
@@ -323,9 +322,10 @@ class Engine:
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, without_bias_updates(updates))
-        if "expert_counts" in values:  # model.moe.bias_update_rate > 0
+        counts = values.pop("expert_counts", None)  # with MoE layers
+        if counts is not None and self.cfg.model.moe.moves_bias:
             with jax.named_scope("router_bias"):
-                params = update_router_bias(params, values.pop("expert_counts"), self.cfg.model.moe.bias_update_rate)
+                params = update_router_bias(params, counts, self.cfg.model.moe.bias_update_rate)
         # The schedule is indexed by applied steps: a skipped step does not advance it (nor optax's count).
         lr = self.schedule(state.step - state.guard.skipped)
         with jax.named_scope("guards"):
@@ -338,6 +338,8 @@ class Engine:
         model_rows = None if self.layer_order is None else self.stored_row_of_model
         metrics = {**values, **bias_metrics(params, model_rows), "grad_norm": grad_norm, "lr": lr,
                    "skip_reason": reason, "skipped_steps": guard.skipped, "consecutive_skips": guard.consecutive}
+        if counts is not None:
+            metrics["histograms"] = balance_vectors(params, counts, model_rows)
         return TrainState(state.step + 1, params, opt_state, guard), metrics
 
     @functools.cached_property

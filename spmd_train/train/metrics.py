@@ -60,18 +60,26 @@ class MetricsSink:
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Record one finished step."""
+    def write(self, record: dict[str, Any], histograms: dict[str, np.ndarray] | None = None) -> None:
+        """Record one finished step; `histograms` (name -> [rows, values], the MoE layers' per-expert vectors) go to
+        TensorBoard and the mirrors as one histogram per row on the steps the console logs (every run.log_every)."""
         if not self.active:
             return
         self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         self._file.flush()
+        step = record["step"]
         for key, value in record.items():
             # Bools too (`skipped` as 0/1); not a NaN or Inf, which a chart cannot place (metrics.jsonl lists them).
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self._tb.add_scalar(f"train/{key}", float(value), record["step"])
+                self._tb.add_scalar(f"train/{key}", float(value), step)
+        if not self._logs(step):
+            histograms = None
+        for name, rows in (histograms or {}).items():
+            for i, row in enumerate(rows):
+                if np.isfinite(row).all():
+                    self._tb.add_histogram(f"train/{name}.{i}", row, step)
         for mirror in self.mirrors:
-            mirror.log(record)
+            mirror.log(record, histograms)
         mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
         status = (f"loss {record['loss']:.4f}  {record['tokens_per_sec']:,.0f} tok/s  MFU {mfu}")
         if "mtp_loss" in record:
@@ -82,9 +90,13 @@ class MetricsSink:
             status = f"{status}  skipped {record['skipped_steps']}"
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], status=status)
-        elif record["step"] % self.log_every == 0 or record["step"] in (1, self.total) or "val_loss" in record:
+        elif self._logs(step) or "val_loss" in record:
             log.info("step %d/%d  %s  grad_norm %.3f  lr %.2e", record["step"], self.total, status,
                      record["grad_norm"], record["lr"])
+
+    def _logs(self, step: int) -> bool:
+        """Whether `step` is one the console logs (and histograms are written for)."""
+        return step % self.log_every == 0 or step in (1, self.total)
 
     def note(self, message: str, *args) -> None:
         """A line for the console (process 0 only)."""

@@ -156,7 +156,7 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
         (embed_grads,) = embed_vjp(d_x)
         grads = jax.tree.map(lambda a, b: a + b, head_grads, embed_grads)
         metrics = {"loss": loss, **(_router_metrics(stats[0], model_order) if stats else {})}
-        if stats and "expert_counts" in stats[0]:
+        if stats:
             # In storage order, as the bias rows are (a padding row's counts are 0: its bias does not move).
             metrics["expert_counts"] = stats[0]["expert_counts"]
         return metrics, {**grads, "blocks": block_grads}
@@ -190,8 +190,7 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
         if moe.seq_aux_weight > 0:
             term = term + moe.seq_aux_weight * jnp.sum(stats["seq_aux_loss"])
             per_layer["seq_aux_loss"] = stats["seq_aux_loss"]
-        if moe.moves_bias:  # the router biases' update reads each layer's assignments per expert
-            per_layer["expert_counts"] = load
+        per_layer["expert_counts"] = load  # the bias update's input and the step's per-expert histograms
         return y, term / layers, per_layer
 
     return stage_fn

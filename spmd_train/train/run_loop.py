@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from spmd_train.config.schema import Config
@@ -37,6 +38,7 @@ class RunLoop:
     data: TokenSource
     run_dir: Path
     history: list[dict[str, Any]]
+    expert_balance: dict[str, np.ndarray] | None
     state: TrainState | None
     flops_per_token: float
     peak_flops_per_device: float | None
@@ -55,13 +57,15 @@ class RunLoop:
         batch = self._batch(index)
         waited = time.perf_counter() - start
         self.state, metrics = self._compiled(self.state, batch)
-        record = self._record(index, jax.device_get(metrics), time.perf_counter() - start, waited)
+        values = jax.device_get(metrics)
+        histograms = self._take_histograms(values)
+        record = self._record(index, values, time.perf_counter() - start, waited)
         self.history.append(record)
         if self._step_sink is None:  # records of step() reach metrics.jsonl like those of run()
             self._step_sink = MetricsSink(self.run_dir, total_steps=self.cfg.train.steps,
                                           log_every=self.cfg.run.log_every, start_step=index, progress=False,
                                           mirrors=self._mirrors())
-        self._step_sink.write(record)
+        self._step_sink.write(record, histograms)
         self._judge(record)
         if self._halted:
             raise TrainingHalted(self._halted)
@@ -158,6 +162,7 @@ class RunLoop:
             values = jax.device_get(metrics)  # blocks until that step is done
         self._watchdog.finished(step)
         now = time.perf_counter()
+        histograms = self._take_histograms(values)
         record = self._record(step - 1, values, now - done_at, waited)
         if evaluate:  # after the step's timing: evaluation time is not step time
             with self._watchdog.paused():
@@ -165,7 +170,7 @@ class RunLoop:
             now = time.perf_counter()
         self.history.append(record)
         new.append(record)
-        sink.write(record)
+        sink.write(record, histograms)
         if record["skipped"]:
             sink.note("step %d skipped (%s): loss %.6g, grad_norm %.6g; %d skipped in a row, %d in all",
                       record["step"], record["skip_reason"], record["loss"], record["grad_norm"],
@@ -189,6 +194,14 @@ class RunLoop:
     def _judge(self, record: dict[str, Any]) -> None:
         """Decide from a finished step whether the run must stop (sets `_halted` to the message)."""
         self._halted = halt_reason(record, self.cfg.train, self.checkpointer.steps()) or self._halted
+
+    def _take_histograms(self, values: dict[str, Any]) -> dict[str, np.ndarray] | None:
+        """Pop the step's per-expert vectors (`balance.balance_vectors`) from its fetched metrics; kept as
+        `expert_balance`."""
+        histograms = values.pop("histograms", None)
+        if histograms is not None:
+            self.expert_balance = {k: np.asarray(v) for k, v in histograms.items()}
+        return self.expert_balance if histograms is not None else None
 
     def _record(self, index: int, metrics, seconds: float, data_wait: float) -> dict[str, Any]:
         return step_record(index, metrics, seconds=seconds, data_wait=data_wait, cfg=self.cfg, mesh=self.mesh,

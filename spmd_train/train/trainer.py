@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from spmd_train.config.schema import Config
 from spmd_train.console_log import log_to_stderr
@@ -60,6 +61,9 @@ class Trainer(RunLoop):
         self.data = make_source(cfg)
         self.run_dir = Path(cfg.run.dir)
         self.history: list[dict[str, Any]] = []
+        self.expert_balance: dict[str, np.ndarray] | None = None
+        """The last step's per-expert vectors with MoE layers (`train.balance.balance_vectors`: `expert_load` and
+        `router_bias`, [MoE layers, experts] in model order); None before a step or without MoE."""
         self.state: TrainState | None = None
         self.compile_time_s: float | None = None
         self._compiled = None

@@ -41,10 +41,15 @@ class WandbRun:
                               f"{str(err)[:300]}); without a network use run.wandb_mode=offline") from None
         id_file.write_text(run_id)
 
-    def log(self, record: dict[str, Any]) -> None:
-        """Send one step's scalars (non-finite ones too: W&B charts NaN as gaps)."""
+    def log(self, record: dict[str, Any], histograms: dict[str, Any] | None = None) -> None:
+        """Send one step's scalars (non-finite ones too: W&B charts NaN as gaps) and any histograms (name -> rows,
+        one W&B histogram per row, as `MetricsSink.write` takes them)."""
         values = {f"train/{k}": float(v) for k, v in record.items()
                   if k != "step" and isinstance(v, (int, float)) and not (isinstance(v, float) and math.isinf(v))}
+        if histograms:
+            wandb = require_wandb()
+            values |= {f"train/{name}.{i}": wandb.Histogram(row) for name, rows in histograms.items()
+                       for i, row in enumerate(rows)}
         # Committed now: with an explicit step W&B otherwise holds a step's row until the next step or finish(),
         # and the last row of a run was missing from the offline file in one CI run (test_metrics_sinks).
         self._run.log(values, step=record["step"], commit=True)

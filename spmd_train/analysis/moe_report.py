@@ -15,6 +15,7 @@ from spmd_train.analysis.analytic import AnalyticLayout, analytic_layout
 from spmd_train.analysis.plan.candidate import microbatches, rows_per_device
 from spmd_train.analysis.plan.comm import ExpertExchange, expert_exchange
 from spmd_train.models.flops import active_moe_mlp_params, matmul_params, moe_layer_count
+from spmd_train.ops.capacity import device_capacity, devices_reached
 from spmd_train.sharding.arithmetic import spec_axes
 
 AXIS = "expert"
@@ -83,13 +84,23 @@ def _all_to_all(cfg, x: ExpertExchange, ways: int, dtype_bytes: int) -> dict[str
     count, layers, tokens = _whole(x.count), _whole(x.layers), _whole(x.group_tokens)
     head = f"{layers} layers x {x.microbatches} microbatches x {x.per_layer}"
     common = {"count": count, "per_layer_per_microbatch": x.per_layer, "bytes_per_exchange": x.bytes_per_exchange,
-              "bytes_per_device": x.count * x.bytes_per_exchange}
+              "bytes_per_device": x.total_bytes}
     if cfg.backends.moe == "dropless":
         # ragged_all_to_all moves what the routing decides; under balanced routing a share
         # (N-1)/N of the k x tokens assignments leaves the device each way.
         formula = (f"{head} ragged exchanges x k={moe.experts_per_token} x {tokens} tokens x d_model={m.d_model} "
                    f"x {dtype_bytes} B x ({ways}-1)/{ways} (balanced routing; the real figure depends on the routing)")
         return {**common, "exact": False, "formula": formula}
+    if cfg.backends.moe == "capacity_dedup":
+        k = moe.experts_per_token
+        reached = devices_reached(k, ways, moe.num_experts, moe.n_group, moe.topk_group)
+        rows = ways * device_capacity(k, x.group_tokens, cfg.backends.capacity_factor, ways, moe.num_experts,
+                                      moe.n_group, moe.topk_group)
+        formula = (f"{head} all-to-alls x {rows} rows ({ways} devices x ceil({reached} devices reached x {tokens} "
+                   f"tokens x {cfg.backends.capacity_factor} / {ways})) x d_model={m.d_model} x {dtype_bytes} B x "
+                   f"({ways}-1)/{ways}, + {layers} layers x {x.microbatches} microbatches x {x.choices_per_layer} "
+                   f"all-to-alls of the rows' k={k} choices ({_whole(x.choice_bytes)} B)")
+        return {**common, "exact": True, "formula": formula, "devices_reached": reached, "rows": rows}
     formula = (f"{head} all-to-alls x E={moe.num_experts} x C={int(x.slots)} x d_model={m.d_model} x {dtype_bytes} B "
                f"x ({ways}-1)/{ways}")
     return {**common, "exact": True, "formula": formula}

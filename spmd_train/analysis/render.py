@@ -217,6 +217,9 @@ def moe_renderables(moe: dict) -> list[RenderableType]:
     table.add_column("value", justify="right")
     slots = "dropless (ragged)" if moe["capacity_slots"] is None else (
         f"{moe['capacity_slots']} per expert per group (capacity factor {moe['capacity_factor']})")
+    if "devices_reached" in moe["all_to_all"]:
+        slots = (f"{moe['all_to_all']['rows']} rows per group, one per token and device reached (at most "
+                 f"{moe['all_to_all']['devices_reached']}; capacity factor {moe['capacity_factor']})")
     for label, value in (
         ("MoE layers (model layer index)", f"{moe['moe_layers']} ({', '.join(map(str, moe['layers']))})"),
         ("experts, top-k, shared", f"{moe['num_experts']}, top-{moe['experts_per_token']}, "

@@ -19,7 +19,7 @@ from spmd_train.config.field_types import (
 
 AttentionImpl = Literal[("auto", *attention_names())]
 """backends.attention's values: auto and the implementations `config.attention_facts` registers."""
-MoEImpl = Literal["capacity", "dropless"]
+MoEImpl = Literal["capacity", "capacity_dedup", "dropless"]
 MLPActivation = Literal["silu", "gelu_tanh"]
 """The gated MLP's gate activation: silu (SwiGLU) or tanh-approximated GELU (GeGLU)."""
 LayerType = Literal["full", "sliding"]
@@ -315,6 +315,9 @@ class BackendsConfig:
     attention_blocks: Blocks = None
     """(block_q, block_k) of the Pallas kernels; None: per-backend defaults (TPU 512 x 512, GPU 128 x 128)."""
     moe: MoEImpl = "capacity"
-    """capacity: fixed slots per expert, overflow dropped (all-to-all); dropless: ragged all-to-all (GPU/TPU only)."""
+    """capacity: fixed slots per expert, overflow dropped (all-to-all); capacity_dedup: each token sent once to each
+    expert-axis device holding its experts, fixed rows per device (fewer bytes under group-limited routing);
+    dropless: ragged all-to-all (GPU/TPU only)."""
     capacity_factor: PositiveFloat = 1.25
-    """moe=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts)."""
+    """moe=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts); capacity_dedup:
+    rows per device = ceil(devices reached x tokens per group x capacity_factor / mesh.expert) (docs/moe.md)."""

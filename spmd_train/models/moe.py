@@ -89,7 +89,8 @@ class MoE(nnx.Module):
         biases = (self.b_gate[...], self.b_up[...], self.b_down[...]) if self.expert_bias else ()
         experts = ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...], *biases)
         y, kept = moe_ffn(x, expert_idx, gates, experts, num_experts=self.num_experts,
-                          capacity_factor=self.capacity_factor, impl=self.impl, dtype=dt, limit=self.limit)
+                          capacity_factor=self.capacity_factor, impl=self.impl, dtype=dt, limit=self.limit,
+                          groups=(self.routing["n_group"], self.routing["topk_group"]))
         if self.num_shared:
             y = y + self._shared(x)
         # Routing counts over every replica's tokens, not just this one's (see `replica_mean`):

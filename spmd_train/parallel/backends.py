@@ -46,7 +46,8 @@ class Backends:
     blocks: tuple[int, int] | None = None
     """With attention=pallas: (block_q, block_k), the config's or the kernels' default for the platform."""
     moe: str = "capacity"
-    """The expert dispatch: "capacity" (all_to_all of fixed slots) or "dropless" (ragged all_to_all)."""
+    """The expert dispatch: "capacity" (all_to_all of fixed slots), "capacity_dedup" (of fixed rows per device, one per
+    token and device) or "dropless" (ragged all_to_all)."""
     capacity_factor: float | None = 1.25
     """With moe=capacity: slots per expert = ceil(k x tokens per group x capacity_factor / num_experts)."""
     reason: str = ""
@@ -102,7 +103,7 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
     blocks = (BlockSizes(*choice.attention_blocks) if choice.attention_blocks else
               default_blocks(kernels, interpret, kernel_head_width(model)))
     impl, reason = choice.attention, ""
-    experts = {"moe": choice.moe, "capacity_factor": choice.capacity_factor if choice.moe == "capacity" else None,
+    experts = {"moe": choice.moe, "capacity_factor": None if choice.moe == "dropless" else choice.capacity_factor,
                "context": context if sequence > 1 else None, "sequence": sequence}
     needs_lse = sequence > 1 and context in ("allgather", "ring")
     if impl == "auto":

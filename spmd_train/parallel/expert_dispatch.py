@@ -1,9 +1,10 @@
 """Expert parallelism: send each token to its experts' devices, run them, bring the results back.
 
-Two implementations: capacity (default; fixed slots per expert, two `all_to_all`s over `expert`, overflow
-dropped) and dropless (`ragged_all_to_all` and `ragged_dot`, nothing dropped). With mesh.expert > 1 both run in a
-`shard_map` manual over every mesh axis (`_in_region` says why). A group, the unit capacity is counted over, is
-the tokens one device holds of the batch.
+Three implementations: capacity (default; fixed slots per expert, two `all_to_all`s over `expert`, overflow
+dropped), capacity_dedup (each token sent once per device holding its experts: `parallel.expert_dedup`) and
+dropless (`ragged_all_to_all` and `ragged_dot`, nothing dropped). With mesh.expert > 1 all run in a `shard_map`
+manual over every mesh axis (`_in_region` says why). A group, the unit capacity is counted over, is the tokens one
+device holds of the batch.
 
 Details: docs/moe.md#expert-parallelism-the-capacity-path and docs/moe.md#the-dropless-path
 """
@@ -21,9 +22,10 @@ from jax.sharding import PartitionSpec as P
 from spmd_train.config.model_schema import MoEImpl
 from spmd_train.config.validity import expert_divides_experts, refuse
 from spmd_train.errors import ConfigError
-from spmd_train.ops.capacity import capacity
+from spmd_train.ops.capacity import capacity, device_capacity
 from spmd_train.ops.experts import ExpertWeights, Prepare, batched_swiglu, ragged_swiglu, run_of_rows
 from spmd_train.ops.routing import expert_counts, slot_positions
+from spmd_train.parallel.expert_dedup import dedup_slots_and_experts
 from spmd_train.sharding.arithmetic import entry_axes, manual_axes
 from spmd_train.sharding.constrain import active_layout, constrain, stored_param
 
@@ -33,12 +35,13 @@ IMPLEMENTATIONS = get_args(MoEImpl)
 
 def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: ExpertWeights, *, num_experts: int,
             capacity_factor: float, impl: str = "capacity", dtype=jnp.float32,
-            limit: float | None = None) -> tuple[jax.Array, jax.Array]:
+            limit: float | None = None, groups: tuple[int, int] = (1, 1)) -> tuple[jax.Array, jax.Array]:
     """Routed experts: x [b, l, d], expert_idx/gates [b, l, k] -> (y [b, l, d] in x.dtype, kept [b, l, k] bool).
 
     `weights` are the stored expert weights (leading `experts` axis; biases optional); `limit` makes the
     activation gpt-oss's clamped SwiGLU (`ops.experts.activate`); `kept` is False for assignments dropped for
-    lack of capacity (always True when dropless).
+    lack of capacity (always True when dropless). `groups`: the routing's (n_group, topk_group), which bounds the
+    devices a token reaches under capacity_dedup (`ops.capacity.device_capacity`).
     """
     layout = active_layout()
     manual = manual_axes()
@@ -51,9 +54,10 @@ def moe_ffn(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, weights: Expe
         raise ConfigError(f"mesh.expert={ways} needs `expert` among the mesh axes of the activation rule `batch` "
                           f"(now {list(axes)}): each expert-axis device dispatches its own tokens")
     refuse(expert_divides_experts(num_experts, ways))
-    if impl == "capacity":
+    if impl in ("capacity", "capacity_dedup"):
+        dedup = groups if impl == "capacity_dedup" and ways > 1 else None  # one device: nothing to deduplicate
         return _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes,
-                         length, ways, limit)
+                         length, ways, limit, dedup)
     if impl == "dropless":
         return _dropless(x, expert_idx, gates, weights, num_experts, dtype, layout, mesh, axes, length, ways, limit)
     raise ValueError(f"backends.moe={impl!r} is not an implementation (valid: {', '.join(IMPLEMENTATIONS)})")
@@ -78,12 +82,15 @@ def replica_mean(x: jax.Array) -> jax.Array:
 
 
 def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype, layout, mesh, axes, length, ways,
-              limit):
+              limit, dedup=None):
     b, l, d = x.shape
     k = expert_idx.shape[-1]
     rows = b // math.prod(mesh.shape[a] for a in axes) if axes else b
     tokens = rows * l // math.prod(mesh.shape[a] for a in length) if length else rows * l
     slots = capacity(k, tokens, capacity_factor, num_experts)
+    if dedup is not None:  # rows per destination device; each local expert's slots over every source's rows
+        device_slots = device_capacity(k, tokens, capacity_factor, ways, num_experts, *dedup)
+        slots = capacity(k, tokens * ways, capacity_factor, num_experts)
     # A length split over `sequence` cannot be folded into a group dimension without moving tokens:
     # then each device forms its group by hand, in the region, even without exchange.
     region = ways > 1 or bool(length)
@@ -91,6 +98,11 @@ def _capacity(x, expert_idx, gates, weights, num_experts, capacity_factor, dtype
     def local(xs, idx, gs, w, prepare=None):
         held = xs.shape[0] * xs.shape[1] // tokens  # every group outside a region; one inside
         pin = (lambda a: _pin(a, P(axes, P.UNCONSTRAINED, None), mesh)) if axes and not region else (lambda a: a)
+        if dedup is not None:
+            y, kept = dedup_slots_and_experts(xs.reshape(held, tokens, d), idx.reshape(held, tokens, k),
+                                              gs.reshape(held, tokens, k), w, num_experts, device_slots, slots, dtype,
+                                              AXIS, prepare or _COMPILER_PARTITIONED, limit)
+            return y.reshape(xs.shape), kept.reshape(idx.shape)
         y, kept = _slots_and_experts(pin(xs.reshape(held, tokens, d)), pin(idx.reshape(held, tokens, k)),
                                      pin(gs.reshape(held, tokens, k)), w, num_experts, slots, dtype,
                                      AXIS if ways > 1 else None, prepare or _COMPILER_PARTITIONED, limit)

@@ -156,8 +156,9 @@ def generate(engine: Engine, params: Any, prompts: list[list[int]], *, max_new_t
 
 def generation_backends(backends: Backends, moe_experts: int, experts_per_token: int) -> Backends:
     """The run's backends with MoE capacity that drops nothing: every token of a group fits in one expert's slots."""
-    if backends.moe != "capacity" or not moe_experts:
+    if backends.moe == "dropless" or not moe_experts:
         return backends
+    # capacity_dedup: rows per device = reached x tokens x factor / ways >= tokens too, as reached <= k.
     return dataclasses.replace(backends, capacity_factor=moe_experts / experts_per_token)
 
 

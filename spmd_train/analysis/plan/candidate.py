@@ -20,6 +20,7 @@ from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.attention_facts import attention_facts, attention_names, fallback_attention
 from spmd_train.config.load import default_rules
 from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES, ZERO_AXES, ContextScheme, RematPolicy
+from spmd_train.config.model_schema import MoEImpl
 from spmd_train.config.optimizer_facts import optimizer_facts, optimizer_names
 from spmd_train.config.pipeline_keys import default_microbatches
 from spmd_train.config.resolved_rules import ResolvedRules, RuleTables
@@ -153,8 +154,9 @@ class Workload:
     otherwise (`comm.zero_terms`)."""
 
     def __post_init__(self):
-        for key, value, valid in (("optimizer", self.optimizer, optimizer_names()), ("attention", self.attention,
-                                  ("flash", "xla")), ("moe_impl", self.moe_impl, ("capacity", "dropless"))):
+        for key, value, valid in (("optimizer", self.optimizer, optimizer_names()),
+                                  ("attention", self.attention, ("flash", "xla")),
+                                  ("moe_impl", self.moe_impl, get_args(MoEImpl))):
             if value not in valid:
                 raise ConfigError(f"{key}={value!r} is not one of {', '.join(valid)}")
 

@@ -30,6 +30,7 @@ from spmd_train.analysis.plan.candidate import (
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
 from spmd_train.config.resolved_rules import RuleTables
+from spmd_train.ops.capacity import device_capacity
 from spmd_train.parallel.head_groups import kv_repeats
 
 LOOKUP_ONLY = "embedding"
@@ -230,7 +231,8 @@ class ExpertExchange:
 
     per_layer: int
     """All-to-alls per MoE layer and microbatch: 4 (there and back, and their transposes), 6 under any remat policy
-    (the forward is rerun inside the backward and no policy saves an all-to-all)."""
+    (the forward is rerun inside the backward and no policy saves an all-to-all); capacity_dedup 5 (the rerun needs
+    no rows back: the receiver applied the gates)."""
     layers: float
     """MoE layers a device runs: its stage's share when pipelined."""
     microbatches: int
@@ -241,12 +243,22 @@ class ExpertExchange:
     """Capacity slots per expert and group (k x tokens / E when dropless)."""
     bytes_per_exchange: float
     """Bytes one all-to-all sends from a device: (N-1)/N of the E x C x d_model slot buffer (dropless: of the k x
-    tokens rows, under balanced routing)."""
+    tokens rows, under balanced routing; capacity_dedup: of the N x device-capacity rows)."""
+    choices_per_layer: int = 0
+    """capacity_dedup: the small all-to-alls of each row's choices per MoE layer and microbatch (local experts and
+    gates out, the kept flags back, the gates' gradient; local experts and gates again under remat)."""
+    choice_bytes: float = 0.0
+    """Bytes those send from a device per MoE layer and microbatch, in all."""
 
     @property
     def count(self) -> float:
         """All-to-alls per step."""
-        return self.layers * self.microbatches * self.per_layer
+        return self.layers * self.microbatches * (self.per_layer + self.choices_per_layer)
+
+    @property
+    def total_bytes(self) -> float:
+        """Bytes a device sends in all of them per step."""
+        return self.layers * self.microbatches * (self.per_layer * self.bytes_per_exchange + self.choice_bytes)
 
 
 def expert_exchange(m: ModelShape, c: Candidate, w: Workload) -> ExpertExchange:
@@ -255,13 +267,23 @@ def expert_exchange(m: ModelShape, c: Candidate, w: Workload) -> ExpertExchange:
     micro = microbatches(c, rows)
     tokens = rows / micro * w.seq_len / c.length_ways
     slots = capacity_slots(m, w, tokens)
+    per_layer, choices, choice_bytes = 4 if c.remat == "none" else 6, 0, 0.0
     if w.moe_impl == "dropless":
         exchange = m.experts_per_token * tokens * m.d_model * m.compute_bytes * _fraction(c.expert)
+    elif w.moe_impl == "capacity_dedup" and c.expert > 1:
+        rows = c.expert * device_capacity(m.experts_per_token, tokens, w.capacity_factor, c.expert, m.num_experts,
+                                          m.n_group, m.topk_group)
+        exchange = rows * m.d_model * m.compute_bytes * _fraction(c.expert)
+        remat = c.remat != "none"
+        # The receiver weighs the outputs by the gates, so a rerun forward needs no rows back: 5 under remat.
+        per_layer = 4 + remat
+        choices = 4 + 2 * remat  # int32 experts and fp32 gates out, int8 flags back, fp32 gate gradients
+        choice_bytes = rows * m.experts_per_token * (4 + 4 + 1 + 4 + 8 * remat) * _fraction(c.expert)
     else:
         exchange = m.num_experts * slots * m.d_model * m.compute_bytes * _fraction(c.expert)
-    return ExpertExchange(per_layer=4 if c.remat == "none" else 6, layers=m.moe_layers / c.pipeline,
+    return ExpertExchange(per_layer=per_layer, layers=m.moe_layers / c.pipeline,
                           microbatches=c.grad_accum * micro, group_tokens=tokens, slots=slots,
-                          bytes_per_exchange=exchange)
+                          bytes_per_exchange=exchange, choices_per_layer=choices, choice_bytes=choice_bytes)
 
 
 def expert_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
@@ -269,7 +291,7 @@ def expert_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     if c.expert == 1 or m.moe_layers == 0:
         return []
     x = expert_exchange(m, c, w)
-    return [CommTerm("all-to-all", ("expert",), x.count * x.bytes_per_exchange, x.count, "expert")]
+    return [CommTerm("all-to-all", ("expert",), x.total_bytes, x.count, "expert")]
 
 
 def context_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:

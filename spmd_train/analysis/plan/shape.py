@@ -75,6 +75,10 @@ class ModelShape:
     heads_read_residual: bool = True
     """A head-split projection reads the residual stream itself (grouped-query attention; MLA without a query
     latent), so its input gradient is a partial sum over `tensor`."""
+    n_group: int = 1
+    """Group-limited routing's expert groups (model.moe.n_group)."""
+    topk_group: int = 1
+    """The groups a token's experts come from (model.moe.topk_group)."""
 
     @classmethod
     def from_config(cls, m: ModelConfig) -> ModelShape:
@@ -92,6 +96,7 @@ class ModelShape:
             qk_norm=m.qk_norm, v_head_dim=m.resolved_v_head_dim if m.mla is not None else None,
             latent_width=0 if m.mla is None else m.mla.kv_lora_rank + m.mla.qk_rope_head_dim + (m.mla.q_lora_rank or 0),
             heads_read_residual=m.mla is None or m.mla.q_lora_rank is None,
+            n_group=moe.n_group if moe else 1, topk_group=moe.topk_group if moe else 1,
         )
 
     @property

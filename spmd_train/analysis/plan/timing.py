@@ -121,7 +121,7 @@ def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float
         extra = attention_fwd + experts_fwd
     elif c.remat == "save_matmuls" and w.attention == "flash":
         extra = attention_fwd
-    if m.moe_layers and w.moe_impl == "capacity":
+    if m.moe_layers and w.moe_impl in ("capacity", "capacity_dedup"):
         rows = rows_per_device(c, w) / microbatches(c, rows_per_device(c, w))
         group = rows * w.seq_len / c.sequence
         filled = m.num_experts * capacity_slots(m, w, group) / (m.experts_per_token * group)

@@ -17,8 +17,8 @@ from test_moe_layer import (
     _inputs,
     _layer,
     _layer_value_and_grads,
-    _reference_value_and_grads,
     _setup,
+    assert_layer_equals_the_dense_loop,
 )
 
 from spmd_train import load_config, use_layout
@@ -36,15 +36,7 @@ GROUPED = ["model.moe.router_score=sigmoid", "model.moe.n_group=4", "model.moe.t
 @pytest.mark.parametrize("mesh", ["expert8", "expert2_fsdp2_tensor2", "expert2_sequence2_tensor2"])
 def test_dedup_layer_and_gradients_equal_the_dense_loop_when_nothing_drops(devices, mesh):
     cfg, layout = _setup(devices, DEDUP, "backends.capacity_factor=8.0", *MESHES[mesh])
-    graphdef, state = _layer(cfg)
-    x, cot = _inputs()
-    y, stats, (grads, dx) = _layer_value_and_grads(layout, graphdef, state, x, cot)
-    y_ref, (grads_ref, dx_ref) = _reference_value_and_grads(nnx.to_pure_dict(state), x, cot, 2)
-    assert float(stats["dropped_fraction"]) == 0.0
-    _assert_close(y, y_ref, what="output")
-    _assert_close(dx, dx_ref, what="d input")
-    for name in ("router", "w_gate", "w_up", "w_down"):
-        _assert_close(grads[name], grads_ref[name], what=f"d {name}")
+    assert_layer_equals_the_dense_loop(cfg, layout)
 
 
 def test_dedup_equals_the_capacity_path_under_group_limited_routing(devices):

@@ -136,9 +136,15 @@ def test_layer_and_gradients_equal_the_dense_loop_when_nothing_drops(devices, me
     # capacity_factor = num_experts gives k x tokens slots per expert: nothing can drop.
     cfg, layout = _setup(devices, f"model.moe.experts_per_token={k}", "backends.capacity_factor=8.0",
                          *(MESHES[mesh] or []))
+    assert_layer_equals_the_dense_loop(cfg, None if MESHES[mesh] is None else layout, k)
+
+
+def assert_layer_equals_the_dense_loop(cfg, layout, k: int = 2) -> None:
+    """The MoE layer of `cfg` under `layout` (None: unsharded), its output and gradients, equal to the dense loop's,
+    with nothing dropped."""
     graphdef, state = _layer(cfg)
     x, cot = _inputs()
-    y, stats, (grads, dx) = _layer_value_and_grads(None if MESHES[mesh] is None else layout, graphdef, state, x, cot)
+    y, stats, (grads, dx) = _layer_value_and_grads(layout, graphdef, state, x, cot)
     y_ref, (grads_ref, dx_ref) = _reference_value_and_grads(nnx.to_pure_dict(state), x, cot, k)
     assert float(stats["dropped_fraction"]) == 0.0
     _assert_close(y, y_ref, what="output")
@@ -362,15 +368,7 @@ def test_one_all_to_all_each_way_per_layer_with_slot_bytes(devices, mesh, backwa
 
 def test_dropless_single_device_equals_the_dense_loop(devices):
     cfg, _ = _setup(devices, "backends.moe=dropless", "backends.capacity_factor=0.1")
-    graphdef, state = _layer(cfg)
-    x, cot = _inputs()
-    y, stats, (grads, dx) = _layer_value_and_grads(None, graphdef, state, x, cot)
-    y_ref, (grads_ref, dx_ref) = _reference_value_and_grads(nnx.to_pure_dict(state), x, cot, 2)
-    assert float(stats["dropped_fraction"]) == 0.0
-    _assert_close(y, y_ref, what="output")
-    _assert_close(dx, dx_ref, what="d input")
-    for name in ("router", "w_gate", "w_up", "w_down"):
-        _assert_close(grads[name], grads_ref[name], what=f"d {name}")
+    assert_layer_equals_the_dense_loop(cfg, None)
 
 
 @pytest.mark.parametrize("mesh", [["mesh.expert=1"], ["mesh.expert=2"], ["mesh.expert=8", "mesh.fsdp=1"],

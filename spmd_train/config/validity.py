@@ -230,20 +230,24 @@ def first_dense_outside_pipeline(first_k_dense: int, pipeline: int) -> Violation
     """model.moe.first_k_dense layers are a stack of their own before the pipelined one: not yet under a pipeline."""
     if first_k_dense == 0 or pipeline == 1:
         return None
-    return Violation(f"model.moe.first_k_dense={first_k_dense} with a pipeline", f"pipeline={pipeline}",
-                     f"model.moe.first_k_dense={first_k_dense} with mesh.pipeline={pipeline}: the first dense layers "
-                     "are a layer stack of their own, which pipeline stages do not yet hold (valid: mesh.pipeline=1, "
-                     "or model.moe.first_k_dense=0)")
+    return _not_pipelined(f"model.moe.first_k_dense={first_k_dense}", f"model.moe.first_k_dense={first_k_dense}",
+                          pipeline, "the first dense layers are a layer stack of their own, which pipeline stages do "
+                          "not yet hold", "model.moe.first_k_dense=0")
 
 
 def mtp_outside_pipeline(depth: int, pipeline: int) -> Violation | None:
     """model.mtp's modules run after the trunk on the last stage's output: not yet under a pipeline."""
     if depth == 0 or pipeline == 1:
         return None
-    return Violation(f"model.mtp.depth={depth} with a pipeline", f"pipeline={pipeline}",
-                     f"model.mtp (depth {depth}) with mesh.pipeline={pipeline}: the multi-token prediction modules "
-                     "read the trunk's output and the embedding after the last stage, which the pipeline schedules do "
-                     "not yet run (valid: mesh.pipeline=1, or model.mtp=null)")
+    return _not_pipelined(f"model.mtp.depth={depth}", f"model.mtp (depth {depth})", pipeline,
+                          "the multi-token prediction modules read the trunk's output and the embedding after the last "
+                          "stage, which the pipeline schedules do not yet run", "model.mtp=null")
+
+
+def _not_pipelined(key: str, what: str, pipeline: int, why: str, off: str) -> Violation:
+    """A model part that pipeline stages do not yet run, refused with mesh.pipeline > 1."""
+    return Violation(f"{key} with a pipeline", f"pipeline={pipeline}",
+                     f"{what} with mesh.pipeline={pipeline}: {why} (valid: mesh.pipeline=1, or {off})")
 
 
 def chunks_hold_moe_groups(num_layers: int, moe_every: int, pipeline: int, virtual: int) -> Violation | None:

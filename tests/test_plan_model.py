@@ -88,6 +88,8 @@ def test_an_unknown_hardware_kind_is_refused_naming_it_and_the_valid_ones(kind):
     ("configs/moe.yaml", ["model.moe.every=1", "model.moe.first_k_dense=1", "model.moe.bias_update_rate=0.001"]),
     ("configs/moe.yaml", ["model.moe.first_k_dense=2"]),  # then one group of moe.every=2
     ("configs/tiny.yaml", ["model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=16"]),  # Qwen2/3 layers
+    # Multi-token prediction: per depth an MoE layer (in an MoE model), three norms and the 2d -> d projection.
+    ("configs/moe.yaml", ["model.mtp.depth=2", "model.moe.first_k_dense=2"]),
 ])
 def test_model_shape_lists_the_engines_parameters_and_what_a_hand_formula_counts(devices, path, overrides):
     # `models.param_specs` is what the modules create their parameters from and what the planner lists; its tree
@@ -112,8 +114,9 @@ def test_model_shape_lists_the_engines_parameters_and_what_a_hand_formula_counts
         assert shape.moe_layer_params == attention + d * e + bias + 3 * d * f * (e + m.moe.num_shared_experts)
     assert shape.dense_layer_params == (dense if moe_layers < m.num_layers else 0)
     tables = m.vocab_size * d * (1 if m.tie_embeddings else 2)
+    mtp = 0 if m.mtp is None else m.mtp.depth * ((shape.moe_layer_params if m.moe else dense) + 3 * d + 2 * d * d)
     assert shape.total_params == ((m.num_layers - moe_layers) * shape.dense_layer_params
-                                  + moe_layers * shape.moe_layer_params + tables + d)
+                                  + moe_layers * shape.moe_layer_params + tables + d + mtp)
     assert shape.flops_per_token(1024) == flops_per_token(m, 1024)
     assert [g.path for g in shape.params if g.lookup_only] == ([] if m.tie_embeddings else ["embedding"])
 

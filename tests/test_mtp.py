@@ -136,3 +136,16 @@ def test_mtp_counts_in_model_flops():
 def test_mtp_refusals_name_the_keys(capsys, overrides, message):
     code, _, err = main_in_process("describe", str(MOE), *overrides, capsys=capsys)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_describe_counts_the_mtp_moe_layers_exchanges(devices):
+    # configs/moe.yaml's two MoE layers and the MTP module's: describe's all-to-alls are the compiled program's.
+    from spmd_train.analysis import describe
+
+    report = describe(load_config(MOE, ["run.simulate_devices=null", "model.mtp.depth=1"]),
+                      devices=list(devices)).to_json()
+    moe = report["moe"]
+    (a2a,) = [c for c in report["collectives"] if c["op"] == "all-to-all"]
+    assert (moe["moe_layers"], moe["mtp_moe_layers"]) == (2, 1)
+    assert a2a["count"] == moe["all_to_all"]["count"] == 3 * 4
+    assert abs(a2a["bytes"] - moe["all_to_all"]["bytes_per_device"]) <= 1e-6 * a2a["bytes"]

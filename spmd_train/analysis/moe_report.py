@@ -25,7 +25,8 @@ def moe_section(engine, layout: AnalyticLayout | None = None) -> dict[str, Any] 
     """MoE layout and expected expert-axis traffic of an `Engine`'s train step; None without MoE layers.
 
     Keys: moe_layers, layers (model layer index of each MoE layer, in `expert_load.<i>`
-    order), num_experts, experts_per_token, num_shared_experts, moe_d_ff, impl,
+    order), mtp_moe_layers (the multi-token prediction modules' MoE layers, whose `expert_load.<i>` follow),
+    num_experts, experts_per_token, num_shared_experts, moe_d_ff, impl,
     capacity_factor, expert_axis (mesh.expert), experts_per_device, batch_axes and length_axes
     (the mesh axes a group is split by), group_rows, group_tokens (tokens per group: the rows'
     share of the length under context parallelism), groups (per microbatch), capacity_slots (per expert per group; None
@@ -49,6 +50,7 @@ def moe_section(engine, layout: AnalyticLayout | None = None) -> dict[str, Any] 
     return {
         "moe_layers": layers,
         "layers": [i for i in range(m.num_layers) if m.is_moe_layer(i)],
+        "mtp_moe_layers": a.shape.mtp_moe_layers,
         "num_experts": moe.num_experts,
         "experts_per_token": moe.experts_per_token,
         "num_shared_experts": moe.num_shared_experts,

@@ -221,7 +221,9 @@ def moe_renderables(moe: dict) -> list[RenderableType]:
         slots = (f"{moe['all_to_all']['rows']} rows per group, one per token and device reached (at most "
                  f"{moe['all_to_all']['devices_reached']}; capacity factor {moe['capacity_factor']})")
     for label, value in (
-        ("MoE layers (model layer index)", f"{moe['moe_layers']} ({', '.join(map(str, moe['layers']))})"),
+        ("MoE layers (model layer index)", f"{moe['moe_layers']} ({', '.join(map(str, moe['layers']))})"
+                                           + (f" + {moe['mtp_moe_layers']} in the MTP modules"
+                                              if moe.get("mtp_moe_layers") else "")),
         ("experts, top-k, shared", f"{moe['num_experts']}, top-{moe['experts_per_token']}, "
                                    f"{moe['num_shared_experts']} shared"),
         ("experts per device (mesh.expert)", f"{moe['experts_per_device']} (expert={moe['expert_axis']})"),

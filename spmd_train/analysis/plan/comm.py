@@ -234,7 +234,7 @@ class ExpertExchange:
     (the forward is rerun inside the backward and no policy saves an all-to-all); capacity_dedup 5 (the rerun needs
     no rows back: the receiver applied the gates)."""
     layers: float
-    """MoE layers a device runs: its stage's share when pipelined."""
+    """MoE layers a device runs: its stage's share when pipelined (and any multi-token prediction MoE layers)."""
     microbatches: int
     """Microbatches per step: accumulation steps times pipeline microbatches."""
     group_tokens: float
@@ -281,7 +281,7 @@ def expert_exchange(m: ModelShape, c: Candidate, w: Workload) -> ExpertExchange:
         choice_bytes = rows * m.experts_per_token * (4 + 4 + 1 + 4 + 8 * remat) * _fraction(c.expert)
     else:
         exchange = m.num_experts * slots * m.d_model * m.compute_bytes * _fraction(c.expert)
-    return ExpertExchange(per_layer=per_layer, layers=m.moe_layers / c.pipeline,
+    return ExpertExchange(per_layer=per_layer, layers=m.moe_layers / c.pipeline + m.mtp_moe_layers,
                           microbatches=c.grad_accum * micro, group_tokens=tokens, slots=slots,
                           bytes_per_exchange=exchange, choices_per_layer=choices, choice_bytes=choice_bytes)
 

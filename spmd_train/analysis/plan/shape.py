@@ -79,6 +79,8 @@ class ModelShape:
     """Group-limited routing's expert groups (model.moe.n_group)."""
     topk_group: int = 1
     """The groups a token's experts come from (model.moe.topk_group)."""
+    mtp_moe_layers: int = 0
+    """MoE layers of the multi-token prediction modules (model.mtp.depth in an MoE model), after the trunk's."""
 
     @classmethod
     def from_config(cls, m: ModelConfig) -> ModelShape:
@@ -97,6 +99,7 @@ class ModelShape:
             latent_width=0 if m.mla is None else m.mla.kv_lora_rank + m.mla.qk_rope_head_dim + (m.mla.q_lora_rank or 0),
             heads_read_residual=m.mla is None or m.mla.q_lora_rank is None,
             n_group=moe.n_group if moe else 1, topk_group=moe.topk_group if moe else 1,
+            mtp_moe_layers=m.mtp.depth if m.mtp is not None and moe else 0,
         )
 
     @property

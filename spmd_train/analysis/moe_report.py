@@ -15,7 +15,7 @@ from spmd_train.analysis.analytic import AnalyticLayout, analytic_layout
 from spmd_train.analysis.plan.candidate import microbatches, rows_per_device
 from spmd_train.analysis.plan.comm import ExpertExchange, expert_exchange
 from spmd_train.models.flops import active_moe_mlp_params, matmul_params, moe_layer_count
-from spmd_train.ops.capacity import device_capacity, devices_reached
+from spmd_train.ops.capacity import devices_reached
 from spmd_train.sharding.arithmetic import spec_axes
 
 AXIS = "expert"
@@ -95,9 +95,7 @@ def _all_to_all(cfg, x: ExpertExchange, ways: int, dtype_bytes: int) -> dict[str
         return {**common, "exact": False, "formula": formula}
     if cfg.backends.moe == "capacity_dedup":
         k = moe.experts_per_token
-        reached = devices_reached(k, ways, moe.num_experts, moe.n_group, moe.topk_group)
-        rows = ways * device_capacity(k, x.group_tokens, cfg.backends.capacity_factor, ways, moe.num_experts,
-                                      moe.n_group, moe.topk_group)
+        reached, rows = devices_reached(k, ways, moe.num_experts, moe.n_group, moe.topk_group), x.rows
         formula = (f"{head} all-to-alls x {rows} rows ({ways} devices x ceil({reached} devices reached x {tokens} "
                    f"tokens x {cfg.backends.capacity_factor} / {ways})) x d_model={m.d_model} x {dtype_bytes} B x "
                    f"({ways}-1)/{ways}, + {layers} layers x {x.microbatches} microbatches x {x.choices_per_layer} "

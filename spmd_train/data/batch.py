@@ -74,5 +74,11 @@ def loss_weights(segments: jax.Array) -> jax.Array:
     1 / (fraction of targets scored in the global batch) or 0, so means over microbatches and
     devices (all the same size) give the exact mean over scored targets of the whole batch.
     """
-    scored = (segments[:, 1:] == segments[:, :-1]).astype(jnp.float32)
+    return scored_weights(segments[:, 1:] == segments[:, :-1])
+
+
+def scored_weights(scored: jax.Array) -> jax.Array:
+    """Which targets are scored (bool) -> 1 / (the fraction of them scored) where scored, else 0: weights whose mean
+    is the mean loss of the scored targets (`loss_weights`, and each multi-token prediction depth's)."""
+    scored = scored.astype(jnp.float32)
     return scored * (scored.size / jnp.maximum(jnp.sum(scored), 1.0))

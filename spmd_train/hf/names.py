@@ -16,7 +16,7 @@ import numpy as np
 
 from spmd_train.config.families import Family
 from spmd_train.config.model_schema import ModelConfig
-from spmd_train.models.param_specs import block_params
+from spmd_train.models.param_specs import block_params, table_params
 
 FUSED = {"evens": 0, "odds": 1}
 """The fused layouts, and the first column of each part."""
@@ -136,10 +136,11 @@ def pieces(model: ModelConfig, family: Family) -> Iterator[Piece]:
         yield Piece(names.lm_head, "lm_head", (), T)
     if model.mtp is None or not names.mtp:
         return
+    tables = table_params(model)
     for k in range(model.mtp.depth):
         at = names.layer_prefix.format(i=model.num_layers + k)
         for path, name, kind in names.mtp_copies:
-            if path in ("embedding", "lm_head") and not (path == "lm_head" and model.tie_embeddings):
+            if path in tables:  # a tied model has no lm_head of its own to copy
                 yield Piece(at + name, path, (), _layout(kind, model), copy=True)
         for path, name, kind in names.mtp:
             yield Piece(at + name, f"mtp.{path}", (k,), _layout(kind, model))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spmd_train.data.batch import Batch, as_batch, loss_weights
+from spmd_train.data.batch import Batch, as_batch, loss_weights, scored_weights
 from spmd_train.parallel.ring import zigzag_order
 from spmd_train.sharding.constrain import constrain
 
@@ -48,11 +48,11 @@ def mtp_inputs(batch: Batch | jax.Array, depth: int, zigzag: int = 1
     tokens = batch.tokens
     length = tokens.shape[1] - 1
     weights = batch.mtp_weights if batch.mtp_weights is not None else mtp_weights(batch, depth)
+    order = jnp.asarray(zigzag_order(length, zigzag)) if zigzag > 1 else None
     out = []
     for k in range(1, depth + 1):
         arrays = (_pad(tokens[:, k:], k - 1), _pad(tokens[:, k + 1:], k), weights[:, k - 1])
-        if zigzag > 1:
-            order = jnp.asarray(zigzag_order(length, zigzag))
+        if order is not None:
             arrays = tuple(a[:, order] for a in arrays)
         out.append(tuple(constrain(a, ("batch", "length")) for a in arrays))
     return out
@@ -71,8 +71,7 @@ def mtp_weights(batch: Batch, depth: int) -> jax.Array:
         scored = jnp.broadcast_to(jnp.arange(length) < length - k, (rows, length))
         if batch.documents:
             scored = scored & (batch.segments[:, :length] == _pad(batch.segments[:, k + 1:], k))
-        scored = scored.astype(jnp.float32)
-        out.append(scored * (scored.size / jnp.maximum(jnp.sum(scored), 1.0)))
+        out.append(scored_weights(scored))
     return jnp.stack(out, axis=1)
 
 

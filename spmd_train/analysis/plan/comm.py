@@ -244,6 +244,9 @@ class ExpertExchange:
     bytes_per_exchange: float
     """Bytes one all-to-all sends from a device: (N-1)/N of the E x C x d_model slot buffer (dropless: of the k x
     tokens rows, under balanced routing; capacity_dedup: of the N x device-capacity rows)."""
+    rows: int = 0
+    """capacity_dedup: the rows a group sends, one per token and device reached (`ops.capacity.device_capacity` per
+    destination device)."""
     choices_per_layer: int = 0
     """capacity_dedup: the small all-to-alls of each row's choices per MoE layer and microbatch (local experts and
     gates out, the kept flags back, the gates' gradient; local experts and gates again under remat)."""
@@ -267,23 +270,24 @@ def expert_exchange(m: ModelShape, c: Candidate, w: Workload) -> ExpertExchange:
     micro = microbatches(c, rows)
     tokens = rows / micro * w.seq_len / c.length_ways
     slots = capacity_slots(m, w, tokens)
-    per_layer, choices, choice_bytes = 4 if c.remat == "none" else 6, 0, 0.0
+    per_layer, sent, choices, choice_bytes = 4 if c.remat == "none" else 6, 0, 0, 0.0
     if w.moe_impl == "dropless":
         exchange = m.experts_per_token * tokens * m.d_model * m.compute_bytes * _fraction(c.expert)
     elif w.moe_impl == "capacity_dedup" and c.expert > 1:
-        rows = c.expert * device_capacity(m.experts_per_token, tokens, w.capacity_factor, c.expert, m.num_experts,
+        sent = c.expert * device_capacity(m.experts_per_token, tokens, w.capacity_factor, c.expert, m.num_experts,
                                           m.n_group, m.topk_group)
-        exchange = rows * m.d_model * m.compute_bytes * _fraction(c.expert)
+        exchange = sent * m.d_model * m.compute_bytes * _fraction(c.expert)
         remat = c.remat != "none"
         # The receiver weighs the outputs by the gates, so a rerun forward needs no rows back: 5 under remat.
         per_layer = 4 + remat
         choices = 4 + 2 * remat  # int32 experts and fp32 gates out, int8 flags back, fp32 gate gradients
-        choice_bytes = rows * m.experts_per_token * (4 + 4 + 1 + 4 + 8 * remat) * _fraction(c.expert)
+        choice_bytes = sent * m.experts_per_token * (4 + 4 + 1 + 4 + 8 * remat) * _fraction(c.expert)
     else:
         exchange = m.num_experts * slots * m.d_model * m.compute_bytes * _fraction(c.expert)
     return ExpertExchange(per_layer=per_layer, layers=m.moe_layers / c.pipeline + m.mtp_moe_layers,
                           microbatches=c.grad_accum * micro, group_tokens=tokens, slots=slots,
-                          bytes_per_exchange=exchange, choices_per_layer=choices, choice_bytes=choice_bytes)
+                          bytes_per_exchange=exchange, rows=sent, choices_per_layer=choices,
+                          choice_bytes=choice_bytes)
 
 
 def expert_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:

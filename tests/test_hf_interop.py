@@ -30,8 +30,8 @@ from tests.runs import cli, main_in_process
 
 REFERENCE = Path(__file__).parent / "hf_reference"
 FAMILIES = ("llama", "llama32", "mistral", "mistral_window", "qwen2", "qwen3", "qwen3_yarn", "mixtral", "qwen3_moe",
-            "gemma3", "deepseek_v3", "gpt_oss", "gpt_oss_mxfp4")
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "gpt_oss_mxfp4")
+            "gemma3", "deepseek_v3", "deepseek_v2", "gpt_oss", "gpt_oss_mxfp4")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss", "gpt_oss_mxfp4")
 TOLERANCE = 1e-4
 """Largest |ours - transformers'| over the largest |logit|, fp32 on both sides."""
 
@@ -151,6 +151,8 @@ def _heads_transposed(pieces):
     ("deepseek_v3", _selection_bias_dropped, ()),
     ("deepseek_v3", None, ("model.moe.routed_scaling_factor=1.0",)),
     ("deepseek_v3", None, ("model.moe.topk_group=4",)),  # experts chosen from every group
+    ("deepseek_v2", None, ("model.moe.group_score=top2_sum",)),  # groups ranked as DeepSeek-V3 ranks them
+    ("deepseek_v2", None, ("model.moe.norm_topk_prob=true",)),  # the gates renormalised
 ])
 def test_a_conversion_bug_fails_the_comparison(devices, monkeypatch, family, mutation, overrides):
     if mutation is not None:
@@ -191,9 +193,10 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("deepseek_v3", ("mesh.fsdp=2", "mesh.expert=4")),
+                                              ("deepseek_v2", ()),
                                               ("gpt_oss", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_import_then_export_gives_the_same_bytes_and_an_equivalent_config(devices, tmp_path, family, mesh):
-    engine = _engine(family, devices, *mesh)
+    engine = _engine(family, devices if mesh else devices[:1], *mesh)
     params = load_hf_params(engine, REFERENCE / family)
     base = read_hf_config(REFERENCE / family)
     out = export_hf(engine, params, tmp_path / "out", base_config=base, dtype="float32", max_shard_bytes=150_000)
@@ -417,6 +420,32 @@ def test_deepseek_v3_fields_outside_its_model_are_refused():
         infer_family(model_from_record({**model_section(cfg), "norm_eps": 1e-5}))
 
 
+def test_deepseek_v2_fields_outside_its_model_are_refused():
+    from spmd_train.config.hf_config import infer_family
+    from spmd_train.config.load import model_from_record
+
+    cfg = read_hf_config(REFERENCE / "deepseek_v2")
+    with pytest.raises(ConfigError, match="topk_method='noaux_tc' is not supported .valid: greedy .top-k over every "
+                                          "expert., group_limited_greedy"):
+        model_section({**cfg, "topk_method": "noaux_tc"})
+    with pytest.raises(ConfigError, match="norm_topk_prob=True is not supported .transformers' DeepSeek-V2 does not "
+                                          "renormalise"):
+        model_section({**cfg, "norm_topk_prob": True})
+    with pytest.raises(ConfigError, match="scoring_func='sigmoid' is not supported"):
+        model_section({**cfg, "scoring_func": "sigmoid"})
+    # Greedy routing ignores the group fields it may still carry; the group-limited one reads them.
+    assert model_section({**cfg, "topk_method": "greedy"})["moe"] | {"n_group": 4, "topk_group": 2} == \
+        model_section(cfg)["moe"]
+    assert (model_section(cfg)["moe"]["n_group"], model_section(cfg)["moe"]["topk_group"]) == (4, 2)
+    # A model routed as DeepSeek-V3 ranks groups is not written as DeepSeek-V2, and says why.
+    model = model_from_record(model_section(cfg))
+    with pytest.raises(ConfigError, match="groups ranked by their best score.*this model: model.moe.group_score="
+                                          "top2_sum"):
+        infer_family(model_from_record({**model_section(cfg), "moe": {**model_section(cfg)["moe"],
+                                                                      "group_score": "top2_sum"}}))
+    assert infer_family(model).model_type == "deepseek_v2"
+
+
 def test_gpt_oss_fields_outside_its_model_are_refused():
     cfg = read_hf_config(REFERENCE / "gpt_oss")
     with pytest.raises(ConfigError, match="swiglu_alpha=1.5 is not supported .the clamped SwiGLU's slope is gpt-oss's; "
@@ -496,6 +525,7 @@ def test_interleaved_pipeline_layer_order_survives_export_and_import(devices, tm
                                               ("mixtral", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("qwen3_moe", ("mesh.fsdp=2", "mesh.expert=4")),
                                               ("deepseek_v3", ("mesh.fsdp=2", "mesh.expert=4")),
+                                              ("deepseek_v2", ()),
                                               ("gpt_oss", ("mesh.fsdp=2", "mesh.expert=4"))])
 def test_greedy_generation_from_an_imported_model_equals_transformers(devices, family, mesh):
     from spmd_train.train.generation import generate

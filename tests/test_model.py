@@ -92,6 +92,7 @@ def test_preset_parameter_counts(preset, expected):
 # 6N convention: every matrix a token passes through, the LM head included and the looked-up table not.
 MOE_PRESETS = {
     "deepseek-v3-671b": (671.0e9, 36.6e9),  # "671B total, 37B activated" (its MTP module's 14B left out)
+    "deepseek-v2-236b": (235.74e9, 20.85e9),  # "236B total parameters, of which 21B are activated"
     "deepseek-v2-lite": (15.7e9, 2.45e9),  # "15.7B total, 2.4B activated"
     "qwen3-30b-a3b": (30.5e9, 3.04e9),  # "30.5B in total and 3.3B activated", of which 0.31B the embedding table
     "qwen3-235b-a22b": (235.1e9, 21.6e9),  # "235B in total and 22B activated", of which 0.62B the embedding table

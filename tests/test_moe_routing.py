@@ -1,9 +1,10 @@
-"""DeepSeek-V3-style routing: scaling, optional renormalisation, biased selection, group limits, sequence-wise loss.
+"""DeepSeek-style routing: scaling, optional renormalisation, biased selection, group limits, sequence-wise loss.
 
 The routing math is checked against a float64 numpy transcription of DeepSeek-V3's gate (transformers'
 DeepseekV3TopkRouter / DeepseekV3MoE.route_tokens_to_experts): sigmoid scores, selection on scores + bias,
 groups ranked by the sum of their two best biased scores, top-k among the kept groups, gates from the
-unbiased scores, renormalised (norm_topk_prob) and times routed_scaling_factor.
+unbiased scores, renormalised (norm_topk_prob) and times routed_scaling_factor; and of DeepSeek-V2's
+(DeepseekV2TopkRouter's group_limited_greedy): softmax scores, groups ranked by their best score.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from spmd_train.ops.routing import route, sequence_aux_loss
 
 
-def deepseek_gate(logits, bias, k, n_group, topk_group, norm, scaling, score="sigmoid"):
+def deepseek_gate(logits, bias, k, n_group, topk_group, norm, scaling, score="sigmoid", group_score="top2_sum"):
     """float64 numpy reference: logits [T, E] -> (indices [T, k] best first, gates [T, k])."""
     logits = np.asarray(logits, np.float64)
     if score == "sigmoid":
@@ -27,8 +28,9 @@ def deepseek_gate(logits, bias, k, n_group, topk_group, norm, scaling, score="si
     choice = scores + (0 if bias is None else np.asarray(bias, np.float64))
     t, e = choice.shape
     grouped = choice.reshape(t, n_group, e // n_group)
-    group_score = np.sort(grouped, -1)[..., ::-1][..., :2].sum(-1)  # [T, n_group]
-    keep = np.argsort(-group_score, -1, kind="stable")[:, :topk_group]
+    best = np.sort(grouped, -1)[..., ::-1]
+    rank = best[..., 0] if group_score == "max" else best[..., :2].sum(-1)  # [T, n_group]
+    keep = np.argsort(-rank, -1, kind="stable")[:, :topk_group]
     mask = np.zeros((t, n_group), bool)
     np.put_along_axis(mask, keep, True, -1)
     masked = np.where(np.repeat(mask, e // n_group, -1), choice, -np.inf)
@@ -40,26 +42,31 @@ def deepseek_gate(logits, bias, k, n_group, topk_group, norm, scaling, score="si
 
 
 CASES = {
-    # name: (E, k, n_group, topk_group, norm, scaling, bias?, score)
-    "deepseek_v3_like": (16, 4, 4, 2, True, 2.5, True, "sigmoid"),
-    "groups_no_bias": (16, 3, 8, 3, True, 1.0, False, "sigmoid"),
-    "bias_no_groups": (8, 2, 1, 1, True, 1.0, True, "sigmoid"),
-    "no_renorm_scaled": (8, 2, 1, 1, False, 16.0, False, "softmax"),  # DeepSeek-V2: softmax, no renormalisation
-    "qwen3_renorm_softmax": (8, 2, 1, 1, True, 1.0, False, "softmax"),
+    # name: (E, k, n_group, topk_group, norm, scaling, bias?, score, group_score)
+    "deepseek_v3_like": (16, 4, 4, 2, True, 2.5, True, "sigmoid", "top2_sum"),
+    "groups_no_bias": (16, 3, 8, 3, True, 1.0, False, "sigmoid", "top2_sum"),
+    "bias_no_groups": (8, 2, 1, 1, True, 1.0, True, "sigmoid", "top2_sum"),
+    "no_renorm_scaled": (8, 2, 1, 1, False, 16.0, False, "softmax", "top2_sum"),  # DeepSeek-V2-Lite: greedy
+    "deepseek_v2_groups": (16, 4, 4, 2, False, 16.0, False, "softmax", "max"),  # DeepSeek-V2: group_limited_greedy
+    "qwen3_renorm_softmax": (8, 2, 1, 1, True, 1.0, False, "softmax", "top2_sum"),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_route_matches_float64_deepseek_gate(case):
-    e, k, n_group, topk_group, norm, scaling, biased, score = CASES[case]
+    e, k, n_group, topk_group, norm, scaling, biased, score, group_score = CASES[case]
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(64, e)).astype(np.float32)
     bias = rng.normal(scale=0.3, size=(e,)).astype(np.float32) if biased else None
     idx, gates, _ = route(jnp.asarray(logits), k, score, bias=None if bias is None else jnp.asarray(bias),
-                               norm=norm, scaling=scaling, n_group=n_group, topk_group=topk_group)
-    want_idx, want_gates = deepseek_gate(logits, bias, k, n_group, topk_group, norm, scaling, score)
+                          norm=norm, scaling=scaling, n_group=n_group, topk_group=topk_group, group_score=group_score)
+    want_idx, want_gates = deepseek_gate(logits, bias, k, n_group, topk_group, norm, scaling, score, group_score)
     np.testing.assert_array_equal(np.asarray(idx), want_idx)
     np.testing.assert_allclose(np.asarray(gates), want_gates, rtol=2e-6, atol=1e-7)
+    if topk_group < n_group:  # the two ways of ranking groups choose differently for some of these tokens
+        other = "max" if group_score == "top2_sum" else "top2_sum"
+        other_idx, _ = deepseek_gate(logits, bias, k, n_group, topk_group, norm, scaling, score, other)
+        assert (np.sort(other_idx, -1) != np.sort(want_idx, -1)).any(axis=-1).sum() >= 2
 
 
 def test_bias_steers_selection_not_gates():

@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> our `model` section, for the families `config.families` registers (Llama, Mistral,
-Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma 3, DeepSeek-V3, gpt-oss).
+Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma 3, DeepSeek-V3, DeepSeek-V2, gpt-oss).
 
 Both layouts of `config.json` are read: the one most published checkpoints use (top-level `rope_theta`,
 `rope_scaling`, `torch_dtype`) and the one current `transformers` writes (`rope_parameters`, `dtype`).

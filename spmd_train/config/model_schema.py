@@ -66,8 +66,11 @@ class MoEConfig:
     n_group: PositiveInt = 1
     """Group-limited routing: the experts form n_group equal groups of consecutive experts (DeepSeek-V3: 8)."""
     topk_group: PositiveInt = 1
-    """Group-limited routing: each token picks its experts from its topk_group best groups, a group ranked by the
-    sum of its two best scores (DeepSeek-V3: 4; equal to n_group: no limit)."""
+    """Group-limited routing: each token picks its experts from its topk_group best groups, ranked as group_score
+    says (DeepSeek-V3: 4, DeepSeek-V2: 3; equal to n_group: no limit)."""
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
+    """How group-limited routing ranks a group: the sum of its two best (selection-biased) scores (DeepSeek-V3's
+    noaux_tc), or its best score (DeepSeek-V2's group_limited_greedy)."""
     bias_update_rate: NonNegativeFloat | None = None
     """Auxiliary-loss-free balancing (DeepSeek-V3: 0.001): each MoE layer gets a per-expert bias added to the scores
     for selection only, moved by this rate times the sign of (mean load - the expert's load) after every step; 0:

@@ -70,7 +70,7 @@ class MoE(nnx.Module):
                                                    for n in ("b_gate", "b_up", "b_down"))
         self.num_experts, self.k, self.score = moe.num_experts, moe.experts_per_token, moe.router_score
         self.routing = {"norm": moe.norm_topk_prob, "scaling": moe.routed_scaling_factor, "n_group": moe.n_group,
-                        "topk_group": moe.topk_group}
+                        "topk_group": moe.topk_group, "group_score": moe.group_score}
         self.has_bias, self.seq_aux = moe.router_bias, moe.seq_aux_weight > 0
         self.logit_bias, self.expert_bias, self.limit = moe.router_logit_bias, moe.expert_bias, moe.swiglu_limit
         self.capacity_factor, self.impl = backends.capacity_factor, backends.moe

@@ -11,13 +11,15 @@ import jax.numpy as jnp
 
 
 def route(logits: jax.Array, k: int, score: str = "softmax", *, bias: jax.Array | None = None, norm: bool = True,
-          scaling: float = 1.0, n_group: int = 1, topk_group: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+          scaling: float = 1.0, n_group: int = 1, topk_group: int = 1,
+          group_score: str = "top2_sum") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Top-k routing of logits [..., E] -> (expert indices [..., k] int32, gates [..., k], scores [..., E]).
 
     Runs in fp32. Scores are softmax (or sigmoid) of the logits. Selection ranks `scores + bias`
     (`bias` [E]: auxiliary-loss-free balancing, DeepSeek-V3; it steers which experts are chosen
     and never their weight), first keeping each token's `topk_group` best of `n_group` equal
-    groups of experts (a group ranks by the sum of its two best biased scores), then taking the k
+    groups of experts (a group ranks by the sum of its two best biased scores, `group_score="top2_sum"`
+    as DeepSeek-V3's, or by its best one, `"max"` as DeepSeek-V2's), then taking the k
     best experts of those in order (ties go to the lower expert index). Gates are the chosen
     experts' unbiased scores, renormalised to sum to 1 when `norm`, then times `scaling`
     (DeepSeek-V3's routed_scaling_factor).
@@ -32,7 +34,7 @@ def route(logits: jax.Array, k: int, score: str = "softmax", *, bias: jax.Array 
     # Bias enters selection only: no gradient reaches it, and the gates below read the unbiased scores.
     choice = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
     if topk_group < n_group:
-        choice = _keep_best_groups(choice, n_group, topk_group)
+        choice = _keep_best_groups(choice, n_group, topk_group, group_score)
     idx = _top_indices(choice, k)
     top = jnp.take_along_axis(scores, idx, axis=-1)
     if norm and k == 1:
@@ -58,15 +60,21 @@ def _top_indices(x: jax.Array, k: int) -> jax.Array:
     return jnp.stack(idx, axis=-1)
 
 
-def _keep_best_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+def _keep_best_groups(choice: jax.Array, n_group: int, topk_group: int, group_score: str) -> jax.Array:
     """`choice` [..., E] with the experts outside each token's `topk_group` best groups set to -inf.
 
-    A group's rank is the sum of its two best scores (one when a group holds a single expert), as DeepSeek-V3's.
+    A group's rank is the sum of its two best scores (one when a group holds a single expert; "top2_sum",
+    DeepSeek-V3's) or its best score ("max", DeepSeek-V2's).
     """
     *lead, num_experts = choice.shape
     grouped = choice.reshape(*lead, n_group, num_experts // n_group)
-    best_two = jnp.take_along_axis(grouped, _top_indices(grouped, min(2, grouped.shape[-1])), axis=-1)
-    groups = _top_indices(jnp.sum(best_two, axis=-1), topk_group)  # [..., topk_group]
+    if group_score == "max":
+        rank = jnp.max(grouped, axis=-1)
+    elif group_score == "top2_sum":
+        rank = jnp.sum(jnp.take_along_axis(grouped, _top_indices(grouped, min(2, grouped.shape[-1])), axis=-1), -1)
+    else:
+        raise ValueError(f"group score {group_score!r} is not one of: top2_sum, max")
+    groups = _top_indices(rank, topk_group)  # [..., topk_group]
     keep = jnp.any(jax.nn.one_hot(groups, n_group, dtype=bool), axis=-2)  # [..., n_group]
     return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
 

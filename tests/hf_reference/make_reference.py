@@ -2,7 +2,7 @@
 
 For each tiny model family (llama, llama32, mistral, mistral_window, qwen2, qwen3, mixtral, qwen3_moe, qwen3_yarn,
 gemma3, deepseek_v3, gpt_oss,
-gpt_oss_mxfp4)
+gpt_oss_mxfp4, deepseek_v2)
 this script builds a randomly initialised ``transformers`` model in float32, re-initialises every parameter with
 large-ish values (so that interop tests are sensitive to any layout or math mistake), and writes:
 
@@ -42,6 +42,8 @@ import torch
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
@@ -226,6 +228,35 @@ def make_config(family: str):
             tie_word_embeddings=False,
             attention_bias=False,
         )
+    if family == "deepseek_v2":
+        # DeepSeek-V2's layout at 3 layers: MLA without a query latent (V2-Lite's q_proj; key/value latent 32, nope 16
+        # + rope 8 per head, values 16; rotary pairs interleaved), layer 0 dense, then 8 softmax-routed experts of
+        # width 32 in 4 groups, top-3 from the 2 groups with the best single score (group_limited_greedy), gates not
+        # renormalised and scaled by 2, two shared experts, and V2-Lite's YaRN (mscale = mscale_all_dim = 0.707,
+        # factor 4 over 6 positions: the tables' factor is 1, the softmax scale is multiplied by (1 + 0.0707 ln 4)^2).
+        return DeepseekV2Config(
+            **dict(COMMON, num_hidden_layers=3, num_key_value_heads=8, max_position_embeddings=24),
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=False,
+            routed_scaling_factor=2.0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 6, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 0.707, "mscale_all_dim": 0.707},
+            tie_word_embeddings=False,
+            attention_bias=False,
+        )
     if family in ("gpt_oss", "gpt_oss_mxfp4"):
         # gpt-oss at 2 layers: a sliding layer (window 7) then a full one, Q/K/V and output biases, a sink logit per
         # head, YaRN (factor 4 over 6 positions, theta 150000, ramp ends unrounded), 4 experts of width 32 with biases
@@ -264,6 +295,7 @@ MODEL_CLASSES = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "gpt_oss_mxfp4": GptOssForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,  # last: every family's seed is its index here
 }
 FEATURE = {
     "llama": ("llama3 rope scaling", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
@@ -273,9 +305,10 @@ FEATURE = {
     "gemma3": ("the output soft-cap", "final_logit_softcapping", None),
     "deepseek_v3": ("YaRN with its softmax mscale", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
     "gpt_oss": ("the clamp on the experts' SwiGLU", "swiglu_limit", 1e9),
+    "deepseek_v2": ("choosing experts from the groups with the best single score", "topk_method", "greedy"),
 }
 """The feature a fixture exists for: (what, the config attribute, its value with the feature off)."""
-TOP_K = {"mixtral": 2, "qwen3_moe": 4, "deepseek_v3": 2, "gpt_oss": 2, "gpt_oss_mxfp4": 2}
+TOP_K = {"mixtral": 2, "qwen3_moe": 4, "deepseek_v3": 2, "gpt_oss": 2, "gpt_oss_mxfp4": 2, "deepseek_v2": 3}
 MXFP4 = ("gpt_oss_mxfp4",)
 """Fixtures whose experts are stored MXFP4-packed, as the published gpt-oss checkpoints are."""
 """Experts each token picks, for the MoE families: the router's k-th and (k+1)-th choices must not be near-tied."""
@@ -287,8 +320,10 @@ SEEDS = {f: 1000 + i for i, f in enumerate(FAMILIES)}
 # excluded by reseeding (see ROUTER_MIN_GAP).
 ROUTER_STD = 0.3
 # Top-4 of 8: the 4th and 5th choices are small probabilities, whose absolute gap says little; what an fp32
-# re-implementation could flip is the order of their logits, so that gap alone is held, 10x Mixtral's.
-MIN_GAPS = {"qwen3_moe": (0.0, 1e-2), "deepseek_v3": (0.0, 1e-3)}
+# re-implementation could flip is the order of their logits, so that gap alone is held, 10x Mixtral's. DeepSeek's
+# margins are on the scores it selects by (V3: sigmoid plus bias; V2: softmax probabilities of 8 experts, where the
+# two implementations differ by about 1e-7 in fp32, so 2e-5 is 200 times that).
+MIN_GAPS = {"qwen3_moe": (0.0, 1e-2), "deepseek_v3": (0.0, 1e-3), "deepseek_v2": (0.0, 2e-5)}
 ATTEMPTS = 400
 ROUTER_MIN_GAP = 1e-4  # on probabilities: 100x the fp32 difference between implementations
 ROUTER_MIN_LOGIT_GAP = 1e-3  # and on logits, so an fp32 re-implementation cannot flip a choice
@@ -374,6 +409,8 @@ def router_margin(model, input_ids: torch.Tensor, k: int) -> tuple[float, float]
     assert len(captured) == len(routers)
     if hasattr(captured[0][0], "e_score_correction_bias"):
         return float("inf"), min(selection_gap(gate, logits, k) for gate, logits in captured)
+    if getattr(captured[0][0], "topk_method", None) == "group_limited_greedy":
+        return float("inf"), min(group_max_gap(gate, logits, k) for gate, logits in captured)
     prob_gaps, logit_gaps = [], []
     for _, router_logits in captured:
         probs = torch.softmax(router_logits.float(), dim=-1).sort(dim=-1, descending=True).values
@@ -388,6 +425,20 @@ def selection_gap(gate, logits: torch.Tensor, k: int) -> float:
     (k+1)-th biased sigmoid score inside the chosen groups (the least over tokens)."""
     scores = logits.float().sigmoid() + gate.e_score_correction_bias
     groups = scores.view(-1, gate.num_group, gate.num_experts // gate.num_group).topk(2, dim=-1)[0].sum(-1)
+    ranked = groups.sort(dim=-1, descending=True).values
+    gaps = [(ranked[:, gate.topk_group - 1] - ranked[:, gate.topk_group]).min().item()]
+    chosen = torch.zeros_like(groups).scatter_(1, groups.topk(gate.topk_group, dim=-1)[1], 1.0)
+    allowed = chosen.repeat_interleave(gate.num_experts // gate.num_group, dim=-1).bool()
+    top = scores.masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True).values
+    gaps.append((top[:, k - 1] - top[:, k]).min().item())
+    return min(gaps)
+
+
+def group_max_gap(gate, logits: torch.Tensor, k: int) -> float:
+    """DeepSeek-V2's group_limited_greedy choices, as margins on the softmax scores: the topk_group-th against the
+    next group's best score, and the k-th against the (k+1)-th score inside the chosen groups (least over tokens)."""
+    scores = logits.float().softmax(dim=-1)
+    groups = scores.view(-1, gate.num_group, gate.num_experts // gate.num_group).max(dim=-1).values
     ranked = groups.sort(dim=-1, descending=True).values
     gaps = [(ranked[:, gate.topk_group - 1] - ranked[:, gate.topk_group]).min().item()]
     chosen = torch.zeros_like(groups).scatter_(1, groups.topk(gate.topk_group, dim=-1)[1], 1.0)

@@ -14,6 +14,7 @@ from spmd_train.config.families import (  # noqa: F401, I001 (importing a module
     qwen3_moe,
     gemma3,
     deepseek_v3,
+    deepseek_v2,
     gpt_oss,
 )
 from spmd_train.config.families.hf_family import (

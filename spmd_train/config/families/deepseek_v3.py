@@ -51,44 +51,35 @@ MTP_LOSS_WEIGHT = 0.1
 
 
 def _claims(model: ModelConfig) -> bool:
-    return model.mla is not None and model.moe is not None
+    # Softmax-routed MLA models are DeepSeek-V2's to hold or refuse.
+    return model.mla is not None and model.moe is not None and model.moe.router_score == "sigmoid"
 
 
 def _refusal(model: ModelConfig) -> str | None:
     moe = model.moe
-    unlike = {"every": (moe.every, 1), "router_score": (moe.router_score, "sigmoid"),
+    unlike = {"every": (moe.every, 1),
               "router_logit_bias": (moe.router_logit_bias, False), "expert_bias": (moe.expert_bias, False),
               "swiglu_limit": (moe.swiglu_limit, None)}
+    if moe.topk_group < moe.n_group:
+        unlike["group_score"] = (moe.group_score, "top2_sum")
     wrong = [f"model.moe.{k}={v}" for k, (v, want) in unlike.items() if v != want]
     if moe.bias_update_rate is None:
         wrong.append("model.moe.bias_update_rate=null")
-    if model.attention_sinks or model.qk_norm or model.qkv_bias or model.attn_output_bias:
-        wrong.append("sinks, Q/K norms or attention biases")
-    if model.sliding_window is not None:
-        wrong.append(f"model.sliding_window={model.sliding_window}")
-    if model.norm_eps != LATENT_EPS:
-        wrong.append(f"model.norm_eps={model.norm_eps} (its latent norms' epsilon is fixed at {LATENT_EPS})")
+    wrong += mla_refusals(model)
     if wrong:
         return (f"DeepSeek-V3 routes every layer after the dense first ones by sigmoid scores with a selection bias "
-                f"(bias_update_rate set; 0 keeps it) through plain SwiGLU experts, and its MLA has no sinks, norms on "
-                f"heads, biases or window, and norm epsilon {LATENT_EPS} (this model: {', '.join(wrong)})")
+                f"(bias_update_rate set; 0 keeps it), groups ranked by their two best scores, through plain SwiGLU "
+                f"experts, and its MLA has no sinks, norms on heads, biases or window, and norm epsilon {LATENT_EPS} "
+                f"(this model: {', '.join(wrong)})")
     return None
 
 
 def _read(hf: Mapping[str, Any], model: dict[str, Any]) -> None:
     refuse_field(hf, "rope_interleave", True, "import reorders interleaved rotary dimensions, DeepSeek's layout")
-    refuse_field(hf, "rms_norm_eps", LATENT_EPS, f"its latent norms' epsilon is fixed at {LATENT_EPS}, and ours is "
-                 "model.norm_eps for every norm")
     refuse_field(hf, "scoring_func", "sigmoid", "DeepSeek-V3 routes by sigmoid scores")
     refuse_field(hf, "topk_method", "noaux_tc", "DeepSeek-V3 selects with a bias, group-limited")
     refuse_field(hf, "moe_layer_freq", 1, "every layer after the dense first ones is an MoE layer")
-    if int(hf.get("first_k_dense_replace", 0)) >= int(hf["num_hidden_layers"]):
-        raise ConfigError(f"config.json: first_k_dense_replace={hf['first_k_dense_replace']} leaves no MoE layer in "
-                          f"num_hidden_layers={hf['num_hidden_layers']}; a dense model is not a deepseek_v3 checkpoint")
-    model.pop("head_dim", None)  # MLA's widths are its own
-    model["mla"] = {"kv_lora_rank": int(hf["kv_lora_rank"]), "q_lora_rank": _rank(hf.get("q_lora_rank")),
-                    "qk_nope_head_dim": int(hf["qk_nope_head_dim"]), "qk_rope_head_dim": int(hf["qk_rope_head_dim"]),
-                    "v_head_dim": int(hf["v_head_dim"])}
+    read_mla(hf, model, "deepseek_v3")
     experts = hf.get("n_routed_experts", hf.get("num_local_experts"))
     # The selection bias is kept as imported (rate 0) and no balance loss but DeepSeek-V3's sequence-wise one is on:
     # a fine-tune sets model.moe.bias_update_rate (DeepSeek-V3 pretrained at 0.001) and the losses it wants.
@@ -105,6 +96,46 @@ def _read(hf: Mapping[str, Any], model: dict[str, Any]) -> None:
         model["mtp"] = {"depth": depth, "loss_weight": MTP_LOSS_WEIGHT}
 
 
+def read_mla(hf: Mapping[str, Any], model: dict[str, Any], model_type: str) -> None:
+    """model.mla from a DeepSeek config.json (V2 and V3 share the fields), refusing a checkpoint without MoE layers."""
+    refuse_field(hf, "rms_norm_eps", LATENT_EPS, f"its latent norms' epsilon is fixed at {LATENT_EPS}, and ours is "
+                 "model.norm_eps for every norm")
+    if int(hf.get("first_k_dense_replace", 0)) >= int(hf["num_hidden_layers"]):
+        raise ConfigError(f"config.json: first_k_dense_replace={hf['first_k_dense_replace']} leaves no MoE layer in "
+                          f"num_hidden_layers={hf['num_hidden_layers']}; a dense model is not a {model_type} "
+                          "checkpoint")
+    model.pop("head_dim", None)  # MLA's widths are its own
+    model["mla"] = {"kv_lora_rank": int(hf["kv_lora_rank"]), "q_lora_rank": _rank(hf.get("q_lora_rank")),
+                    "qk_nope_head_dim": int(hf["qk_nope_head_dim"]), "qk_rope_head_dim": int(hf["qk_rope_head_dim"]),
+                    "v_head_dim": int(hf["v_head_dim"])}
+
+
+def write_mla(model: ModelConfig, out: dict[str, Any]) -> None:
+    """config.json's MLA fields, experts, shared experts, dense first layers and routed scaling (V2's and V3's)."""
+    mla, moe = model.mla, model.moe
+    routed = "n_routed_experts"
+    experts = "num_local_experts" if "num_local_experts" in out and routed not in out else routed
+    out.update({"kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank,
+                "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
+                "v_head_dim": mla.v_head_dim, "head_dim": mla.qk_rope_head_dim,
+                experts: moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
+                "moe_intermediate_size": model.resolved_moe_d_ff, "n_shared_experts": moe.num_shared_experts,
+                "first_k_dense_replace": moe.first_k_dense, "norm_topk_prob": moe.norm_topk_prob,
+                "routed_scaling_factor": moe.routed_scaling_factor, "attention_bias": False})
+
+
+def mla_refusals(model: ModelConfig) -> list[str]:
+    """What DeepSeek's MLA layers (V2 and V3) cannot hold: sinks, Q/K norms, biases, a window, another epsilon."""
+    wrong = []
+    if model.attention_sinks or model.qk_norm or model.qkv_bias or model.attn_output_bias:
+        wrong.append("sinks, Q/K norms or attention biases")
+    if model.sliding_window is not None:
+        wrong.append(f"model.sliding_window={model.sliding_window}")
+    if model.norm_eps != LATENT_EPS:
+        wrong.append(f"model.norm_eps={model.norm_eps} (its latent norms' epsilon is fixed at {LATENT_EPS})")
+    return wrong
+
+
 def _unread(hf: Mapping[str, Any], model: ModelConfig) -> tuple[str, ...]:
     # The MTP modules are stored as layers num_hidden_layers .. + num_nextn_predict_layers - 1; the model reads the
     # first model.mtp.depth of them.
@@ -118,17 +149,9 @@ def _rank(value: Any) -> int | None:
 
 
 def _write(model: ModelConfig, out: dict[str, Any]) -> None:
-    mla, moe = model.mla, model.moe
-    routed = "n_routed_experts"
-    experts = "num_local_experts" if "num_local_experts" in out and routed not in out else routed
-    out.update({"kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank,
-                "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
-                "v_head_dim": mla.v_head_dim, "head_dim": mla.qk_rope_head_dim, "rope_interleave": True,
-                experts: moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
-                "moe_intermediate_size": model.resolved_moe_d_ff, "n_shared_experts": moe.num_shared_experts,
-                "first_k_dense_replace": moe.first_k_dense, "norm_topk_prob": moe.norm_topk_prob,
-                "routed_scaling_factor": moe.routed_scaling_factor, "n_group": moe.n_group,
-                "topk_group": moe.topk_group, "attention_bias": False,
+    write_mla(model, out)
+    moe = model.moe
+    out.update({"rope_interleave": True, "n_group": moe.n_group, "topk_group": moe.topk_group,
                 "num_nextn_predict_layers": 0 if model.mtp is None else model.mtp.depth})
 
 

@@ -52,8 +52,15 @@ def corpus(tmp_path_factory):
     return str(write_corpus(tmp_path_factory.mktemp("docs"), lengths)[0])
 
 
+HEAVY = ("tpu_aot", "multiprocess", "faults", "slow")
+"""Markers of the long tests, which run first (the rest keep their order after them)."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """`tpu_aot` tests compile with libtpu: skipped, with the reason, where the tpu-aot extra is not installed."""
+    """`tpu_aot` tests compile with libtpu: skipped, with the reason, where the tpu-aot extra is not installed.
+
+    The long tests move to the front: xdist hands tests out in this order, so a minute-long TPU compile collected
+    last (test_zero_floor.py sorts last) would run while the other worker has nothing left to take."""
     from spmd_train.analysis.topology import has_libtpu
 
     if not has_libtpu():
@@ -61,6 +68,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "tpu_aot" in item.keywords:
                 item.add_marker(skip)
+    items.sort(key=lambda item: next((i for i, m in enumerate(HEAVY) if m in item.keywords), len(HEAVY)))
 
 
 FAST_TIER_BUDGET_S = 600

@@ -121,8 +121,6 @@ BAD_ROUTING = {
     "first-dense-all-layers": (["model.moe.first_k_dense=4"], ["model.moe.first_k_dense=4", "0 to 3"]),
     "every-after-first-dense": (["model.moe.first_k_dense=1"],  # moe-tiny: every 2nd of the 3 layers left
                                 ["model.moe.every=2", "3 layers after model.moe.first_k_dense=1", "1, 3"]),
-    "first-dense-with-pipeline": (["model.moe.first_k_dense=2", "mesh.pipeline=2", "mesh.fsdp=1"],
-                                  ["model.moe.first_k_dense=2", "mesh.pipeline=2", "first_k_dense=0"]),
 }
 
 

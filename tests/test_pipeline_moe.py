@@ -8,6 +8,8 @@ microbatch r mod m either way).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -48,6 +50,53 @@ def test_pipeline_expert_fsdp_equals_one_device(devices, accumulated, name, v, l
         np.testing.assert_allclose([h[key] for h in history], [h[key] for h in ref_history], rtol=1e-5, err_msg=key)
     assert [h["dropped_fraction"] for h in history] == [h["dropped_fraction"] for h in ref_history] == [0.0] * 3
     assert relative_error(engine.model_params(params), ref_params) < 1e-5
+
+
+# DeepSeek's layout: a dense first layer (model.moe.first_k_dense), then 4 MoE layers, 2 per stage.
+FIRST_DENSE = [NO_DROPS, "model.moe.every=1", "model.moe.first_k_dense=1", "model.num_layers=5", "train.seq_len=16"]
+
+
+@pytest.mark.parametrize("rows,microbatches", fast_cases([(16, 4), (12, 3)], fast=["16-4"], several=True,
+                                                         ids=lambda c: f"{c[0]}-{c[1]}"))
+def test_first_dense_layers_run_before_the_stages_each_on_its_share_of_the_rows(devices, rows, microbatches):
+    # 16 rows split over fsdp 2 x expert 2 x pipeline 2 for the dense layer, whose output the stages gather along
+    # `pipeline`; 12 rows do not split 8 ways, so every stage runs it on all of its 3 rows.
+    common = [*FIRST_DENSE, f"train.global_batch_size={rows}"]
+    ref_history, ref_params, _ = _train([*common, *ONE_DEVICE, f"train.grad_accum={microbatches}"], devices[:1], 3)
+    history, params, engine = _train([*common, *PIPELINED[:-1], f"parallel.pipeline_microbatches={microbatches}",
+                                      "parallel.pipeline_schedule=1f1b"], devices, 3)
+    assert engine.plan is not None and "first_blocks" in params
+    # The router losses are means over the 4 MoE layers, not the 5 layers.
+    for key in ("loss", "grad_norm", "aux_loss", *(f"expert_load.{i}" for i in range(4))):
+        np.testing.assert_allclose([h[key] for h in history], [h[key] for h in ref_history], rtol=1e-5, err_msg=key)
+    assert relative_error(engine.model_params(params), ref_params) < 1e-5
+    # The dense layer's output, [rows per device, seq_len, d_model] in fp32, gathered along `pipeline` when split:
+    # each stage receives the other's half.
+    m, t, shape = engine.cfg.model, engine.cfg.train, engine.mesh.shape
+    stream = rows // (shape["fsdp"] * shape["expert"]) * t.seq_len * m.d_model * 4
+    gathered = sum(c.bytes for c in _compiled_collectives(engine) if c.op == "all-gather" and c.axes == ("pipeline",))
+    assert (gathered >= stream / shape["pipeline"]) == (rows % 8 == 0), (gathered, stream)
+
+
+@pytest.mark.parametrize("layers,message", [
+    (None, "the 3 layers after model.moe.first_k_dense=1 (model.num_layers=4) are not divisible by mesh.pipeline=2"),
+    ("[2,2]", "sums to 4, not the 3 layers after model.moe.first_k_dense=1 (model.num_layers=4) (valid: 2 positive"),
+    ("[1,2]", None), ("balanced", None)])
+def test_stages_split_the_layers_after_the_first_dense_ones(layers, message):
+    from spmd_train.config.pipeline_keys import check_pipeline
+    from spmd_train.errors import ConfigError
+    from spmd_train.train.pipelined import chunk_depths
+
+    cfg = load_config(CONFIG, ["model.moe.every=1", "model.moe.first_k_dense=1", "model.num_layers=4",
+                               "mesh.pipeline=2", "mesh.fsdp=1", "train.global_batch_size=8",
+                               *([f"parallel.pipeline_layers={layers}"] if layers else [])])
+    sizes = {**cfg.mesh.sizes(), "data": 1}
+    if message is None:
+        check_pipeline(cfg, sizes, 8)
+        assert sum(chunk_depths(cfg, 2)) == 3 and min(chunk_depths(cfg, 2)) == 1
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_pipeline(cfg, sizes, 8)
 
 
 @pytest.mark.slow

@@ -15,7 +15,6 @@ from spmd_train.config.validity import (
     batch_axes_divide_batch,
     divisors,
     expert_divides_experts,
-    first_dense_outside_pipeline,
     mtp_outside_pipeline,
     refuse,
     ring_outside_pipeline,
@@ -217,7 +216,6 @@ def check_moe(cfg: Config, sizes: Mapping[str, int], platform: str) -> None:
                   f"model.num_layers={m.num_layers}: it must divide num_layers")
         raise ConfigError(f"model.moe.every={moe.every} is invalid for {layers} (valid: {divisors(routed)}; "
                           "model.moe=null for a dense model)")
-    refuse(first_dense_outside_pipeline(moe.first_k_dense, sizes["pipeline"]))
     if moe.experts_per_token > moe.num_experts:
         raise ConfigError(
             f"model.moe.experts_per_token={moe.experts_per_token} is invalid with "

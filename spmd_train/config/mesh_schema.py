@@ -22,10 +22,12 @@ ScheduleName = Literal[schedule_names()]
 
 LOGICAL_AXES = ("batch", "length", "norm_length", "embed", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora",
                 "q_lora_in", "kv_lora_in", "mlp", "vocab", "experts", "expert_mlp", "router_experts", "layers",
-                "sublayers")
+                "sublayers", "first_layers")
 """Every logical axis name the model code speaks; `mesh.rules` maps these (and only these) to mesh axes."""
-STACKING_AXES = ("layers", "sublayers")
-"""Logical axes that stack copies of a layer's parameters (`models.layers.param(stack=...)`): not a matrix's axes."""
+STACKING_AXES = ("layers", "sublayers", "first_layers")
+"""Logical axes that stack copies of a layer's parameters (`models.layers.param(stack=...)`): not a matrix's axes.
+`first_layers` stacks the model.moe.first_k_dense layers, which no rule splits (a pipeline runs them on every
+stage, before its own stack on `layers`)."""
 ZERO_AXES = ("fsdp", "sequence")
 """Mesh axes the ZeRO stage shards parameters, gradients and optimizer state over (where the rules put them: by
 default a weight's `embed` dimension goes to both; `sequence`'s devices hold other tokens of the same rows)."""

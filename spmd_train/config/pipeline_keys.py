@@ -16,6 +16,7 @@ from spmd_train.config.validity import (
     microbatches_divide_rows,
     refuse,
     schedule_request,
+    staged_layers,
 )
 from spmd_train.errors import ConfigError
 
@@ -28,13 +29,13 @@ def check_pipeline(cfg: Config, sizes: Mapping[str, int], rows: int) -> None:
     equal = equal_stages(cfg)
     if equal:
         refuse(chunks_divide_layers(m.num_layers, p, v, preset=m.preset, pipeline_layers=par.pipeline_layers,
-                                    schedule=par.pipeline_schedule))
+                                    schedule=par.pipeline_schedule, first_dense=m.first_dense))
     else:
         _check_pipeline_layers(cfg, p, v)
     micro = resolved_microbatches(cfg, p, rows)
     refuse(microbatches_divide_rows(micro, rows, t.global_batch_size, t.grad_accum))
     if equal:  # uneven chunks are whole MoE groups by `_check_pipeline_layers`
-        refuse(chunks_hold_moe_groups(m.num_layers, m.moe_every, p, v))
+        refuse(chunks_hold_moe_groups(m.num_layers, m.moe_every, p, v, m.first_dense))
     refuse(schedule_request(par.pipeline_schedule, p, micro, v))
 
 
@@ -47,29 +48,30 @@ def equal_stages(cfg: Config) -> bool:
 
 
 def _check_pipeline_layers(cfg: Config, p: int, v: int) -> None:
-    """parallel.pipeline_layers: p x v chunks of whole MoE groups, none empty, adding up to the model (whether the
-    schedule can run uneven chunks is `train.pipelined.chunk_depths`' to say, once "balanced" is resolved)."""
+    """parallel.pipeline_layers: p x v chunks of whole MoE groups, none empty, adding up to the staged layers (all of
+    the model's but any first_dense ones; whether the schedule can run uneven chunks is `train.pipelined.chunk_depths`'
+    to say, once "balanced" is resolved)."""
     par, m = cfg.parallel, cfg.model
     layers, chunks, unit = par.pipeline_layers, p * v, max(m.moe_every, 1)
+    staged, named = staged_layers(m.num_layers, m.first_dense)
     where = f"mesh.pipeline={p}" + (f" x parallel.virtual_stages={v}" if v > 1 else "")
     if layers == "balanced":
-        if m.num_layers // unit < chunks:
+        if staged // unit < chunks:
             raise ConfigError(f"parallel.pipeline_layers=balanced cannot fill {chunks} stage chunks ({where}) with "
-                              f"model.num_layers={m.num_layers}" + (f" in groups of model.moe.every={unit}" if unit > 1
-                                                                    else "") + f" (valid: at most "
-                              f"{m.num_layers // unit} chunks)")
+                              f"{named}" + (f" in groups of model.moe.every={unit}" if unit > 1 else "")
+                              + f" (valid: at most {staged // unit} chunks)")
     else:
         shown = "[" + ", ".join(map(str, layers)) + "]"
         if len(layers) != chunks:
             raise ConfigError(f"parallel.pipeline_layers={shown} has {len(layers)} entries; {where} runs {chunks} "
                               f"stage chunks (valid: {chunks} layer counts in model order, summing to "
-                              f"model.num_layers={m.num_layers}, or balanced, or null for equal stages)")
+                              f"{named}, or balanced, or null for equal stages)")
         if min(layers) < 1:
             raise ConfigError(f"parallel.pipeline_layers={shown} gives a stage chunk no layers (valid: every entry "
-                              f">= {unit}, summing to model.num_layers={m.num_layers})")
-        if sum(layers) != m.num_layers:
-            raise ConfigError(f"parallel.pipeline_layers={shown} sums to {sum(layers)}, not model.num_layers="
-                              f"{m.num_layers} (valid: {chunks} positive layer counts summing to {m.num_layers})")
+                              f">= {unit}, summing to {named})")
+        if sum(layers) != staged:
+            raise ConfigError(f"parallel.pipeline_layers={shown} sums to {sum(layers)}, not {named} (valid: "
+                              f"{chunks} positive layer counts summing to {staged})")
         if unit > 1 and any(n % unit for n in layers):
             raise ConfigError(f"parallel.pipeline_layers={shown} splits an MoE group: every entry must be a multiple "
                               f"of model.moe.every={unit} (the stack's rows are groups of {unit} layers ending in the "

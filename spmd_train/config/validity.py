@@ -206,33 +206,35 @@ def schedule_request(name: str, stages: object, microbatches: object, virtual: o
     return virtual_stages_fit(name, virtual) or microbatches_fit(name, stages, microbatches)
 
 
+def staged_layers(num_layers: int, first_dense: int = 0) -> tuple[int, str]:
+    """(the layers pipeline stages hold, how messages name them): model.num_layers less the model.moe.first_k_dense
+    dense layers, which run before the stages (`train.pipelined`)."""
+    if not first_dense:
+        return num_layers, f"model.num_layers={num_layers}"
+    layers = num_layers - first_dense
+    return layers, f"the {layers} layers after model.moe.first_k_dense={first_dense} (model.num_layers={num_layers})"
+
+
 def chunks_divide_layers(num_layers: int, pipeline: int, virtual: int, *, preset: str | None = None,
-                         pipeline_layers: object = None, schedule: str = "1f1b") -> Violation | None:
-    """Equal stage chunks: mesh.pipeline x parallel.virtual_stages divides model.num_layers (`preset`,
-    `pipeline_layers` and `schedule` only word the way out)."""
+                         pipeline_layers: object = None, schedule: str = "1f1b",
+                         first_dense: int = 0) -> Violation | None:
+    """Equal stage chunks: mesh.pipeline x parallel.virtual_stages divides the staged layers (model.num_layers less
+    any first_dense ones; `preset`, `pipeline_layers` and `schedule` only word the way out)."""
     chunks = pipeline * virtual
-    if num_layers % chunks == 0:
+    layers, named = staged_layers(num_layers, first_dense)
+    if layers % chunks == 0:
         return None
     preset_note = "" if preset is None else f", not preset {preset!r} as is"
-    message = (f"model.num_layers={num_layers} is not divisible by mesh.pipeline={pipeline} x "
+    message = (f"{named} {'is' if not first_dense else 'are'} not divisible by mesh.pipeline={pipeline} x "
                f"parallel.virtual_stages={virtual} = {chunks}: every stage{' chunk' if virtual > 1 else ''} gets the "
                f"same number of layers (valid: a model with a multiple of {chunks} layers{preset_note}, or "
-               f"mesh.pipeline x virtual_stages in {divisors(num_layers)}"
+               f"mesh.pipeline x virtual_stages in {divisors(layers)}"
                + (", or parallel.pipeline_layers=balanced or a list of layer counts)" if pipeline_layers is None
                   else f"; parallel.pipeline_schedule={schedule} runs equal stage chunks only)"))
     if virtual == 1:
-        return Violation(f"pipeline does not divide num_layers={num_layers}", f"pipeline={pipeline}", message)
-    return Violation(f"pipeline x virtual does not divide num_layers={num_layers}", f"pipeline x virtual = {chunks}",
+        return Violation(f"pipeline does not divide num_layers={layers}", f"pipeline={pipeline}", message)
+    return Violation(f"pipeline x virtual does not divide num_layers={layers}", f"pipeline x virtual = {chunks}",
                      message)
-
-
-def first_dense_outside_pipeline(first_k_dense: int, pipeline: int) -> Violation | None:
-    """model.moe.first_k_dense layers are a stack of their own before the pipelined one: not yet under a pipeline."""
-    if first_k_dense == 0 or pipeline == 1:
-        return None
-    return _not_pipelined(f"model.moe.first_k_dense={first_k_dense}", f"model.moe.first_k_dense={first_k_dense}",
-                          pipeline, "the first dense layers are a layer stack of their own, which pipeline stages do "
-                          "not yet hold", "model.moe.first_k_dense=0")
 
 
 def mtp_outside_pipeline(depth: int, pipeline: int) -> Violation | None:
@@ -250,17 +252,19 @@ def _not_pipelined(key: str, what: str, pipeline: int, why: str, off: str) -> Vi
                      f"{what} with mesh.pipeline={pipeline}: {why} (valid: mesh.pipeline=1, or {off})")
 
 
-def chunks_hold_moe_groups(num_layers: int, moe_every: int, pipeline: int, virtual: int) -> Violation | None:
+def chunks_hold_moe_groups(num_layers: int, moe_every: int, pipeline: int, virtual: int,
+                           first_dense: int = 0) -> Violation | None:
     """Equal stage chunks hold whole MoE groups (model.moe.every layers, the stack's rows): moe.every divides a
-    chunk's layers."""
+    chunk's layers (of those after any first_dense ones)."""
     chunks = pipeline * virtual
-    depth = num_layers // chunks
+    layers, named = staged_layers(num_layers, first_dense)
+    depth = layers // chunks
     if moe_every <= 1 or depth % moe_every == 0:
         return None
     return Violation(f"a stage chunk's layers would split an MoE group of moe.every={moe_every}",
                      f"pipeline x virtual = {chunks}",
                      f"model.moe.every={moe_every} does not divide the {depth} layer{'s' * (depth > 1)} each pipeline "
-                     f"stage{' chunk' if virtual > 1 else ''} holds (model.num_layers={num_layers} / "
+                     f"stage{' chunk' if virtual > 1 else ''} holds ({named} / "
                      f"mesh.pipeline={pipeline}{f' / parallel.virtual_stages={virtual}' if virtual > 1 else ''}): an "
                      f"MoE group of {moe_every} layers would be split across stages (valid model.moe.every: "
                      f"{divisors(depth)}, or a multiple of {chunks * moe_every} layers)")

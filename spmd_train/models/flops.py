@@ -134,25 +134,33 @@ def head_flops_per_token(m: ModelConfig) -> float:
     return 6.0 * m.d_model * m.vocab_size
 
 
+def first_layers_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of the model.moe.first_k_dense layers, which a pipeline runs before its stages, each
+    stage on its share of the rows (`train.pipelined`)."""
+    return float(layer_flops_per_token(m, seq_len)[:m.first_dense].sum())
+
+
 def chunk_flops_per_token(m: ModelConfig, seq_len: int, depths: list[int]) -> list[float]:
-    """FLOPs per token of each model chunk holding `depths[c]` consecutive layers; the last carries the head."""
-    if sum(depths) != m.num_layers:
-        raise ValueError(f"chunk depths {depths} do not sum to num_layers={m.num_layers}")
+    """FLOPs per token of each model chunk holding `depths[c]` consecutive layers of those the stages hold (all but
+    the first_k_dense ones); the last carries the head."""
+    staged = m.num_layers - m.first_dense
+    if sum(depths) != staged:
+        raise ValueError(f"chunk depths {depths} do not sum to the {staged} staged layers")
     bounds = np.cumsum([0, *depths])
-    per_layer = layer_flops_per_token(m, seq_len)
+    per_layer = layer_flops_per_token(m, seq_len)[m.first_dense:]
     costs = [float(per_layer[a:b].sum()) for a, b in itertools.pairwise(bounds)]
     costs[-1] += head_flops_per_token(m)
     return costs
 
 
 def balanced_depths(m: ModelConfig, seq_len: int, chunks: int) -> list[int]:
-    """The split of the layers into `chunks` contiguous non-empty chunks of whole MoE groups whose costliest chunk
-    (head included) costs least; the even split when no other is cheaper."""
-    unit = max(m.moe_every, 1)
-    n = m.num_layers // unit
+    """The split of the staged layers (all but the first_k_dense ones) into `chunks` contiguous non-empty chunks of
+    whole MoE groups whose costliest chunk (head included) costs least; the even split when no other is cheaper."""
+    unit, staged = max(m.moe_every, 1), m.num_layers - m.first_dense
+    n = staged // unit
     if n < chunks:
         raise ValueError(f"{n} layer groups cannot fill {chunks} chunks")
-    per_layer = layer_flops_per_token(m, seq_len)
+    per_layer = layer_flops_per_token(m, seq_len)[m.first_dense:]
     prefix = np.concatenate([[0.0], np.cumsum(per_layer.reshape(n, unit).sum(1))])
     head = head_flops_per_token(m)
     # best[k][j]: the least max cost of splitting the first j units into k chunks; cut[k][j] the last cut.
@@ -172,7 +180,7 @@ def balanced_depths(m: ModelConfig, seq_len: int, chunks: int) -> list[int]:
         j = int(cut[k][j])
     depths.reverse()
     if n % chunks == 0:
-        even = [m.num_layers // chunks] * chunks
+        even = [staged // chunks] * chunks
         if max(chunk_flops_per_token(m, seq_len, even)) <= best[chunks][n] * (1 + 1e-12):
             return even
     return depths

@@ -15,14 +15,25 @@ from spmd_train.models.param_specs import norm_params
 from spmd_train.sharding.constrain import constrain, stored_param
 
 
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """Copies of a layer's parameters stacked on leading axes with these logical names (`param(stack=...)`)."""
+
+    sizes: tuple[int, ...]
+    axes: tuple[str, ...]
+
+
 def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std: float | None, dtype,
-          stack: int | tuple[int, ...] | None = None) -> nnx.Param:
+          stack: int | tuple[int, ...] | Stack | None = None) -> nnx.Param:
     """A parameter drawn from N(0, std^2) (ones when std is None, zeros when it is 0), tagged with its logical axes.
 
     With `stack=L` the parameter gets a leading `layers` axis of size L, one slice per layer;
-    with `stack=(G, n)` a `layers` axis of G groups, then a `sublayers` axis of n layers each.
+    with `stack=(G, n)` a `layers` axis of G groups, then a `sublayers` axis of n layers each; a `Stack` names its
+    own axes.
     """
-    if stack is not None:
+    if isinstance(stack, Stack):
+        shape, axes = (*stack.sizes, *shape), (*stack.axes, *axes)
+    elif stack is not None:
         stack = (stack,) if isinstance(stack, int) else tuple(stack)
         shape, axes = (*stack, *shape), (*STACKING_AXES[: len(stack)], *axes)
     if std is None or std == 0:

@@ -136,7 +136,7 @@ def model_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str
     every, first = cfg.moe_every, cfg.first_dense
     layers = cfg.num_layers - first
     if first:  # model.moe.first_k_dense: the dense layers before the MoE pattern, a stack of their own
-        out += _stacked(block_params(cfg, moe=False), "first_blocks", (first,))
+        out += _stacked(block_params(cfg, moe=False), "first_blocks", (first,), ("first_layers",))
     if every in (0, 1):
         out += _stacked(block_params(cfg, moe=every == 1), "blocks", (layers,))
     else:
@@ -150,6 +150,6 @@ def model_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str
     return out
 
 
-def _stacked(specs: dict[str, Spec], prefix: str, stack: tuple[int, ...]) -> list:
-    lead = STACKING_AXES[: len(stack)]
+def _stacked(specs: dict[str, Spec], prefix: str, stack: tuple[int, ...], lead: tuple[str, ...] | None = None) -> list:
+    lead = STACKING_AXES[: len(stack)] if lead is None else lead
     return [(f"{prefix}.{path}", (*stack, *shape), (*lead, *axes)) for path, (shape, axes) in specs.items()]

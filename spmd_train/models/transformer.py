@@ -17,7 +17,7 @@ from flax import nnx
 
 from spmd_train.config.model_schema import BackendsConfig, ModelConfig
 from spmd_train.models.flops import mtp_kind
-from spmd_train.models.layers import Pinned, RMSNorm, dense, param, pin, weight
+from spmd_train.models.layers import Pinned, RMSNorm, Stack, dense, param, pin, weight
 from spmd_train.models.mla import MLAttention
 from spmd_train.models.moe import MoE
 from spmd_train.models.mtp import MTP
@@ -265,7 +265,7 @@ class Transformer(nnx.Module):
         if cfg.first_dense:
             # model.moe.first_k_dense: dense layers before the MoE pattern, a scanned stack of their own (the
             # `blocks` stack keeps one row shape, so scans, pipelines and layer orders treat it as before).
-            self.first_blocks = Block(cfg, rngs, backends, stack=cfg.first_dense)
+            self.first_blocks = Block(cfg, rngs, backends, stack=Stack((cfg.first_dense,), ("first_layers",)))
         self.blocks = make_blocks(cfg, rngs, backends)
         self.final_norm = RMSNorm(cfg)
         if "lm_head" in tables:
@@ -317,12 +317,17 @@ class Transformer(nnx.Module):
               positions: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
         """Tokens -> (the last layer's residual stream, before the final norm; the MoE statistics)."""
         graphdef, stacked = nnx.split(self.blocks)
-        x = self.embed(tokens, table)
-        if self.cfg.first_dense:
-            first_def, first_stacked = nnx.split(self.first_blocks)
-            x, _ = apply_blocks(first_def, first_stacked, x, self.cfg, remat, segments=segments, positions=positions,
-                                kinds=jnp.asarray(first_kind_ids(self.cfg)))
+        x = self.first_layers(self.embed(tokens, table), segments=segments, positions=positions, remat=remat)
         return apply_blocks(graphdef, stacked, x, self.cfg, remat, segments=segments, positions=positions)
+
+    def first_layers(self, x: jax.Array, *, segments: jax.Array | None = None, positions: jax.Array | None = None,
+                     remat: str = "none") -> jax.Array:
+        """The model.moe.first_k_dense dense layers (`first_blocks`) on the embedded stream; x itself without them."""
+        if not self.cfg.first_dense:
+            return x
+        first_def, first_stacked = nnx.split(self.first_blocks)
+        return apply_blocks(first_def, first_stacked, x, self.cfg, remat, segments=segments, positions=positions,
+                            kinds=jnp.asarray(first_kind_ids(self.cfg)))[0]
 
     def embed(self, tokens: jax.Array, table: Pinned | None = None) -> jax.Array:
         """Token ids [batch, length] -> the residual stream [batch, length, d_model] in the compute dtype.

@@ -1,8 +1,9 @@
 """The model's loss and gradients computed by a pipeline schedule instead of one autodiff pass.
 
-The embedding runs before the pipeline on every stage, the layer stack over `pipeline`, and the final norm, LM
-head and loss on the last chunk's stage right after each microbatch's forward, so the loss equals the
-non-pipelined one exactly. MoE router losses are per microbatch, as with grad accumulation.
+The embedding runs before the pipeline on every stage, then any model.moe.first_k_dense layers (their rows split
+over `pipeline` as well), the layer stack over `pipeline`, and the final norm, LM head and loss on the last chunk's
+stage right after each microbatch's forward, so the loss equals the non-pipelined one exactly. MoE router losses
+are per microbatch, as with grad accumulation.
 
 Derivation: docs/explanation/pipeline-executor.md#the-pipelined-loss
 """
@@ -10,6 +11,7 @@ Derivation: docs/explanation/pipeline-executor.md#the-pipelined-loss
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -21,15 +23,16 @@ from spmd_train.config.pipeline_keys import equal_stages, resolved_microbatches
 from spmd_train.config.schedule_facts import names_where, schedule_facts, spoken
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
-from spmd_train.models.flops import balanced_depths
+from spmd_train.models.flops import balanced_depths, moe_layer_count
 from spmd_train.models.transformer import RESIDUAL, apply_blocks, attention_kinds, layer_kind_ids
 from spmd_train.ops import cross_entropy
-from spmd_train.parallel.pipeline import executor_stage, run_pipeline, stash_layout
+from spmd_train.parallel.pipeline import AXIS, executor_stage, run_pipeline, stash_layout
 from spmd_train.parallel.pipeline_plan import PipelinePlan, build_plan
 from spmd_train.parallel.schedules import build_schedule
 from spmd_train.parallel.split_backward import split_vjp
 from spmd_train.sharding.arithmetic import rows_per_device
-from spmd_train.sharding.constrain import constrain
+from spmd_train.sharding.constrain import active_layout, constrain, use_layout
+from spmd_train.sharding.layout import Layout
 from spmd_train.train.inputs import model_inputs
 
 
@@ -141,7 +144,18 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
             a = a.reshape(rows // m, m, *a.shape[1:]).swapaxes(0, 1)
             return constrain(a, (None, *(RESIDUAL if a.ndim == 4 else ("batch", "length"))))
 
-        x, embed_vjp = jax.vjp(lambda rest: split(model(rest).embed(inputs)), rest)
+        first = _first_layers_layout(cfg, rows)
+
+        def prologue(rest):
+            # The embedding, then any first_k_dense layers, which are not in the stage stack: their rows split over
+            # `pipeline` as well (each stage computes its share, the pipeline's input gathers them), else on every
+            # stage whole.
+            with use_layout(first):
+                x = model(rest).embed(inputs)
+                x = model(rest).first_layers(x, remat=cfg.parallel.remat, **docs)
+            return split(x)
+
+        x, embed_vjp = jax.vjp(prologue, rest)
 
         def head_fn(rest, y, target):
             target, weight = target
@@ -164,6 +178,18 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
     return value_and_grad
 
 
+def _first_layers_layout(cfg: Config, rows: int) -> Layout | None:
+    """The layout the model.moe.first_k_dense layers run in under a pipeline: the batch split over `pipeline` too
+    (innermost, so the stages' shares gather along `pipeline` alone), when the rows divide; else the active one."""
+    layout = active_layout()
+    if not cfg.model.first_dense or layout is None:
+        return layout
+    batch = (*(a for a in layout.activations.get("batch", ()) if a != AXIS), AXIS)
+    if rows % math.prod(layout.mesh.shape[a] for a in batch):
+        return layout
+    return replace(layout, activations={**layout.activations, "batch": batch})
+
+
 def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
     """One chunk of stacked layers as a pure function (chunk params, x, documents) -> x, or with MoE layers
     -> (x, the chunk's share of the weighted router losses, per-layer router statistics) (`run_pipeline`'s extras).
@@ -181,7 +207,7 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
         if moe is None:
             return y
         # The objective takes the mean of each router loss over all MoE layers: this chunk's layers' sum / their count.
-        layers = model.num_layers // model.moe_every
+        layers = moe_layer_count(model)
         term = (moe.router_aux_weight * jnp.sum(stats["aux_loss"]) + moe.router_z_weight * jnp.sum(stats["z_loss"]))
         load = stats["expert_load"]
         per_layer = {"aux_loss": stats["aux_loss"], "z_loss": stats["z_loss"],

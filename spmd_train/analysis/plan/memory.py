@@ -281,7 +281,11 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
     stream = tokens * m.d_model * m.compute_bytes / (c.tensor if c.sequence_parallel else 1)  # one microbatch
     if c.pipeline > 1:
         _, _, in_flight = schedule_stats(c.pipeline_schedule, c.pipeline, micro, c.virtual_stages)
-        activations = in_flight * (layers / (c.pipeline * c.virtual_stages) + per_stack)
+        # The first_k_dense layers run before the stages, each stage on 1/pipeline of every microbatch's rows, and
+        # keep their residuals through the step.
+        first = m.first_dense * dense
+        activations = (in_flight * ((layers - first) / (c.pipeline * c.virtual_stages) + per_stack)
+                       + first * micro / c.pipeline)
         pipeline_buffers = (2 * micro + 2) * stream
     else:
         activations, pipeline_buffers = layers + per_stack, 0.0

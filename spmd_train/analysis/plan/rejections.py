@@ -34,7 +34,6 @@ from spmd_train.config.validity import (
     chunks_divide_layers,
     chunks_hold_moe_groups,
     expert_divides_experts,
-    first_dense_outside_pipeline,
     microbatches_divide_rows,
     mtp_outside_pipeline,
     ring_outside_pipeline,
@@ -112,7 +111,7 @@ def mesh_reason(cfg: Config, shape: ModelShape, c: Candidate, target: Target) ->
     found = (next((v for key, value in splits if (v := tensor_divides(key, value, c.tensor))), None)
              or (expert_divides_experts(m.moe.num_experts, c.expert) if m.moe is not None else None)
              # Every virtual-stage count splits the layers at least as finely as the stages alone.
-             or chunks_divide_layers(m.num_layers, c.pipeline, 1)
+             or chunks_divide_layers(m.num_layers, c.pipeline, 1, first_dense=m.first_dense)
              or batch_axes_divide_batch(t.global_batch_size, {a: c.shape[a] for a in c.tables.batch_axes})
              or axes_divide_tokens(t.seq_len, c.sequence, c.tensor, sequence_parallel=False))
     if found is not None:
@@ -137,9 +136,8 @@ def structure_reason(cfg: Config, shape: ModelShape, c: Candidate) -> Rejection 
     if found is None and c.pipeline > 1:
         rows = t.global_batch_size // c.batch_ways
         found = (virtual_stages_fit(c.pipeline_schedule, c.virtual_stages)
-                 or chunks_divide_layers(m.num_layers, c.pipeline, c.virtual_stages)
-                 or chunks_hold_moe_groups(m.num_layers, m.moe_every, c.pipeline, c.virtual_stages)
-                 or first_dense_outside_pipeline(m.first_dense, c.pipeline)
+                 or chunks_divide_layers(m.num_layers, c.pipeline, c.virtual_stages, first_dense=m.first_dense)
+                 or chunks_hold_moe_groups(m.num_layers, m.moe_every, c.pipeline, c.virtual_stages, m.first_dense)
                  or mtp_outside_pipeline(0 if m.mtp is None else m.mtp.depth, c.pipeline)
                  or microbatches_divide_rows(c.pipeline_microbatches, rows, t.global_batch_size, 1))
     return None if found is None else _invalid((c, Scope.STRUCTURE), found)

@@ -231,10 +231,10 @@ def chunks_divide_layers(num_layers: int, pipeline: int, virtual: int, *, preset
                f"mesh.pipeline x virtual_stages in {divisors(layers)}"
                + (", or parallel.pipeline_layers=balanced or a list of layer counts)" if pipeline_layers is None
                   else f"; parallel.pipeline_schedule={schedule} runs equal stage chunks only)"))
+    what = f"num_layers={layers}" if not first_dense else f"the {layers} layers after first_k_dense"
     if virtual == 1:
-        return Violation(f"pipeline does not divide num_layers={layers}", f"pipeline={pipeline}", message)
-    return Violation(f"pipeline x virtual does not divide num_layers={layers}", f"pipeline x virtual = {chunks}",
-                     message)
+        return Violation(f"pipeline does not divide {what}", f"pipeline={pipeline}", message)
+    return Violation(f"pipeline x virtual does not divide {what}", f"pipeline x virtual = {chunks}", message)
 
 
 def mtp_outside_pipeline(depth: int, pipeline: int) -> Violation | None:

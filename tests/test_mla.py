@@ -260,10 +260,10 @@ def test_hugging_face_export_refuses_a_dense_mla_model_naming_the_family_that_ho
     from spmd_train.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"Llama \(llama\) cannot hold model.mla \(held by DeepSeek-V3 "
-                                          r"\(deepseek_v3\), with its other settings\)"):
+                                          r"\(deepseek_v3\), DeepSeek-V2 \(deepseek_v2\), with its other settings\)"):
         infer_family(_model(MLA))
-    with pytest.raises(ConfigError, match="unsupported architecture: model_type='deepseek_v2'"):
-        family({"model_type": "deepseek_v2", "kv_lora_rank": 512})
+    with pytest.raises(ConfigError, match="unsupported architecture: model_type='deepseek_v32'"):
+        family({"model_type": "deepseek_v32", "kv_lora_rank": 512})
 
 
 # --- generation from the compressed cache -------------------------------------------------------------------------

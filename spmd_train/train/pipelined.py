@@ -150,9 +150,9 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
             # The embedding, then any first_k_dense layers, which are not in the stage stack: their rows split over
             # `pipeline` as well (each stage computes its share, the pipeline's input gathers them), else on every
             # stage whole.
+            ends = model(rest)
             with use_layout(first):
-                x = model(rest).embed(inputs)
-                x = model(rest).first_layers(x, remat=cfg.parallel.remat, **docs)
+                x = ends.first_layers(ends.embed(inputs), remat=cfg.parallel.remat, **docs)
             return split(x)
 
         x, embed_vjp = jax.vjp(prologue, rest)

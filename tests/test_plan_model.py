@@ -188,6 +188,7 @@ def test_bf16_lion_and_adamw_hold_one_and_two_moments_in_the_parameter_dtype():
     *[("configs/mesh_presets.yaml", [f"mesh.preset={p}"]) for p in ("ddp", "fsdp", "fsdp_tp", "hsdp", "tp_sp")],
     *[("configs/mesh_presets.yaml", [f"parallel.zero_stage={z}"]) for z in (0, 1, 2)],
     ("configs/pipeline.yaml", []),
+    ("configs/pipeline.yaml", ["model.num_layers=6", "parallel.pipeline_layers=balanced"]),  # padded to 2 a stage
     ("configs/moe.yaml", []),
     ("configs/moe.yaml", ["optim.name=adafactor", "parallel.zero_stage=2", "model.d_model=128", "model.moe.d_ff=128",
                           "model.d_ff=256"]),

@@ -23,6 +23,7 @@ from spmd_train.analysis.plan.ranking import Ranked, tie_order
 from spmd_train.analysis.plan.rejections import factorizations, real_check, structure_reason
 from spmd_train.analysis.plan.search import evaluate, search
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.analysis.plan.stages import stored_rows_factor
 from spmd_train.analysis.plan.target import parse_topology, slow_placements, target_for
 from spmd_train.analysis.plan.timing import (
     LINK_EFFICIENCY,
@@ -397,10 +398,32 @@ def test_moe_groups_split_across_stage_chunks_are_refused_like_the_checks(pipeli
     checked = real_check(config_for(cfg, c), c, "gpu")
     if pipeline * virtual == 2:
         assert found is None and checked is None
-    else:
+    elif virtual == 1:  # zb_h1 runs equal chunks only
         assert found.rule == "a stage chunk's layers would split an MoE group of moe.every=2"
         assert checked is not None and "model.moe.every=2 does not divide" in checked.detail
+    else:  # a fused schedule would run uneven chunks, but 2 groups cannot fill 4 of them
+        assert found.rule == "fewer stack rows than stage chunks (2)"
+        assert checked is not None and "balanced cannot fill 4 stage chunks" in checked.detail
 
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_uneven_stages_are_planned_as_balanced_where_the_schedule_runs_them(schedule):
+    # 6 layers in 3 MoE groups over 2 stages: 1F1B runs 2 + 1 groups (parallel.pipeline_layers=balanced), ZB-H1 only
+    # equal chunks; the planner and the checks agree on both, and the estimate counts the padded stage.
+    cfg = load_config("configs/moe.yaml", ["model.num_layers=6"])
+    c = Candidate(pipeline=2, fsdp=2, expert=2, pipeline_schedule=schedule, pipeline_microbatches=2)
+    shape = ModelShape.from_config(cfg.model)
+    found = structure_reason(cfg, shape, c)
+    planned = config_for(cfg, c)
+    checked = real_check(planned, c, "gpu")
+    if schedule == "zb_h1":
+        assert found.rule == "a stage chunk's layers would split an MoE group of moe.every=2" and checked is not None
+        return
+    assert found is None and checked is None and planned.parallel.pipeline_layers == "balanced"
+    assert "parallel.pipeline_layers=balanced" in overrides(c, cfg.model.stack_rows)
+    # Each stage stores 2 groups (the one-group stage padded), 4 of the 3 groups' rows: the state bytes count them
+    # (tests/test_plan_model.py holds them equal to the engine's).
+    assert stored_rows_factor(shape, c, cfg.train.seq_len) == pytest.approx(4 / 3)
 
 _TIMING = Timing(model_flops=1.0, device_flops=1.0, compute=1.531, bubble=0.0, communication=0.0, exposed=0.0,
                  step=1.531, tokens_per_second=1.0, mfu=0.6, axes=())

@@ -80,3 +80,38 @@ def test_chunks_land_on_the_stages_the_storage_order_puts_them(placement, stages
     assert sum(shares) == pytest.approx(1.0, rel=1e-12)
     head_stage = stage_of(stages * virtual - 1, stages, placement)
     assert shares[head_stage] == max(shares)
+
+
+# --- the planner's stages: the same split and the same busiest stage as the engine and `describe` ----------------
+
+PLANNED = {
+    # (config, overrides, pipeline, virtual, schedule): equal chunks, uneven ones (balanced), MoE groups, dense first
+    "equal": (None, ["model.preset=gpt2-small"], 4, 1, "1f1b"),
+    "uneven": (None, ["model.preset=gpt2-small", "model.num_layers=10"], 4, 1, "1f1b"),
+    "uneven-interleaved": (None, ["model.preset=gpt2-small", "model.num_layers=10"], 2, 2, "interleaved_1f1b"),
+    "moe-groups": ("configs/moe.yaml", ["model.num_layers=10"], 2, 1, "1f1b"),
+    "first-dense": ("configs/moe.yaml", ["model.moe.every=1", "model.moe.first_k_dense=3", "model.num_layers=12"], 4,
+                    1, "gpipe"),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANNED))
+def test_the_planners_stages_are_the_engines_split_and_describes_busiest_stage(name):
+    from spmd_train.analysis.plan.candidate import Candidate
+    from spmd_train.analysis.plan.shape import ModelShape
+    from spmd_train.analysis.plan.stages import chunk_layers, pipeline_layers, stage_imbalance, stored_rows_factor
+
+    config, overrides, p, v, schedule = PLANNED[name]
+    m, seq = load_config(config, overrides).model, 1024
+    shape, c = ModelShape.from_config(m), Candidate(pipeline=p, virtual_stages=v, pipeline_schedule=schedule)
+    assert shape.staged_flops_per_token(seq) == pytest.approx(list(layer_flops_per_token(m, seq)[m.first_dense:]),
+                                                              rel=1e-12)
+    equal = m.stack_rows % (p * v) == 0
+    depths = list(chunk_layers(shape, c, seq))
+    assert pipeline_layers(m.stack_rows, c) == (None if equal else "balanced")
+    staged = m.num_layers - m.first_dense
+    assert depths == ([staged // (p * v)] * (p * v) if equal else balanced_depths(m, seq, p * v))
+    assert (len(set(depths)) > 1) != equal
+    shares = stage_shares(m, seq, depths, p, "loop")  # what `describe` reports per stage
+    assert stage_imbalance(shape, c, seq) == pytest.approx(max(shares) * p, rel=1e-9)
+    assert stored_rows_factor(shape, c, seq) == pytest.approx(p * v * max(depths) / staged)

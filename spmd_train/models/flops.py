@@ -161,8 +161,15 @@ def balanced_depths(m: ModelConfig, seq_len: int, chunks: int) -> list[int]:
     if n < chunks:
         raise ValueError(f"{n} layer groups cannot fill {chunks} chunks")
     per_layer = layer_flops_per_token(m, seq_len)[m.first_dense:]
-    prefix = np.concatenate([[0.0], np.cumsum(per_layer.reshape(n, unit).sum(1))])
-    head = head_flops_per_token(m)
+    units = cheapest_split(per_layer.reshape(n, unit).sum(1).tolist(), head_flops_per_token(m), chunks)
+    return [k * unit for k in units]
+
+
+def cheapest_split(costs: list[float], head: float, chunks: int) -> list[int]:
+    """How many of the consecutive `costs` (units of work) each of `chunks` non-empty chunks takes so that the
+    costliest chunk, the last one carrying `head` as well, costs least; the even split when no other is cheaper."""
+    n = len(costs)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
     # best[k][j]: the least max cost of splitting the first j units into k chunks; cut[k][j] the last cut.
     best = np.full((chunks + 1, n + 1), np.inf)
     cut = np.zeros((chunks + 1, n + 1), int)
@@ -174,13 +181,15 @@ def balanced_depths(m: ModelConfig, seq_len: int, chunks: int) -> list[int]:
                 value = max(best[k - 1][i], prefix[j] - prefix[i] + (extra if j == n else 0.0))
                 if value < best[k][j]:
                     best[k][j], cut[k][j] = value, i
-    depths, j = [], n
+    split, j = [], n
     for k in range(chunks, 0, -1):
-        depths.append(int(j - cut[k][j]) * unit)
+        split.append(int(j - cut[k][j]))
         j = int(cut[k][j])
-    depths.reverse()
+    split.reverse()
     if n % chunks == 0:
-        even = [staged // chunks] * chunks
-        if max(chunk_flops_per_token(m, seq_len, even)) <= best[chunks][n] * (1 + 1e-12):
+        even = [n // chunks] * chunks
+        bounds = np.cumsum([0, *even])
+        worst = max(prefix[b] - prefix[a] + (head if b == n else 0.0) for a, b in itertools.pairwise(bounds))
+        if worst <= best[chunks][n] * (1 + 1e-12):
             return even
-    return depths
+    return split

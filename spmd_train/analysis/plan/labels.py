@@ -14,6 +14,7 @@ from enum import IntEnum
 from typing import Any
 
 from spmd_train.analysis.plan.candidate import CONTEXT_SCHEMES, REMAT_POLICIES, Candidate
+from spmd_train.analysis.plan.stages import pipeline_layers
 from spmd_train.config.checks import check_config
 from spmd_train.config.mesh_schema import MESH_AXES, AxisFactors
 from spmd_train.config.schedule_facts import schedule_names
@@ -138,8 +139,10 @@ def _read(token: str, key: str, value: str, sizes: dict, fields: dict) -> None:
         raise ValueError(token)
 
 
-def overrides(c: Candidate) -> list[str]:
-    """The `section.key=value` overrides that make a base config run candidate `c`."""
+def overrides(c: Candidate, rows: int | None = None) -> list[str]:
+    """The `section.key=value` overrides that make a base config run candidate `c` (`rows`: the model's stack rows,
+    `ModelConfig.stack_rows`, which decide whether uneven stages need parallel.pipeline_layers=balanced)."""
+    layers = None if rows is None else pipeline_layers(rows, c)
     out = [f"mesh.{a}={n}" for a, n in zip(MESH_AXES, c.sizes, strict=True)]
     out += [f"mesh.dcn.{a}={f}" for a, f in zip(MESH_AXES, c.dcn, strict=True)]
     micro = "null" if c.pipeline_microbatches is None else c.pipeline_microbatches
@@ -147,7 +150,7 @@ def overrides(c: Candidate) -> list[str]:
             f"parallel.sequence_parallel={str(c.sequence_parallel).lower()}",
             f"parallel.context_parallel={c.context_parallel}", f"parallel.pipeline_schedule={c.pipeline_schedule}",
             f"parallel.pipeline_microbatches={micro}", f"parallel.virtual_stages={c.virtual_stages}",
-            "parallel.pipeline_layers=null", f"train.grad_accum={c.grad_accum}"]
+            f"parallel.pipeline_layers={layers or 'null'}", f"train.grad_accum={c.grad_accum}"]
 
 
 def config_dict(cfg: Config, c: Candidate) -> dict[str, Any]:
@@ -161,7 +164,7 @@ def config_dict(cfg: Config, c: Candidate) -> dict[str, Any]:
     raw["parallel"].update(zero_stage=c.zero_stage, remat=c.remat, sequence_parallel=c.sequence_parallel,
                            context_parallel=c.context_parallel, pipeline_schedule=c.pipeline_schedule,
                            pipeline_microbatches=c.pipeline_microbatches, virtual_stages=c.virtual_stages,
-                           pipeline_layers=None)  # the planner lays out equal stages
+                           pipeline_layers=pipeline_layers(cfg.model.stack_rows, c))
     raw["train"]["grad_accum"] = c.grad_accum
     return raw
 
@@ -175,7 +178,7 @@ def config_for(cfg: Config, c: Candidate) -> Config:
                                    sequence_parallel=c.sequence_parallel, context_parallel=c.context_parallel,
                                    pipeline_schedule=c.pipeline_schedule,
                                    pipeline_microbatches=c.pipeline_microbatches, virtual_stages=c.virtual_stages,
-                                   pipeline_layers=None)  # the planner lays out equal stages
+                                   pipeline_layers=pipeline_layers(cfg.model.stack_rows, c))
     out = dataclasses.replace(cfg, mesh=mesh, parallel=parallel,
                               train=dataclasses.replace(cfg.train, grad_accum=c.grad_accum))
     check_config(out)

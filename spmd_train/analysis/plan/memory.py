@@ -30,6 +30,7 @@ from spmd_train.analysis.plan.candidate import (
     tables_of,
 )
 from spmd_train.analysis.plan.shape import ModelShape, ParamGroup
+from spmd_train.analysis.plan.stages import chunk_layers, stored_rows_factor
 from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
 from spmd_train.config.optimizer_facts import optimizer_facts
 from spmd_train.config.resolved_rules import RuleTables
@@ -122,20 +123,24 @@ def optimizer_bytes(g: ParamGroup, spec: Spec, shape: dict[str, int], param_byte
 
 def state_bytes(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state) bytes per device, parameter by parameter."""
-    return _state_bytes(m, c.sizes, c.zero_stage, w.optimizer, w.momentum, c.rules)
+    return _state_bytes(m, c.sizes, c.zero_stage, w.optimizer, w.momentum, c.rules,
+                        stored_rows_factor(m, c, w.seq_len))
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def _state_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, optimizer: str, momentum: bool,
-                 rules: RuleTables | None) -> tuple[float, float, float]:
+                 rules: RuleTables | None, stored: float = 1.0) -> tuple[float, float, float]:
+    """Parameter, gradient and optimizer bytes per device; `stored`: the layer stack's stored rows over its model
+    rows (uneven pipeline chunks are padded to the deepest, `stages.stored_rows_factor`)."""
     shape = dict(zip(MESH_AXES, sizes, strict=True))
     w = Workload(global_batch=1, seq_len=1, optimizer=optimizer, momentum=momentum)
     params = grads = opt = 0.0
     for g in m.params:
         lay = param_layout(g.axes, sizes, stage, rules)
-        params += g.numel / spec_ways(lay.params, shape) * m.param_bytes
-        grads += g.numel / spec_ways(lay.grads, shape) * m.param_bytes
-        opt += optimizer_bytes(g, lay.optimizer, shape, m.param_bytes, w)
+        scale = stored if g.path.startswith("blocks.") else 1.0
+        params += scale * g.numel / spec_ways(lay.params, shape) * m.param_bytes
+        grads += scale * g.numel / spec_ways(lay.grads, shape) * m.param_bytes
+        opt += scale * optimizer_bytes(g, lay.optimizer, shape, m.param_bytes, w)
     return params, grads, opt
 
 
@@ -190,7 +195,8 @@ def context_scheme(c: Candidate) -> str | None:
 
 def estimate_memory(m: ModelShape, c: Candidate, w: Workload) -> MemoryEstimate:
     """Per-device memory of candidate `c` running workload `w` on model `m`."""
-    return _assemble(_state_part(m, c.sizes, c.zero_stage, c.rules, w), _activation_part(m, c, w, c.grad_accum))
+    return _assemble(_state_part(m, c.sizes, c.zero_stage, c.rules, w, stored_rows_factor(m, c, w.seq_len)),
+                     _activation_part(m, c, w, c.grad_accum))
 
 
 class MemoryModel:
@@ -212,10 +218,11 @@ class MemoryModel:
         return _assemble(self._state(c), self._activation(c, c.grad_accum))
 
     def _state(self, c: Candidate) -> _StatePart:
-        key = (c.sizes, c.zero_stage, c.rules)
+        stored = stored_rows_factor(self.m, c, self.w.seq_len)
+        key = (c.sizes, c.zero_stage, c.rules, stored)
         part = self._states.get(key)
         if part is None:
-            part = self._states[key] = _state_part(self.m, c.sizes, c.zero_stage, c.rules, self.w)
+            part = self._states[key] = _state_part(self.m, c.sizes, c.zero_stage, c.rules, self.w, stored)
         return part
 
     def _activation(self, c: Candidate, grad_accum: int) -> _ActivationPart:
@@ -252,9 +259,9 @@ class _ActivationPart(NamedTuple):
     moe_dispatch: float
 
 
-def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None, w: Workload
-                ) -> _StatePart:
-    params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules)
+def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None, w: Workload,
+                stored: float = 1.0) -> _StatePart:
+    params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules, stored)
     head, lookup, whole, layer_w = _gathered_weights(m, sizes, stage, w.xla_cpu, rules)
     tables = 2 * max(head, lookup) + (min(head, lookup) if whole else 0.0)
     return _StatePart(params, grads, opt, head, tables, layer_w)
@@ -284,8 +291,9 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
         # The first_k_dense layers run before the stages, each stage on 1/pipeline of every microbatch's rows, and
         # keep their residuals through the step.
         first = m.first_dense * dense
-        activations = (in_flight * ((layers - first) / (c.pipeline * c.virtual_stages) + per_stack)
-                       + first * micro / c.pipeline)
+        # A stage's chunk holds its share of the stack's layers; with uneven chunks the deepest one's.
+        deepest = max(chunk_layers(m, c, w.seq_len)) / len(m.staged)
+        activations = in_flight * ((layers - first) * deepest + per_stack) + first * micro / c.pipeline
         pipeline_buffers = (2 * micro + 2) * stream
     else:
         activations, pipeline_buffers = layers + per_stack, 0.0

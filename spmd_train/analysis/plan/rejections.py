@@ -23,8 +23,10 @@ from spmd_train.analysis.plan.target import SLOW_AXES, Target, slow_placements
 from spmd_train.config.checks import check_layout
 from spmd_train.config.load import default_rules
 from spmd_train.config.mesh_schema import MESH_AXES, ZERO_AXES
+from spmd_train.config.model_schema import ModelConfig
 from spmd_train.config.pipeline_keys import check_pipeline
 from spmd_train.config.resolved_rules import RuleTables
+from spmd_train.config.schedule_facts import schedule_facts
 from spmd_train.config.schema import Config
 from spmd_train.config.validity import (
     Violation,
@@ -32,6 +34,7 @@ from spmd_train.config.validity import (
     axes_divide_tokens,
     batch_axes_divide_batch,
     chunks_divide_layers,
+    chunks_fit_layers,
     chunks_hold_moe_groups,
     expert_divides_experts,
     microbatches_divide_rows,
@@ -111,7 +114,7 @@ def mesh_reason(cfg: Config, shape: ModelShape, c: Candidate, target: Target) ->
     found = (next((v for key, value in splits if (v := tensor_divides(key, value, c.tensor))), None)
              or (expert_divides_experts(m.moe.num_experts, c.expert) if m.moe is not None else None)
              # Every virtual-stage count splits the layers at least as finely as the stages alone.
-             or chunks_divide_layers(m.num_layers, c.pipeline, 1, first_dense=m.first_dense)
+             or chunks_fit_layers(m.num_layers, m.moe_every, c.pipeline, 1, m.first_dense)
              or batch_axes_divide_batch(t.global_batch_size, {a: c.shape[a] for a in c.tables.batch_axes})
              or axes_divide_tokens(t.seq_len, c.sequence, c.tensor, sequence_parallel=False))
     if found is not None:
@@ -136,11 +139,19 @@ def structure_reason(cfg: Config, shape: ModelShape, c: Candidate) -> Rejection 
     if found is None and c.pipeline > 1:
         rows = t.global_batch_size // c.batch_ways
         found = (virtual_stages_fit(c.pipeline_schedule, c.virtual_stages)
-                 or chunks_divide_layers(m.num_layers, c.pipeline, c.virtual_stages, first_dense=m.first_dense)
-                 or chunks_hold_moe_groups(m.num_layers, m.moe_every, c.pipeline, c.virtual_stages, m.first_dense)
+                 or _stage_chunks(m, c)
                  or mtp_outside_pipeline(0 if m.mtp is None else m.mtp.depth, c.pipeline)
                  or microbatches_divide_rows(c.pipeline_microbatches, rows, t.global_batch_size, 1))
     return None if found is None else _invalid((c, Scope.STRUCTURE), found)
+
+
+def _stage_chunks(m: ModelConfig, c: Candidate) -> Violation | None:
+    """Stage chunks the engine can lay out: equal ones for split-backward schedules (their B and W cannot split a
+    padded chunk), else as many as the stack has rows (uneven ones run parallel.pipeline_layers=balanced)."""
+    if schedule_facts(c.pipeline_schedule).split_backward:
+        return (chunks_divide_layers(m.num_layers, c.pipeline, c.virtual_stages, first_dense=m.first_dense)
+                or chunks_hold_moe_groups(m.num_layers, m.moe_every, c.pipeline, c.virtual_stages, m.first_dense))
+    return chunks_fit_layers(m.num_layers, m.moe_every, c.pipeline, c.virtual_stages, m.first_dense)
 
 
 WIDTH_KEYS = {"embed": "d_model", "q_lora_in": "mla.q_lora_rank", "kv_lora_in": "mla.kv_lora_rank"}

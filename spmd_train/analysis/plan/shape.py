@@ -15,7 +15,15 @@ from dataclasses import dataclass, fields
 from spmd_train.config.field_types import DTYPE_BYTES
 from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
-from spmd_train.models.flops import attention_flops, matmul_params, moe_layer_count, window_counts
+from spmd_train.models.flops import (
+    active_moe_mlp_params,
+    attention_flops,
+    attention_matmul_params,
+    layer_windows,
+    matmul_params,
+    moe_layer_count,
+    window_counts,
+)
 from spmd_train.models.param_specs import model_params
 
 
@@ -83,6 +91,11 @@ class ModelShape:
     """MoE layers of the multi-token prediction modules (model.mtp.depth in an MoE model), after the trunk's."""
     first_dense: int = 0
     """Dense layers before the layer stack (model.moe.first_k_dense), which a pipeline runs before its stages."""
+    staged: tuple[tuple[float, int | None], ...] = ()
+    """Each layer of the stack (the layers after first_dense), in model order: (training FLOPs per token of its
+    matmuls, 6 x their parameters; its attention window, None for full causal attention)."""
+    stack_unit: int = 1
+    """Layers per row of the stack (model.moe.every for MoE groups): pipeline chunks hold whole rows."""
 
     @classmethod
     def from_config(cls, m: ModelConfig) -> ModelShape:
@@ -102,6 +115,7 @@ class ModelShape:
             heads_read_residual=m.mla is None or m.mla.q_lora_rank is None,
             n_group=moe.n_group if moe else 1, topk_group=moe.topk_group if moe else 1,
             mtp_moe_layers=m.mtp.depth if m.mtp is not None and moe else 0, first_dense=m.first_dense,
+            staged=_staged_layers(m), stack_unit=max(m.moe_every, 1),
         )
 
     @property
@@ -146,10 +160,30 @@ class ModelShape:
         """Training FLOPs per token at this context length (`models.flops.flops_per_token`)."""
         return 6.0 * self.matmul_params + self.attention_flops_per_token(seq_len)
 
+    def staged_flops_per_token(self, seq_len: int) -> list[float]:
+        """Training FLOPs per token of each layer of the stack at this context length (`models.flops`'
+        `layer_flops_per_token` of the layers after first_dense)."""
+        return [matmul + attention_flops(self.num_heads, self.head_dim, window, seq_len, self.v_head_dim)
+                for matmul, window in self.staged]
+
+    @property
+    def head_flops_per_token(self) -> float:
+        """Training FLOPs per token of the LM head (`models.flops.head_flops_per_token`)."""
+        return 6.0 * self.d_model * self.vocab_size
+
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of every layer's scores and weighted values (`models.flops.attention_flops`)."""
         return sum(count * attention_flops(self.num_heads, self.head_dim, w, seq_len, self.v_head_dim)
                    for w, count in self.windows)
+
+
+def _staged_layers(m: ModelConfig) -> tuple[tuple[float, int | None], ...]:
+    """(6 x matmul parameters, attention window) of each layer after the first_dense ones, in model order."""
+    attention, dense = 6.0 * attention_matmul_params(m), 6.0 * 3 * m.d_model * m.d_ff
+    moe = 6.0 * active_moe_mlp_params(m)
+    windows = layer_windows(m)
+    return tuple((attention + (moe if m.is_moe_layer(i) else dense), windows[i])
+                 for i in range(m.first_dense, m.num_layers))
 
 
 def _param_groups(m: ModelConfig) -> tuple[ParamGroup, ...]:

@@ -18,6 +18,7 @@ from spmd_train.analysis.plan.candidate import (
 )
 from spmd_train.analysis.plan.comm import CommTerm
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.analysis.plan.stages import stage_imbalance
 from spmd_train.hardware import Hardware
 
 ACHIEVABLE_FRACTION = 0.6
@@ -128,7 +129,8 @@ def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float
         extra += 3 * experts_fwd * (filled - 1)  # forward and backward of the empty slots
     if c.sequence > 1 and c.context_parallel == "allgather":
         extra += 3 * attention_fwd * (c.sequence - 1) / c.sequence  # the last device's (2N-1)/N share
-    return model, (model + extra * tokens) / c.devices
+    # A pipeline's step waits for its busiest stage: the LM head's, or the deepest chunk's under uneven stages.
+    return model, (model + extra * tokens) / c.devices * stage_imbalance(m, c, w.seq_len)
 
 
 def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, terms: list[CommTerm], *,

@@ -113,7 +113,7 @@ def mesh_reason(cfg: Config, shape: ModelShape, c: Candidate, target: Target) ->
               ("vocab_size", m.vocab_size)] + ([("moe.d_ff", m.resolved_moe_d_ff)] if m.moe else [])
     found = (next((v for key, value in splits if (v := tensor_divides(key, value, c.tensor))), None)
              or (expert_divides_experts(m.moe.num_experts, c.expert) if m.moe is not None else None)
-             # Every virtual-stage count splits the layers at least as finely as the stages alone.
+             # Every virtual-stage count needs at least as many of the stack's rows as the stages alone.
              or chunks_fit_layers(m.num_layers, m.moe_every, c.pipeline, 1, m.first_dense)
              or batch_axes_divide_batch(t.global_batch_size, {a: c.shape[a] for a in c.tables.batch_axes})
              or axes_divide_tokens(t.seq_len, c.sequence, c.tensor, sequence_parallel=False))

@@ -12,6 +12,7 @@ from spmd_train.config.schedule_facts import schedule_facts
 from spmd_train.config.schema import Config
 from spmd_train.config.validity import (
     chunks_divide_layers,
+    chunks_fit_layers,
     chunks_hold_moe_groups,
     microbatches_divide_rows,
     refuse,
@@ -56,10 +57,7 @@ def _check_pipeline_layers(cfg: Config, p: int, v: int) -> None:
     staged, named = staged_layers(m.num_layers, m.first_dense)
     where = f"mesh.pipeline={p}" + (f" x parallel.virtual_stages={v}" if v > 1 else "")
     if layers == "balanced":
-        if staged // unit < chunks:
-            raise ConfigError(f"parallel.pipeline_layers=balanced cannot fill {chunks} stage chunks ({where}) with "
-                              f"{named}" + (f" in groups of model.moe.every={unit}" if unit > 1 else "")
-                              + f" (valid: at most {staged // unit} chunks)")
+        refuse(chunks_fit_layers(m.num_layers, m.moe_every, p, v, m.first_dense))
     else:
         shown = "[" + ", ".join(map(str, layers)) + "]"
         if len(layers) != chunks:

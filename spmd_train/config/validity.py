@@ -254,16 +254,17 @@ def _not_pipelined(key: str, what: str, pipeline: int, why: str, off: str) -> Vi
 
 def chunks_fit_layers(num_layers: int, moe_every: int, pipeline: int, virtual: int,
                       first_dense: int = 0) -> Violation | None:
-    """Uneven stage chunks (parallel.pipeline_layers): every chunk gets at least one row of the stack (a layer, or an
-    MoE group of moe.every layers)."""
+    """Uneven stage chunks (parallel.pipeline_layers=balanced): every chunk gets at least one row of the stack (a
+    layer, or an MoE group of moe.every layers)."""
     chunks, unit = pipeline * virtual, max(moe_every, 1)
     layers, named = staged_layers(num_layers, first_dense)
     if layers // unit >= chunks:
         return None
-    rows = f"{layers // unit} MoE groups of {unit} layers" if unit > 1 else f"{layers} layers"
+    where = f"mesh.pipeline={pipeline}" + (f" x parallel.virtual_stages={virtual}" if virtual > 1 else "")
     return Violation(f"fewer stack rows than stage chunks ({layers // unit})", f"pipeline x virtual = {chunks}",
-                     f"mesh.pipeline={pipeline} x parallel.virtual_stages={virtual} = {chunks} stage chunks cannot "
-                     f"each hold one of the {rows} ({named}) (valid: at most {layers // unit} chunks)")
+                     f"parallel.pipeline_layers=balanced cannot fill {chunks} stage chunks ({where}) with {named}"
+                     + (f" in groups of model.moe.every={unit}" if unit > 1 else "")
+                     + f" (valid: at most {layers // unit} chunks)")
 
 
 def chunks_hold_moe_groups(num_layers: int, moe_every: int, pipeline: int, virtual: int,

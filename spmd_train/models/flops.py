@@ -120,13 +120,19 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 # --- per layer, and split into pipeline chunks: where the pipelined step runs each part ----------------
 
 
+def layer_matmul_flops_per_token(m: ModelConfig) -> list[float]:
+    """Training FLOPs per token of each model layer's matmuls (6 x the parameters a token passes through: attention's
+    projections, then the dense MLP or the MoE layer's active part), in model order."""
+    projections = 6.0 * attention_matmul_params(m)
+    dense, moe = 6.0 * 3 * m.d_model * m.d_ff, 6.0 * active_moe_mlp_params(m)
+    return [projections + (moe if m.is_moe_layer(i) else dense) for i in range(m.num_layers)]
+
+
 def layer_flops_per_token(m: ModelConfig, seq_len: int) -> np.ndarray:
     """Training FLOPs per token of each model layer (forward + backward), in model order."""
     hd, dv = m.resolved_head_dim, m.resolved_v_head_dim
-    projections = 6.0 * attention_matmul_params(m)
-    dense, moe = 6.0 * 3 * m.d_model * m.d_ff, 6.0 * active_moe_mlp_params(m)
-    return np.array([projections + attention_flops(m.num_heads, hd, w, seq_len, dv)
-                     + (moe if m.is_moe_layer(i) else dense) for i, w in enumerate(layer_windows(m))])
+    return np.array([matmul + attention_flops(m.num_heads, hd, w, seq_len, dv)
+                     for matmul, w in zip(layer_matmul_flops_per_token(m), layer_windows(m), strict=True)])
 
 
 def head_flops_per_token(m: ModelConfig) -> float:

@@ -16,9 +16,8 @@ from spmd_train.config.field_types import DTYPE_BYTES
 from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.flops import (
-    active_moe_mlp_params,
     attention_flops,
-    attention_matmul_params,
+    layer_matmul_flops_per_token,
     layer_windows,
     matmul_params,
     moe_layer_count,
@@ -179,11 +178,8 @@ class ModelShape:
 
 def _staged_layers(m: ModelConfig) -> tuple[tuple[float, int | None], ...]:
     """(6 x matmul parameters, attention window) of each layer after the first_dense ones, in model order."""
-    attention, dense = 6.0 * attention_matmul_params(m), 6.0 * 3 * m.d_model * m.d_ff
-    moe = 6.0 * active_moe_mlp_params(m)
-    windows = layer_windows(m)
-    return tuple((attention + (moe if m.is_moe_layer(i) else dense), windows[i])
-                 for i in range(m.first_dense, m.num_layers))
+    layers = zip(layer_matmul_flops_per_token(m), layer_windows(m), strict=True)
+    return tuple(layers)[m.first_dense:]
 
 
 def _param_groups(m: ModelConfig) -> tuple[ParamGroup, ...]:

@@ -5,12 +5,13 @@ padding rows the stored stack then carries (every chunk is stored as deep as the
 from __future__ import annotations
 
 import functools
+import itertools
 
 from spmd_train.analysis.plan.candidate import Candidate
 from spmd_train.analysis.plan.shape import ModelShape
-from spmd_train.config.schedule_facts import schedule_facts
+from spmd_train.analysis.stage_costs import stage_flops
 from spmd_train.models.flops import cheapest_split
-from spmd_train.parallel.schedules import stage_of
+from spmd_train.parallel.schedules import placement_of
 
 
 def stack_rows(m: ModelShape) -> int:
@@ -57,16 +58,11 @@ def stage_imbalance(m: ModelShape, c: Candidate, seq_len: int) -> float:
 @functools.lru_cache(maxsize=4096)
 def _imbalance(m: ModelShape, stages: int, virtual: int, schedule: str, seq_len: int) -> float:
     per_layer = m.staged_flops_per_token(seq_len)
-    depths = _chunk_layers(m, stages * virtual, seq_len)
-    per_stage = [0.0] * stages
-    start = 0
-    for chunk, depth in enumerate(depths):
-        per_stage[stage_of(chunk, stages, schedule_facts(schedule).placement)] += sum(per_layer[start:start + depth])
-        start += depth
-    per_stage[stage_of(len(depths) - 1, stages, schedule_facts(schedule).placement)] += m.head_flops_per_token
-    # The first_dense layers (the rest of the model's FLOPs) run before the stages, on every stage's share of the rows.
-    first = m.flops_per_token(seq_len) - sum(per_stage)
-    per_stage = [f + first / stages for f in per_stage]
+    bounds = list(itertools.accumulate(_chunk_layers(m, stages * virtual, seq_len), initial=0))
+    chunks = [sum(per_layer[a:b]) for a, b in itertools.pairwise(bounds)]
+    chunks[-1] += m.head_flops_per_token
+    # The first_dense layers: the rest of the model's FLOPs.
+    per_stage = stage_flops(chunks, m.flops_per_token(seq_len) - sum(chunks), stages, placement_of(schedule))
     return max(per_stage) / (sum(per_stage) / stages)
 
 

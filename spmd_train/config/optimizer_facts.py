@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.registry import Registry
 
 MOMENT_KEYS = ("b1", "b2", "eps")
@@ -21,10 +22,37 @@ MOMENT_KEYS = ("b1", "b2", "eps")
 FACTOR_MIN_DIM = 128
 """optax.adafactor's min_dim_size_to_factor (its default; `train.optimizers.adafactor` does not change it)."""
 
-StateBytes = Callable[[tuple[int, ...], tuple[int, ...], int, bool], float]
-"""state_bytes(shape, ways, param_bytes, momentum): optimizer-state bytes one device holds for a parameter of
-`shape` whose dimension i is split `ways[i]` ways, stored with `param_bytes` per element; `momentum`: optim.b1 is set
-where that adds state (`OptimizerFacts.b1_adds_state`)."""
+StateBytes = Callable[[tuple[int, ...], tuple[str, ...], tuple[int, ...], int, bool], float]
+"""state_bytes(shape, axes, ways, param_bytes, momentum): optimizer-state bytes one device holds for a parameter of
+`shape` and logical `axes` whose dimension i is split `ways[i]` ways, stored with `param_bytes` per element;
+`momentum`: optim.b1 is set where that adds state (`OptimizerFacts.b1_adds_state`)."""
+
+MATRIX_INPUT_AXES = ("embed", "q_lora_in", "kv_lora_in")
+"""Logical axes a weight matrix reads its input along or writes its output to: the residual stream, and MLA's
+latents where the query and key/value expansions read them."""
+BATCH_AXES = (*STACKING_AXES, "experts")
+"""Axes that hold independent matrices side by side: the layer stacks and the routed experts."""
+
+
+def is_matrix(axes: tuple[str | None, ...]) -> bool:
+    """Whether a parameter with these logical axes is a weight matrix (decayed, and orthogonalised by Muon): at
+    least two axes besides the `BATCH_AXES`, one of them a `MATRIX_INPUT_AXES`. Not matrices: norm scales, biases
+    (Q/K/V's [heads, head_dim] included), attention sinks."""
+    own = [a for a in axes if a not in BATCH_AXES]
+    return len(own) >= 2 and any(a in MATRIX_INPUT_AXES for a in own)
+
+
+def muon_dimensions(axes: tuple[str | None, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(reduction, output) dimensions of the matrix Muon orthogonalises for a parameter with these logical axes, or
+    None where AdamW updates it: every non-matrix, the vocabulary tables (embedding, LM head) and the router, as in
+    Jordan et al. 2024 and Liu et al. 2025 (arXiv:2502.16982). A matrix reads along its first axis, or, when its last
+    is `embed` (an output projection: attention's wo, the MLPs' down projections), along all the others; the
+    `BATCH_AXES` stack independent matrices."""
+    if not is_matrix(axes) or "vocab" in axes or "router_experts" in axes:
+        return None
+    own = [i for i, a in enumerate(axes) if a not in BATCH_AXES]
+    reads = own[:-1] if axes[own[-1]] == "embed" else own[:1]
+    return tuple(reads), tuple(i for i in own if i not in reads)
 
 
 @dataclass(frozen=True)
@@ -67,12 +95,21 @@ def optimizer_names() -> tuple[str, ...]:
 
 def _moments(count: int) -> StateBytes:
     """`count` arrays the parameter's shape and layout (optax.adamw: mu and nu; optax.lion: mu)."""
-    def state_bytes(shape: tuple[int, ...], ways: tuple[int, ...], param_bytes: int, momentum: bool) -> float:
+    def state_bytes(shape: tuple[int, ...], axes: tuple[str, ...], ways: tuple[int, ...], param_bytes: int,
+                    momentum: bool) -> float:
         return count * (math.prod(shape) / math.prod(ways)) * param_bytes
     return state_bytes
 
 
-def _adafactor_bytes(shape: tuple[int, ...], ways: tuple[int, ...], param_bytes: int, momentum: bool) -> float:
+def _muon_bytes(shape: tuple[int, ...], axes: tuple[str, ...], ways: tuple[int, ...], param_bytes: int,
+                momentum: bool) -> float:
+    """Muon's momentum for the matrices it orthogonalises (`muon_dimensions`), AdamW's two moments elsewhere."""
+    count = 1 if muon_dimensions(axes) is not None else 2
+    return count * (math.prod(shape) / math.prod(ways)) * param_bytes
+
+
+def _adafactor_bytes(shape: tuple[int, ...], axes: tuple[str, ...], ways: tuple[int, ...], param_bytes: int,
+                     momentum: bool) -> float:
     """optax.adafactor: a row and a column vector per matrix whose two largest dimensions are >= FACTOR_MIN_DIM
     (`_factored_dims`), else a full second moment; (1,) placeholders; an fp32 momentum when optim.b1 is set."""
     local = math.prod(shape) / math.prod(ways)
@@ -98,3 +135,7 @@ register_optimizer_facts(OptimizerFacts(
 register_optimizer_facts(OptimizerFacts(
     "lion", (("b1", 0.9), ("b2", 0.99)), _moments(1),  # Chen et al. 2023 (optax's defaults)
     not_applicable=(("eps", "Lion's update is the sign of a momentum; it divides by nothing"),)))
+register_optimizer_facts(OptimizerFacts(
+    # b1: Muon's Nesterov momentum; b2, eps: the AdamW that updates the tables, the router and the vectors (its b1 is
+    # AdamW's 0.9). Liu et al. 2025 (Moonlight): momentum 0.95, AdamW betas (0.9, 0.95).
+    "muon", (("b1", 0.95), ("b2", 0.95), ("eps", 1e-8)), _muon_bytes))

@@ -62,14 +62,16 @@ LRSchedule = Literal["cosine", "wsd", "linear", "constant", "inverse_sqrt"]
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Optimizer (AdamW, Adafactor or Lion, all from optax), learning-rate schedule and global-norm clipping."""
+    """Optimizer (AdamW, Adafactor, Lion or Muon, all from optax), learning-rate schedule and global-norm clipping."""
 
     __pydantic_config__ = STRICT
 
     name: OptimizerName = "adamw"
     """adamw; adafactor (factored second moments: row and column vectors per matrix); lion (sign of a momentum,
     one state array per parameter; its authors advise a 3-10x smaller `lr` and larger `weight_decay` than
-    AdamW's, README has tuned values). A run resumes only with the optimizer it was started with."""
+    AdamW's, README has tuned values); muon (Newton-Schulz-orthogonalised momentum on the hidden weight matrices,
+    scaled to AdamW's update RMS so that AdamW's `lr` and `weight_decay` carry over; AdamW on the embedding, LM head,
+    router, norms and biases). A run resumes only with the optimizer it was started with."""
     lr: NonNegativeFloat = 3e-4
     """Peak learning rate (0 leaves the weights as they are); for adafactor a step relative to each matrix's RMS."""
     schedule: LRSchedule = "cosine"
@@ -85,14 +87,15 @@ class OptimConfig:
     clip_norm: PositiveFloat | None = 1.0
     """Clip the gradient to this global norm; null: no clipping."""
     b1: Decay | None = None
-    """First-moment decay; null: the optimizer's default (adamw 0.9, lion 0.9, adafactor none). Set with adafactor,
-    it adds a momentum to its state, so an adafactor run resumes only with b1 set or unset as it started."""
+    """First-moment decay; null: the optimizer's default (adamw 0.9, lion 0.9, adafactor none, muon 0.95: Muon's
+    Nesterov momentum, its AdamW part keeping 0.9). Set with adafactor, it adds a momentum to its state, so an
+    adafactor run resumes only with b1 set or unset as it started."""
     b2: Decay | None = None
-    """Second-moment decay (lion: the momentum's own decay); null: adamw 0.95, lion 0.99. Adafactor's decay is
-    1 - t^-0.8 by step, so a value set with adafactor is an error."""
+    """Second-moment decay (lion: the momentum's own decay; muon: its AdamW part's); null: adamw 0.95, lion 0.99,
+    muon 0.95. Adafactor's decay is 1 - t^-0.8 by step, so a value set with adafactor is an error."""
     eps: NonNegativeFloat | None = None
-    """AdamW's denominator epsilon; null: 1e-8. Lion has none and adafactor's differs in kind: set with either,
-    an error."""
+    """AdamW's denominator epsilon (muon: its AdamW part's); null: 1e-8. Lion has none and adafactor's differs in
+    kind: set with either, an error."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,13 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return _apply(x, layout, layout.activation_spec(P(*names)))
 
 
+def constrain_to_spec(x: jax.Array, spec: P) -> jax.Array:
+    """Constrain an array to a mesh PartitionSpec under the active layout (for code that derives its own layout from
+    the layout's rules, as `sharding.whole_matrices` does); the identity without one."""
+    layout = _ACTIVE.get()
+    return x if layout is None else _apply(x, layout, spec)
+
+
 def stored_param(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin a parameter to its stored layout, and its gradient to the gradient layout.
 

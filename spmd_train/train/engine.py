@@ -123,6 +123,7 @@ class Engine:
             layout.opt_shardings(logical, shapes),
             shapes,
             transform_non_params=lambda _: NamedSharding(mesh, P()),
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),  # another part's parameter (Muon's AdamW part)
         )
         replicated = NamedSharding(mesh, P())
         guard_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_guard(cfg.train)))
@@ -318,7 +319,8 @@ class Engine:
                 value_and_grad, state.params, batch,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
             )
-        with jax.named_scope("optimizer"):
+        # Under the layout: an optimizer may place its work (Muon's whole matrices: sharding.whole_matrices).
+        with jax.named_scope("optimizer"), use_layout(self.layout):
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, without_bias_updates(updates))

@@ -18,8 +18,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.config.mesh_schema import STACKING_AXES
-from spmd_train.config.optimizer_facts import MOMENT_KEYS, optimizer_facts
+from spmd_train.config.optimizer_facts import MOMENT_KEYS, is_matrix, optimizer_facts
 from spmd_train.config.train_schema import OptimConfig
 from spmd_train.errors import ConfigError
 from spmd_train.train.optimizers import optimizer_named
@@ -99,18 +98,15 @@ def hyperparameters(cfg: OptimConfig) -> dict[str, float | None]:
 
 
 def decay_mask(logical_tree: Any) -> Any:
-    """Weight decay applies to matrices only, each of which maps `embed` to something: norm scales (one axis
-    besides the stacking axes) and Q/K/V biases ([heads, head_dim], a vector per head) are exempt."""
-    return jax.tree.map(
-        lambda spec: "embed" in spec and sum(1 for name in spec if name not in STACKING_AXES) >= 2, logical_tree,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+    """Weight decay applies to matrices only (`config.optimizer_facts.is_matrix`): norm scales, biases (Q/K/V's
+    [heads, head_dim] included) and attention sinks are exempt."""
+    return jax.tree.map(lambda spec: is_matrix(tuple(spec)), logical_tree, is_leaf=lambda x: isinstance(x, P))
 
 
-def _core(cfg: OptimConfig, lr: optax.Schedule, mask: Any) -> optax.GradientTransformation:
+def _core(cfg: OptimConfig, lr: optax.Schedule, logical_tree: Any) -> optax.GradientTransformation:
     """The optimizer itself (`train.optimizers`), with decoupled weight decay lr_t * weight_decay * p on the masked
     parameters."""
-    return optimizer_named(cfg.name).build(cfg, lr, mask, hyperparameters(cfg))
+    return optimizer_named(cfg.name).build(cfg, lr, decay_mask(logical_tree), hyperparameters(cfg), logical_tree)
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any) -> optax.GradientTransformation:
@@ -118,13 +114,16 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any) -> opt
     return optax.chain(
         # identity() has clipping's (empty) state: a checkpoint resumes with clipping on or off.
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
-        _core(cfg, lr_schedule(cfg, total_steps), decay_mask(logical_tree)),
+        _core(cfg, lr_schedule(cfg, total_steps), logical_tree),
     )
 
 
 def state_sharding(leaf: Any, param_sharding: NamedSharding, param: Any) -> NamedSharding:
     """Sharding of an optimizer-state leaf kept for one parameter: the parameter's where the shapes agree, the
-    parameter's less one axis for a factored moment (Adafactor's row or column RMS), else replicated."""
+    parameter's less one axis for a factored moment (Adafactor's row or column RMS), else replicated; a parameter
+    another part of the optimizer holds (`optax.partition`'s `MaskedNode`) stays masked."""
+    if isinstance(leaf, optax.MaskedNode):
+        return leaf
     if leaf.shape == param.shape:
         return param_sharding
     spec = (*param_sharding.spec, *(None,) * (len(param.shape) - len(param_sharding.spec)))

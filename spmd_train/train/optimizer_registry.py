@@ -17,10 +17,11 @@ import optax
 from spmd_train.config.train_schema import OptimConfig
 from spmd_train.registry import Registry
 
-Build = Callable[[OptimConfig, optax.Schedule, Any, Mapping[str, float | None]], optax.GradientTransformation]
-"""build(cfg, lr, mask, moments): the transformation for optim section `cfg`, learning rate `lr` (a schedule of the
-applied step), weight decay on the parameters `mask` marks, and b1/b2/eps resolved (`train.optimizer.
-hyperparameters`: the ones it reads, defaults filled in)."""
+Build = Callable[[OptimConfig, optax.Schedule, Any, Mapping[str, float | None], Any], optax.GradientTransformation]
+"""build(cfg, lr, mask, moments, logical): the transformation for optim section `cfg`, learning rate `lr` (a schedule
+of the applied step), weight decay on the parameters `mask` marks, b1/b2/eps resolved (`train.optimizer.
+hyperparameters`: the ones it reads, defaults filled in), and the parameters' logical axes (a tree of
+PartitionSpecs, for an optimizer that treats parameters by kind, as Muon does)."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,9 @@ from spmd_train.analysis.plan.candidate import (
     ways,
 )
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.config.matrix_moves import whole_matrix_bytes, whole_matrix_moves
 from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
+from spmd_train.config.optimizer_facts import muon_dimensions
 from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.ops.capacity import device_capacity
 from spmd_train.parallel.head_groups import kv_repeats
@@ -48,7 +50,7 @@ class CommTerm:
     count: int
     purpose: str
     """weights (ZeRO-3 gathers), table-reshard, grad-scatter, grad-gather, grad-reduce, update-gather, tensor,
-    pipeline, expert or context: what the timing model's overlap rule looks at."""
+    pipeline, expert, context or optimizer (Muon's moves): what the timing model's overlap rule looks at."""
 
 
 def _fraction(n: int) -> float:
@@ -344,7 +346,34 @@ def context_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     return [CommTerm(op, ("sequence",), total, count, "context") for op, (count, total) in out.items()]
 
 
+def optimizer_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
+    """Muon's: each matrix stack made whole on its devices and back, once per step (`config.matrix_moves`), in the
+    parameter dtype; none for the other optimizers."""
+    if w.optimizer != "muon":
+        return []
+    found = _muon_terms(m, c.sizes, c.zero_stage, c.rules)
+    return [CommTerm(op, axes, total, count, "optimizer") for (op, axes), (count, total) in found.items()]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _muon_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None) -> dict:
+    """{(op, axes): (launches, bytes each device sends)} of Muon's moves."""
+    shape, out = dict(zip(MESH_AXES, sizes, strict=True)), {}
+    for g in m.params:
+        dims = muon_dimensions(g.axes)
+        if dims is None:
+            continue
+        spec = param_layout(g.axes, sizes, stage, rules).optimizer
+        moves = whole_matrix_moves(spec, g.shape, dims[0] + dims[1], shape)
+        local = g.numel / spec_ways(spec, shape) * m.param_bytes
+        for op, axis, sent in whole_matrix_bytes(moves, g.shape, local, shape):
+            count, total = out.get((op, (axis,)), (0, 0.0))
+            out[op, (axis,)] = (count + (2 if op == "all-to-all" else 1), total + sent)
+    return out
+
+
 def comm_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
-    """Every collective a step of candidate `c` runs, per device: ZeRO, tensor, pipeline, expert and context."""
+    """Every collective a step of candidate `c` runs, per device: ZeRO, tensor, pipeline, expert, context and the
+    optimizer's own."""
     return [*zero_terms(m, c, w.xla_cpu), *tensor_terms(m, c, w), *pipeline_terms(m, c, w),
-            *expert_terms(m, c, w), *context_terms(m, c, w)]
+            *expert_terms(m, c, w), *context_terms(m, c, w), *optimizer_terms(m, c, w)]

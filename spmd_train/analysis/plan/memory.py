@@ -118,7 +118,7 @@ def optimizer_bytes(g: ParamGroup, spec: Spec, shape: dict[str, int], param_byte
     """Optimizer-state bytes one device holds for parameter `g` stored with `spec`: the optimizer's own figure
     (`config.optimizer_facts.OptimizerFacts.state_bytes`, optax's state)."""
     ways = tuple(math.prod(shape[a] for a in axes) for axes in spec)
-    return optimizer_facts(w.optimizer).state_bytes(g.shape, ways, param_bytes, w.momentum)
+    return optimizer_facts(w.optimizer).state_bytes(g.shape, g.axes, ways, param_bytes, w.momentum)
 
 
 def state_bytes(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float, float]:

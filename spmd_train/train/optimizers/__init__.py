@@ -9,6 +9,7 @@ from spmd_train.train.optimizers import (  # noqa: F401 (importing a module regi
     adafactor,
     adamw,
     lion,
+    muon,
 )
 
 __all__ = ["Optimizer", "optimizer_named", "registered_optimizers"]

@@ -12,7 +12,7 @@ from spmd_train.train.optimizer_registry import Optimizer, register_optimizer
 
 
 def build_adafactor(cfg: OptimConfig, lr: optax.Schedule, mask: Any,
-                    moments: Mapping[str, float | None]) -> optax.GradientTransformation:
+                    moments: Mapping[str, float | None], logical: Any) -> optax.GradientTransformation:
     """Row and column second moments per matrix (a momentum only with optim.b1 set), decay as AdamW's."""
     # optax.adafactor adds its decay after the learning rate has scaled the update: scaling the rate by the
     # schedule makes it AdamW's. A callable rate also keeps the state's structure whatever weight_decay is.

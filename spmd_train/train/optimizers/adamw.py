@@ -12,7 +12,7 @@ from spmd_train.train.optimizer_registry import Optimizer, register_optimizer
 
 
 def build_adamw(cfg: OptimConfig, lr: optax.Schedule, mask: Any,
-                moments: Mapping[str, float | None]) -> optax.GradientTransformation:
+                moments: Mapping[str, float | None], logical: Any) -> optax.GradientTransformation:
     """Two moments in the parameter dtype; weight decay lr_t * weight_decay * p on the masked parameters."""
     return optax.adamw(lr, b1=moments["b1"], b2=moments["b2"], eps=moments["eps"], weight_decay=cfg.weight_decay,
                        mask=mask)

@@ -11,8 +11,11 @@ import pytest
 from spmd_train import Engine, load_config
 from spmd_train.analysis import collectives_of
 from spmd_train.analysis.analytic import analytic_layout
-from spmd_train.analysis.plan.comm import optimizer_terms
+from spmd_train.analysis.plan.candidate import Candidate, Workload
+from spmd_train.analysis.plan.comm import optimizer_flops, optimizer_terms
+from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.matrix_moves import Move, whole_matrix_bytes, whole_matrix_moves
+from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.optimizer_facts import is_matrix, muon_dimensions
 from spmd_train.data import make_source
 from spmd_train.models.param_specs import model_params
@@ -21,6 +24,7 @@ from spmd_train.train.optimizers.muon import ADAMW_RMS
 from tests.runs import FP32, ROOT, relative_error, run_steps
 from tests.test_optimizer import _model
 
+MESH_ONES = dict.fromkeys(MESH_AXES, 1)
 # DeepSeek's kinds of parameter at once: MLA with a query latent, routed experts with biases, a shared expert, a dense
 # first layer, attention sinks, an MTP module.
 EVERY_KIND = ["model.num_kv_heads=8", "model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=24",
@@ -109,6 +113,20 @@ def test_matrices_move_to_whole_one_axis_at_a_time_over_the_stack_padded_or_are_
     # Experts already split over `expert` keep it; the matrix's fsdp moves onto the experts' dimension after it.
     moves = whole_matrix_moves([(), ("expert",), ("fsdp",), ()], (2, 8, 64, 32), (2, 3), {"expert": 2, "fsdp": 4})
     assert moves[-1].after == ((), ("expert", "fsdp"), (), ())
+
+
+def test_the_planner_counts_llama3_8b_zero3_muon_as_its_tpu_compile_does():
+    # docs/configs.md's v5p:4x4x4 compile (fsdp 64, 32 layers padded to 64: one layer's matrices per chip): Muon's
+    # program ran 5.760e14 FLOPs per chip against AdamW's 5.552e14 and moved 1.60 GiB more in all-to-alls over fsdp.
+    cfg = load_config(ROOT / "configs" / "llama3-8b_v5p-512.yaml", [
+        "mesh.fsdp=64", "mesh.tensor=1", "train.global_batch_size=64", "train.seq_len=8192",
+        "model.param_dtype=float32", "optim.name=muon"])
+    shape, candidate = ModelShape.from_config(cfg.model), Candidate.from_config(cfg, {**MESH_ONES, "fsdp": 64})
+    work = Workload.from_config(cfg, "tpu")
+    assert optimizer_flops(shape, candidate, work) == pytest.approx(5.760e14 - 5.552e14, rel=0.02)
+    ((op, axes, sent, count),) = [(t.op, t.axes, t.bytes, t.count) for t in optimizer_terms(shape, candidate, work)]
+    assert (op, axes, count) == ("all-to-all", ("fsdp",), 14)  # 7 stacks, there and back
+    assert sent == pytest.approx(1.60 * 2**30, rel=0.01)
 
 
 @pytest.mark.slow

@@ -78,3 +78,11 @@ def whole_matrix_bytes(moves: Sequence[Move], shape: Sequence[int], local_bytes:
         else:
             out.append(("all-to-all", move.axis, 2 * local_bytes * (k - 1) / k))
     return tuple(out)
+
+
+def local_matrices(moves: Sequence[Move], entries: Sequence[Sequence[str]], shape: Sequence[int],
+                   matrix_dims: Sequence[int], mesh_shape: Mapping[str, int]) -> float:
+    """Matrices each device orthogonalises once the moves are made (padding included): its block of the stack."""
+    final, final_shape = (moves[-1].after, moves[-1].shape) if moves else (entries, tuple(shape))
+    return math.prod(n / math.prod(mesh_shape[a] for a in final[d]) if d < len(final) else n
+                     for d, n in enumerate(final_shape) if d not in matrix_dims)

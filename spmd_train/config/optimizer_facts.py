@@ -93,6 +93,19 @@ def optimizer_names() -> tuple[str, ...]:
     return _FACTS.names()
 
 
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
+"""Muon's quintic step X <- a X + (b A + c A²) X, A = X Xᵀ (Jordan et al. 2024): its coefficients push every singular
+value of a Frobenius-normalised matrix into about [0.7, 1.2] in NEWTON_SCHULZ_STEPS steps."""
+NEWTON_SCHULZ_STEPS = 5
+
+
+def newton_schulz_flops(rows: int, cols: int) -> float:
+    """FLOPs of orthogonalising one rows x cols matrix: per step, with m <= n its sides, X Xᵀ (2m²n), A² (2m³) and
+    the product with X (2m²n)."""
+    m, n = sorted((rows, cols))
+    return NEWTON_SCHULZ_STEPS * (4 * m * m * n + 2 * m ** 3)
+
+
 def _moments(count: int) -> StateBytes:
     """`count` arrays the parameter's shape and layout (optax.adamw: mu and nu; optax.lion: mu)."""
     def state_bytes(shape: tuple[int, ...], axes: tuple[str, ...], ways: tuple[int, ...], param_bytes: int,

@@ -10,6 +10,7 @@ Derivation: docs/explanation/planner-model.md#collective-bytes
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from spmd_train.analysis.plan.candidate import (
@@ -28,9 +29,9 @@ from spmd_train.analysis.plan.candidate import (
     ways,
 )
 from spmd_train.analysis.plan.shape import ModelShape
-from spmd_train.config.matrix_moves import whole_matrix_bytes, whole_matrix_moves
+from spmd_train.config.matrix_moves import local_matrices, whole_matrix_bytes, whole_matrix_moves
 from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
-from spmd_train.config.optimizer_facts import muon_dimensions
+from spmd_train.config.optimizer_facts import muon_dimensions, newton_schulz_flops
 from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.ops.capacity import device_capacity
 from spmd_train.parallel.head_groups import kv_repeats
@@ -370,6 +371,23 @@ def _muon_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTa
             count, total = out.get((op, (axis,)), (0, 0.0))
             out[op, (axis,)] = (count + (2 if op == "all-to-all" else 1), total + sent)
     return out
+
+
+def optimizer_flops(m: ModelShape, c: Candidate, w: Workload) -> float:
+    """FLOPs one device runs in the optimizer beyond elementwise work: Muon's Newton-Schulz iterations on the whole
+    matrices it holds after the moves (padding included, and repeated along gathered axes); 0 for the others."""
+    if w.optimizer != "muon":
+        return 0.0
+    shape, total = dict(zip(MESH_AXES, c.sizes, strict=True)), 0.0
+    for g in m.params:
+        dims = muon_dimensions(g.axes)
+        if dims is None:
+            continue
+        spec = param_layout(g.axes, c.sizes, c.zero_stage, c.rules).optimizer
+        moves = whole_matrix_moves(spec, g.shape, dims[0] + dims[1], shape)
+        rows, cols = (math.prod(g.shape[d] for d in side) for side in dims)
+        total += local_matrices(moves, spec, g.shape, dims[0] + dims[1], shape) * newton_schulz_flops(rows, cols)
+    return total
 
 
 def comm_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:

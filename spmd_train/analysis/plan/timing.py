@@ -16,7 +16,7 @@ from spmd_train.analysis.plan.candidate import (
     rows_per_device,
     schedule_stats,
 )
-from spmd_train.analysis.plan.comm import CommTerm
+from spmd_train.analysis.plan.comm import CommTerm, optimizer_flops
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.stages import stage_imbalance
 from spmd_train.hardware import Hardware
@@ -130,7 +130,8 @@ def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float
     if c.sequence > 1 and c.context_parallel == "allgather":
         extra += 3 * attention_fwd * (c.sequence - 1) / c.sequence  # the last device's (2N-1)/N share
     # A pipeline's step waits for its busiest stage: the LM head's, or the deepest chunk's under uneven stages.
-    return model, (model + extra * tokens) / c.devices * stage_imbalance(m, c, w.seq_len)
+    busiest = (model + extra * tokens) / c.devices * stage_imbalance(m, c, w.seq_len)
+    return model, busiest + optimizer_flops(m, c, w)
 
 
 def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, terms: list[CommTerm], *,

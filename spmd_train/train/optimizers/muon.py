@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.config.optimizer_facts import muon_dimensions
+from spmd_train.config.optimizer_facts import NEWTON_SCHULZ, NEWTON_SCHULZ_STEPS, muon_dimensions
 from spmd_train.config.train_schema import OptimConfig
 from spmd_train.sharding.constrain import constrain_to_spec
 from spmd_train.sharding.whole_matrices import spec_of, to_stored, to_whole_matrices
@@ -37,10 +37,6 @@ ADAMW_RMS = 0.2
 """The RMS an orthogonalised update is scaled to: AdamW's typical update RMS (Liu et al. 2025, §2.2)."""
 ADAMW_B1 = 0.9
 """The AdamW part's first-moment decay (`optim.b1` is Muon's momentum)."""
-NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
-"""Coefficients (a, b, c) of the quintic step X <- a X + (b A + c A²) X, A = X Xᵀ (Jordan et al. 2024): they push
-every singular value of a Frobenius-normalised matrix into about [0.7, 1.2] in NEWTON_SCHULZ_STEPS steps."""
-NEWTON_SCHULZ_STEPS = 5
 
 
 @dataclass(frozen=True)

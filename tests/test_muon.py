@@ -160,3 +160,24 @@ def test_muon_over_fsdp_and_tensor_equals_one_device_and_moves_what_the_planner_
     assert sum(extra.values()) == pytest.approx(sum(planned.values()), rel=0.1), (extra, planned)
     for key, sent in planned.items():
         assert extra[key] >= 0.9 * sent, (key, extra, planned)
+
+
+LAYOUTS = {
+    # Stacks sharded over `pipeline` (the optimizer runs outside the stages' shard_map, on the stored rows).
+    "pipeline2_fsdp2_tensor2": (None, ["model.num_layers=8", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                       "parallel.pipeline_schedule=1f1b"], ["model.num_layers=8", "mesh.fsdp=1"]),
+    # Experts split over `expert`, their matrices over fsdp: fsdp moves onto the experts' dimension. Capacity for
+    # every token, so that the groups route alike on both sides.
+    "expert4_fsdp2": ("configs/moe.yaml", ["mesh.expert=4", "mesh.fsdp=2", "backends.capacity_factor=8.0"],
+                      ["mesh.expert=1", "mesh.fsdp=1", "backends.capacity_factor=8.0"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_muon_under_pipeline_and_expert_layouts_equals_one_device(devices, name):
+    config, sharded, single = LAYOUTS[name]
+    losses, params, _, _ = run_steps(["optim.name=muon", *single, *FP32], devices[:1], config=config)
+    got, got_params, engine, _ = run_steps(["optim.name=muon", *sharded, *FP32], devices, config=config)
+    assert np.abs(got - losses).max() <= 1e-5 * np.abs(losses).max(), (got, losses)
+    assert relative_error(engine.model_params(got_params), params) <= 2e-5

@@ -53,6 +53,10 @@ def check_config(cfg: Config) -> None:
     if sc is not None and sc.type == "llama3" and sc.low_freq_factor >= sc.high_freq_factor:
         raise ConfigError(f"model.rope_scaling.low_freq_factor={sc.low_freq_factor} must be below "
                           f"model.rope_scaling.high_freq_factor={sc.high_freq_factor} (Llama 3.1 uses 1 and 4)")
+    if cfg.precision.master == "float32" and m.param_dtype == "float32":
+        raise ConfigError("precision.master=float32 keeps a float32 copy of bfloat16 parameters, and "
+                          "model.param_dtype=float32 stores them in float32 already (valid: precision.master=none, or "
+                          "model.param_dtype=bfloat16)")
     d = cfg.data
     if d.source == "markov" and (d.vocab_size or m.vocab_size) > m.vocab_size:
         raise ConfigError(f"data.vocab_size={d.vocab_size} is larger than model.vocab_size={m.vocab_size} "

@@ -227,14 +227,18 @@ def _rate_change(key: str, old: Any, new: Any) -> bool:
 
 def check_same_model(meta: dict, cfg: Config, where: str) -> None:
     """Resuming continues the same model and optimizer: a difference in the model section, or in the optimizer
-    settings that shape its state (`optim.name`), is a ConfigError naming it (checked before any restore, so the
-    checkpoint is not mistaken for a damaged one)."""
+    settings that shape its state (`optim.name`, `precision.master`), is a ConfigError naming it (checked before any
+    restore, so the checkpoint is not mistaken for a damaged one)."""
     diffs = model_differences(meta, cfg)
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was saved by a different model ({'; '.join(diffs)}); "
                           "use the same model settings, a new run.dir, or checkpoint.load_from to start a "
                           "new run from its parameters")
-    diffs = state_differences(meta.get("config", {}).get("optim", {}), cfg.optim)
+    saved = meta.get("config", {})
+    diffs = state_differences(saved.get("optim", {}), cfg.optim)
+    master = saved.get("precision", {}).get("master", "none")  # checkpoints from before the section kept none
+    if master != cfg.precision.master:
+        diffs.append(f"precision.master: checkpoint {master!r}, this run {cfg.precision.master!r}")
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was saved with another optimizer ({'; '.join(diffs)}), whose "
                           "state this run cannot continue; use the checkpoint's setting, a new run.dir, or "

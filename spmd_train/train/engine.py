@@ -113,7 +113,7 @@ class Engine:
             elif order.size > cfg.model.stack_rows:  # uneven stages: every device stores its longest chunk's rows
                 shapes = {**shapes, "blocks": jax.tree.map(
                     lambda a: jax.ShapeDtypeStruct((order.size, *a.shape[1:]), a.dtype), shapes["blocks"])}
-        tx = make_optimizer(cfg.optim, cfg.train.steps, logical)
+        tx = make_optimizer(cfg.optim, cfg.train.steps, logical, master=cfg.precision.master == "float32")
         param_sh = layout.param_shardings(logical, shapes)
         opt_shapes = jax.eval_shape(tx.init, shapes)
         opt_sh = optax.tree_map_params(

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from spmd_train.config.optimizer_facts import MOMENT_KEYS, is_matrix, optimizer_facts
 from spmd_train.config.train_schema import OptimConfig
 from spmd_train.errors import ConfigError
+from spmd_train.train.master_weights import with_master_copy
 from spmd_train.train.optimizers import optimizer_named
 
 
@@ -109,13 +110,16 @@ def _core(cfg: OptimConfig, lr: optax.Schedule, logical_tree: Any) -> optax.Grad
     return optimizer_named(cfg.name).build(cfg, lr, decay_mask(logical_tree), hyperparameters(cfg), logical_tree)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any) -> optax.GradientTransformation:
-    """The optimizer for a model whose parameters have these logical axes."""
-    return optax.chain(
+def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any, master: bool = False
+                   ) -> optax.GradientTransformation:
+    """The optimizer for a model whose parameters have these logical axes; `master`: on a float32 master copy of
+    them (precision.master=float32, `train.master_weights`)."""
+    tx = optax.chain(
         # identity() has clipping's (empty) state: a checkpoint resumes with clipping on or off.
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
         _core(cfg, lr_schedule(cfg, total_steps), logical_tree),
     )
+    return with_master_copy(tx) if master else tx
 
 
 def state_sharding(leaf: Any, param_sharding: NamedSharding, param: Any) -> NamedSharding:

@@ -116,24 +116,28 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, tensor: int = 1, 
 
 def optimizer_bytes(g: ParamGroup, spec: Spec, shape: dict[str, int], param_bytes: int, w: Workload) -> float:
     """Optimizer-state bytes one device holds for parameter `g` stored with `spec`: the optimizer's own figure
-    (`config.optimizer_facts.OptimizerFacts.state_bytes`, optax's state)."""
+    (`config.optimizer_facts.OptimizerFacts.state_bytes`, optax's state), over a float32 master copy, which it
+    holds too, with `w.master` (`train.master_weights`)."""
     ways = tuple(math.prod(shape[a] for a in axes) for axes in spec)
+    if w.master:
+        return (optimizer_facts(w.optimizer).state_bytes(g.shape, g.axes, ways, 4, w.momentum)
+                + 4 * math.prod(g.shape) / math.prod(ways))
     return optimizer_facts(w.optimizer).state_bytes(g.shape, g.axes, ways, param_bytes, w.momentum)
 
 
 def state_bytes(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state) bytes per device, parameter by parameter."""
     return _state_bytes(m, c.sizes, c.zero_stage, w.optimizer, w.momentum, c.rules,
-                        stored_rows_factor(m, c, w.seq_len))
+                        stored_rows_factor(m, c, w.seq_len), w.master)
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def _state_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, optimizer: str, momentum: bool,
-                 rules: RuleTables | None, stored: float = 1.0) -> tuple[float, float, float]:
+                 rules: RuleTables | None, stored: float = 1.0, master: bool = False) -> tuple[float, float, float]:
     """Parameter, gradient and optimizer bytes per device; `stored`: the layer stack's stored rows over its model
     rows (uneven pipeline chunks are padded to the deepest, `stages.stored_rows_factor`)."""
     shape = dict(zip(MESH_AXES, sizes, strict=True))
-    w = Workload(global_batch=1, seq_len=1, optimizer=optimizer, momentum=momentum)
+    w = Workload(global_batch=1, seq_len=1, optimizer=optimizer, momentum=momentum, master=master)
     params = grads = opt = 0.0
     for g in m.params:
         lay = param_layout(g.axes, sizes, stage, rules)
@@ -261,7 +265,7 @@ class _ActivationPart(NamedTuple):
 
 def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None, w: Workload,
                 stored: float = 1.0) -> _StatePart:
-    params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules, stored)
+    params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules, stored, w.master)
     head, lookup, whole, layer_w = _gathered_weights(m, sizes, stage, w.xla_cpu, rules)
     tables = 2 * max(head, lookup) + (min(head, lookup) if whole else 0.0)
     return _StatePart(params, grads, opt, head, tables, layer_w)

@@ -1,0 +1,22 @@
+"""The `precision` section: the numeric policy beside `model.param_dtype` and `model.compute_dtype`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from spmd_train.config.field_types import STRICT
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """What precision each copy of the weights and the optimizer's state is kept in."""
+
+    __pydantic_config__ = STRICT
+
+    master: Literal["none", "float32"] = "none"
+    """float32: keep a float32 master copy of bfloat16 parameters (model.param_dtype=bfloat16) in the optimizer state;
+    the optimizer updates the master copy (its moments in float32 too) and the parameters are its bfloat16 rounding,
+    so small updates accumulate instead of rounding away: 2 + 2 + 12 bytes per parameter as in the ZeRO paper
+    (Rajbhandari et al. 2020, §3.1). none: the optimizer updates the stored parameters and keeps its moments in their
+    dtype."""

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from spmd_train.sharding.arithmetic import entry_axes, spec_axes
+from spmd_train.sharding.arithmetic import entry_axes, spec_axes, spec_entry
 from spmd_train.sharding.constrain import constrain
 from spmd_train.sharding.layout import Layout
 
@@ -113,7 +113,6 @@ def _specs(shardings: Any, keep: Callable[[str], bool]) -> Any:
     """Each sharding's PartitionSpec with only the mesh axes `keep` accepts."""
 
     def entry(spec, dim):
-        axes = tuple(a for a in entry_axes(spec, dim) if keep(a))
-        return None if not axes else axes[0] if len(axes) == 1 else axes
+        return spec_entry(tuple(a for a in entry_axes(spec, dim) if keep(a)))
 
     return jax.tree.map(lambda s: P(*(entry(s.spec, d) for d in range(len(s.spec)))), shardings)

@@ -4,7 +4,7 @@ the axes an enclosing `shard_map` made manual, and a spec without them."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -17,6 +17,11 @@ def entry_axes(spec: P, dim: int) -> tuple[str, ...]:
     """The mesh axes a PartitionSpec puts on one dimension (none past its end)."""
     entry = spec[dim] if dim < len(spec) else None
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+    """A PartitionSpec entry putting these mesh axes on one dimension (`entry_axes`' inverse)."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def spec_axes(spec: P) -> set[str]:

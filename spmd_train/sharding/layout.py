@@ -14,7 +14,7 @@ from spmd_train.config.mesh_schema import LOGICAL_AXES, ZERO_AXES
 from spmd_train.config.resolved_rules import ResolvedRules, resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
-from spmd_train.sharding.arithmetic import entry_axes, spec_axes, ways
+from spmd_train.sharding.arithmetic import entry_axes, spec_axes, spec_entry, ways
 
 LogicalSpec = P
 """A PartitionSpec whose entries are logical axis names (or None), e.g. P('embed', 'mlp')."""
@@ -158,7 +158,7 @@ class Layout:
                         f"multiple of {ways} (change the model dims, the mesh, or mesh.rules for {name!r})"
                     )
             used.update(dict.fromkeys(axes, name))
-            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+            out.append(spec_entry(axes))
         while out and out[-1] is None:
             out.pop()
         return P(*out)

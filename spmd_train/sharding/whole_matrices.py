@@ -11,13 +11,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.matrix_moves import Move, whole_matrix_moves
-from spmd_train.sharding.arithmetic import entry_axes
+from spmd_train.sharding.arithmetic import entry_axes, spec_entry
 from spmd_train.sharding.constrain import active_layout, constrain_to_spec
 
 
 def spec_of(entries: Sequence[Sequence[str]]) -> P:
     """A layout (`config.matrix_moves.Entries`) as a PartitionSpec."""
-    return P(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries))
+    return P(*(spec_entry(e) for e in entries))
 
 
 def stored_spec(names: Sequence[str | None], shape: Sequence[int]) -> P | None:

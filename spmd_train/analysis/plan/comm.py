@@ -357,15 +357,22 @@ def optimizer_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
 
 
 @functools.lru_cache(maxsize=1 << 12)
+def _muon_moves(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None) -> tuple:
+    """(group, its optimizer-state spec, its (reads, writes) dimensions, its moves) for each matrix Muon takes."""
+    shape, out = dict(zip(MESH_AXES, sizes, strict=True)), []
+    for g in m.params:
+        dims = muon_dimensions(g.axes)
+        if dims is not None:
+            spec = param_layout(g.axes, sizes, stage, rules).optimizer
+            out.append((g, spec, dims, whole_matrix_moves(spec, g.shape, dims[0] + dims[1], shape)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1 << 12)
 def _muon_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None) -> dict:
     """{(op, axes): (launches, bytes each device sends)} of Muon's moves."""
     shape, out = dict(zip(MESH_AXES, sizes, strict=True)), {}
-    for g in m.params:
-        dims = muon_dimensions(g.axes)
-        if dims is None:
-            continue
-        spec = param_layout(g.axes, sizes, stage, rules).optimizer
-        moves = whole_matrix_moves(spec, g.shape, dims[0] + dims[1], shape)
+    for g, spec, _, moves in _muon_moves(m, sizes, stage, rules):
         local = g.numel / spec_ways(spec, shape) * m.param_bytes
         for op, axis, sent in whole_matrix_bytes(moves, g.shape, local, shape):
             count, total = out.get((op, (axis,)), (0, 0.0))
@@ -379,12 +386,7 @@ def optimizer_flops(m: ModelShape, c: Candidate, w: Workload) -> float:
     if w.optimizer != "muon":
         return 0.0
     shape, total = dict(zip(MESH_AXES, c.sizes, strict=True)), 0.0
-    for g in m.params:
-        dims = muon_dimensions(g.axes)
-        if dims is None:
-            continue
-        spec = param_layout(g.axes, c.sizes, c.zero_stage, c.rules).optimizer
-        moves = whole_matrix_moves(spec, g.shape, dims[0] + dims[1], shape)
+    for g, spec, dims, moves in _muon_moves(m, c.sizes, c.zero_stage, c.rules):
         rows, cols = (math.prod(g.shape[d] for d in side) for side in dims)
         total += local_matrices(moves, spec, g.shape, dims[0] + dims[1], shape) * newton_schulz_flops(rows, cols)
     return total

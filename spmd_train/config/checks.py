@@ -53,10 +53,7 @@ def check_config(cfg: Config) -> None:
     if sc is not None and sc.type == "llama3" and sc.low_freq_factor >= sc.high_freq_factor:
         raise ConfigError(f"model.rope_scaling.low_freq_factor={sc.low_freq_factor} must be below "
                           f"model.rope_scaling.high_freq_factor={sc.high_freq_factor} (Llama 3.1 uses 1 and 4)")
-    if cfg.precision.master == "float32" and m.param_dtype == "float32":
-        raise ConfigError("precision.master=float32 keeps a float32 copy of bfloat16 parameters, and "
-                          "model.param_dtype=float32 stores them in float32 already (valid: precision.master=none, or "
-                          "model.param_dtype=bfloat16)")
+    check_precision(cfg)
     d = cfg.data
     if d.source == "markov" and (d.vocab_size or m.vocab_size) > m.vocab_size:
         raise ConfigError(f"data.vocab_size={d.vocab_size} is larger than model.vocab_size={m.vocab_size} "
@@ -256,3 +253,24 @@ def check_moe_groups(moe) -> None:
                           f"model.moe.topk_group={best} groups of {e // groups} experts (num_experts={e} / "
                           f"n_group={groups}): each token's experts come from those groups (valid: "
                           f"experts_per_token up to {room}, or a larger topk_group)")
+
+
+def check_precision(cfg: Config) -> None:
+    """The precision policy against the model's dtypes and the attention backend."""
+    m, pr = cfg.model, cfg.precision
+    if pr.master == "float32" and m.param_dtype == "float32":
+        raise ConfigError("precision.master=float32 keeps a float32 copy of bfloat16 or float16 parameters, and "
+                          "model.param_dtype=float32 stores them in float32 already (valid: precision.master=none, or "
+                          "model.param_dtype=bfloat16 or float16)")
+    if m.compute_dtype == "float16" and pr.loss_scale != "dynamic":
+        raise ConfigError("model.compute_dtype=float16 needs precision.loss_scale=dynamic: float16 flushes gradients "
+                          "below 2^-24 to zero without a loss scale (valid: precision.loss_scale=dynamic, or "
+                          "model.compute_dtype=bfloat16 or float32)")
+    if m.param_dtype == "float16" and pr.master != "float32":
+        raise ConfigError("model.param_dtype=float16 needs precision.master=float32: updates under float16's step "
+                          "(1 in 2048 of a weight) round away and its range ends at 65504 (valid: precision.master="
+                          "float32, or model.param_dtype=bfloat16 or float32)")
+    if m.compute_dtype == "float16" and cfg.backends.attention == "pallas":
+        raise ConfigError("backends.attention=pallas: our flash-attention kernels take float32 or bfloat16, and "
+                          "model.compute_dtype=float16 (valid: backends.attention=auto, xla or cudnn, or "
+                          "model.compute_dtype=bfloat16)")

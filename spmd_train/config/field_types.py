@@ -13,8 +13,8 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 """Every section's pydantic config: unknown keys are errors and values are not coerced between types ("64" is not
 an int)."""
 
-DType = Literal["float32", "bfloat16"]
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of each `DType` (what the analytic model counts with before jax starts)."""
 
 # Sizes, counts and ids meet int32 on the devices (token ids, positions, the step counter); past int64 they

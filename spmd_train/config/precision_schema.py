@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from spmd_train.config.field_types import STRICT
+from spmd_train.config.field_types import STRICT, PositiveFloat, PositiveInt
 
 
 @dataclass(frozen=True)
@@ -20,3 +20,11 @@ class PrecisionConfig:
     so small updates accumulate instead of rounding away: 2 + 2 + 12 bytes per parameter as in the ZeRO paper
     (Rajbhandari et al. 2020, §3.1). none: the optimizer updates the stored parameters and keeps its moments in their
     dtype."""
+    loss_scale: Literal["none", "dynamic"] = "none"
+    """dynamic: multiply the objective by a scale before the backward pass and divide the gradients by it, halving the
+    scale when they overflow (the step is skipped) and doubling it after loss_scale_growth_interval good steps: what
+    model.compute_dtype=float16 needs (float16's gradients underflow otherwise). none: no scaling."""
+    loss_scale_init: PositiveFloat = 65536.0
+    """The dynamic loss scale a run starts with (PyTorch's GradScaler default, 2^16)."""
+    loss_scale_growth_interval: PositiveInt = 2000
+    """Applied steps in a row after which the dynamic loss scale doubles (GradScaler's default)."""

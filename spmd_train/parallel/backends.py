@@ -107,7 +107,9 @@ def resolve_backends(model: ModelConfig, choice: BackendsConfig, platform: str,
                "context": context if sequence > 1 else None, "sequence": sequence}
     needs_lse = sequence > 1 and context in ("allgather", "ring")
     if impl == "auto":
-        if platform == "tpu":
+        if platform == "tpu" and model.compute_dtype == "float16":
+            impl, reason = "xla", "auto: XLA, our Pallas kernels take float32 or bfloat16 (model.compute_dtype=float16)"
+        elif platform == "tpu":
             hd = model.resolved_head_dim
             q = local_q or (1, 1, model.num_heads, hd)
             kv = local_kv or (1, 1, model.num_kv_heads, hd)

@@ -34,7 +34,8 @@ HeadFn = Callable[[Any, jax.Array, Any], jax.Array]
 
 def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks: Any, head: Any, inputs: jax.Array,
                  targets: Any, *, context: Any = None, mesh: jax.sharding.Mesh | None = None,
-                 extras: bool = False, chunk_rows: Any = None, chunk_kinds: Any = None) -> tuple:
+                 extras: bool = False, chunk_rows: Any = None, chunk_kinds: Any = None,
+                 loss_scale: jax.Array | None = None) -> tuple:
     """Loss and gradients of the mean over microbatches of head_fn(stages(inputs[i]), targets[i]).
 
     `blocks` has the layers stacked on axis 0 in storage order (split over `pipeline`: device d
@@ -49,7 +50,9 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     shard_map the enclosing abstract mesh is used. `chunk_rows` [stages, virtual] (uneven stages): how many leading
     rows of each stored chunk are layers, passed to stage_fn as `rows=` (the rest of the chunk is padding).
     `chunk_kinds` [stages, virtual, rows per chunk, ...]: the attention kind of each stored row's layers, passed to
-    stage_fn as `kinds=` (models mixing full and sliding layers).
+    stage_fn as `kinds=` (models mixing full and sliding layers). `loss_scale` (a float32 scalar): every
+    microbatch's backward starts from the scale instead of 1 (a dynamic loss scale's), so the gradients come back
+    multiplied by it and the loss does not.
     """
     sched = plan.schedule
     p, v, m = sched.stages, sched.virtual, sched.microbatches
@@ -63,7 +66,7 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
     run_stage = executor_stage(stage_fn, has_context=context is not None, extras=extras, chunk_keys=tuple(tables))
     context = () if context is None else context
     # The loss term's cotangent: it enters the mean over microbatches like each microbatch's loss.
-    term_ct = jnp.asarray(1 / m, jnp.float32)
+    term_ct = jnp.asarray(1 / m, jnp.float32) if loss_scale is None else loss_scale.astype(jnp.float32) / m
 
     def local(blocks, head, inputs, targets, context):
         stage = jax.lax.axis_index(AXIS)
@@ -83,7 +86,8 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
         stats = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), vjp_layout.stats)
         if sched.split_backward:
             grads, head_grads, loss, d_inputs, stats = run_split_ticks(plan, run_stage, head_fn, chunks, head, inputs,
-                                                                       targets, chunk_context, vjp_layout, stats)
+                                                                       targets, chunk_context, vjp_layout, stats,
+                                                                       loss_scale)
             return _finish(grads, head_grads, loss, d_inputs, stats, m)
 
         acts = jnp.zeros((plan.act_slots + 1, *x_like.shape), x_like.dtype)  # + 1: the spare slot
@@ -104,7 +108,8 @@ def run_pipeline(stage_fn: StageFn, head_fn: HeadFn, plan: PipelinePlan, blocks:
             stats = jax.tree.map(lambda acc, s: acc.at[k].add(s), stats, stats_mb)
             stash = [buf.at[slot].set(r) for buf, r in zip(stash, vjp_layout.residuals(vjp, params), strict=True)]
             is_last = (stage == p - 1) & (k == v - 1)
-            loss_mb, g_head, dy = head_on_last_chunk(head_fn, head, y, of_microbatch(targets, mb), m, is_last)
+            loss_mb, g_head, dy = head_on_last_chunk(head_fn, head, y, of_microbatch(targets, mb), m, is_last,
+                                                     loss_scale)
             cts = cts.at[row[col["write_ct"]]].set(dy.astype(cts.dtype))
             head_grads = jax.tree.map(jnp.add, head_grads, g_head)
             return (acts, cts, stash, grads, head_grads, loss + loss_mb.astype(jnp.float32), d_inputs, stats), y, x_like

@@ -22,13 +22,18 @@ AXIS = "pipeline"
 
 
 def head_on_last_chunk(head_fn: Callable, head: Any, y: jax.Array, target: Any, microbatches: int,
-                       is_last: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
+                       is_last: jax.Array, loss_scale: jax.Array | None = None) -> tuple[jax.Array, Any, jax.Array]:
     """(loss, head gradients, d loss / d y) of one microbatch, each over `microbatches`, when `is_last` (the chunk
-    that ends the model), else zeros: the loss's cotangent starts that microbatch's backward."""
+    that ends the model), else zeros: the loss's cotangent starts that microbatch's backward (`loss_scale`: the
+    gradients of the loss times it, the loss itself unscaled)."""
     m = microbatches
 
+    def scaled(head, y, target):
+        loss = head_fn(head, y, target)
+        return (loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)), loss
+
     def with_head(y):
-        loss_mb, (g_head, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, target)
+        (_, loss_mb), (g_head, dy) = jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True)(head, y, target)
         return (loss_mb / m).astype(jnp.float32), jax.tree.map(lambda g: g / m, g_head), dy / m
 
     def without_head(y):
@@ -39,10 +44,11 @@ def head_on_last_chunk(head_fn: Callable, head: Any, y: jax.Array, target: Any, 
 
 def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, chunks: Any, head: Any,
                     inputs: jax.Array, targets: Any, chunk_context: Callable, vjp_layout: Any,
-                    stats: Any) -> tuple[Any, Any, Any, Any, Any]:
+                    stats: Any, loss_scale: jax.Array | None = None) -> tuple[Any, Any, Any, Any, Any]:
     """One stage's (grads [v, ...], head grads, loss, d inputs, statistics summed per chunk) from running the plan's
     F, B and W ops; `run_stage` as the fused executor runs it: (params, x, context) -> ((y, loss term), statistics),
-    `chunk_context(microbatch, chunk)` what it takes as context, `stats` the zero statistics accumulators."""
+    `chunk_context(microbatch, chunk)` what it takes as context, `stats` the zero statistics accumulators, `loss_scale`
+    as `run_pipeline` takes it."""
     p, m, last = plan.schedule.stages, plan.schedule.microbatches, plan.schedule.stages * plan.schedule.virtual - 1
     col = {name: i for i, name in enumerate(plan.fields)}
     stage = jax.lax.axis_index(AXIS)
@@ -51,7 +57,8 @@ def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, 
     x_like = jnp.zeros(inputs.shape[1:], inputs.dtype)
     # Traced once, abstractly, on what the forward runs: B and W are slices of that one fused backward.
     split = split_vjp(run_stage, chunk_params(0), x_like, chunk_context(0, 0), has_aux=True)
-    term_ct = jnp.asarray(1 / m, jnp.float32)  # the stage's loss term enters the mean over microbatches
+    # The stage's loss term enters the mean over microbatches (times the loss scale, as the heads' losses do).
+    term_ct = jnp.asarray(1 / m, jnp.float32) if loss_scale is None else loss_scale.astype(jnp.float32) / m
 
     bufs = jnp.zeros((plan.act_slots + 1, *x_like.shape), x_like.dtype)  # + 1: the spare slot
     stash = [jnp.zeros((plan.stash_slots, *a.shape), a.dtype) for a in vjp_layout.stashed]
@@ -74,7 +81,8 @@ def run_split_ticks(plan: PipelinePlan, run_stage: Callable, head_fn: Callable, 
         slot = row[col["stash"]]
         stash = [buf.at[slot].set(r) for buf, r in zip(stash, vjp_layout.residuals(vjp, params), strict=True)]
         is_last = row[col["model_chunk"]] == last
-        loss_mb, g_head, dy = head_on_last_chunk(head_fn, head, y, of_microbatch(targets, mb), m, is_last)
+        loss_mb, g_head, dy = head_on_last_chunk(head_fn, head, y, of_microbatch(targets, mb), m, is_last,
+                                                 loss_scale)
         head_grads = jax.tree.map(jnp.add, head_grads, g_head)
         out = jnp.where(is_last, dy.astype(y.dtype), y)  # the last chunk's output is its own B's cotangent
         return (bufs, stash, saved, grads, head_grads, loss + loss_mb, d_inputs, stats), out

@@ -227,8 +227,8 @@ def _rate_change(key: str, old: Any, new: Any) -> bool:
 
 def check_same_model(meta: dict, cfg: Config, where: str) -> None:
     """Resuming continues the same model and optimizer: a difference in the model section, or in the optimizer
-    settings that shape its state (`optim.name`, `precision.master`), is a ConfigError naming it (checked before any
-    restore, so the checkpoint is not mistaken for a damaged one)."""
+    settings that shape its state (`optim.name`, `precision.master`, `precision.loss_scale`), is a ConfigError naming
+    it (checked before any restore, so the checkpoint is not mistaken for a damaged one)."""
     diffs = model_differences(meta, cfg)
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was saved by a different model ({'; '.join(diffs)}); "
@@ -236,9 +236,11 @@ def check_same_model(meta: dict, cfg: Config, where: str) -> None:
                           "new run from its parameters")
     saved = meta.get("config", {})
     diffs = state_differences(saved.get("optim", {}), cfg.optim)
-    master = saved.get("precision", {}).get("master", "none")  # checkpoints from before the section kept none
-    if master != cfg.precision.master:
-        diffs.append(f"precision.master: checkpoint {master!r}, this run {cfg.precision.master!r}")
+    precision = saved.get("precision", {})  # checkpoints from before the section (or a key) kept none
+    for key in ("master", "loss_scale"):
+        if precision.get(key, "none") != getattr(cfg.precision, key):
+            diffs.append(f"precision.{key}: checkpoint {precision.get(key, 'none')!r}, this run "
+                         f"{getattr(cfg.precision, key)!r}")
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was saved with another optimizer ({'; '.join(diffs)}), whose "
                           "state this run cannot continue; use the checkpoint's setting, a new run.dir, or "

@@ -37,8 +37,9 @@ from spmd_train.tpu_flags import tpu_flags_in_effect
 from spmd_train.train.balance import balance_vectors, bias_metrics, update_router_bias, without_bias_updates
 from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.fingerprint import fingerprint
-from spmd_train.train.guards import GuardState, advance, all_finite, init_guard, judge, keep_if
+from spmd_train.train.guards import OVERFLOW, GuardState, advance, all_finite, init_guard, judge, keep_if
 from spmd_train.train.inputs import model_inputs, mtp_inputs, with_loss_weights
+from spmd_train.train.loss_scale import LossScaleState, adjust, unscale
 from spmd_train.train.memory_fit import bytes_per_device, check_state_fits, describe_run
 from spmd_train.train.optimizer import lr_schedule, make_optimizer, state_sharding
 from spmd_train.train.pipelined import chunk_depths, layer_order, model_rows, pipeline_plan, pipeline_value_and_grad
@@ -113,7 +114,7 @@ class Engine:
             elif order.size > cfg.model.stack_rows:  # uneven stages: every device stores its longest chunk's rows
                 shapes = {**shapes, "blocks": jax.tree.map(
                     lambda a: jax.ShapeDtypeStruct((order.size, *a.shape[1:]), a.dtype), shapes["blocks"])}
-        tx = make_optimizer(cfg.optim, cfg.train.steps, logical, master=cfg.precision.master == "float32")
+        tx = make_optimizer(cfg.optim, cfg.train.steps, logical, cfg.precision)
         param_sh = layout.param_shardings(logical, shapes)
         opt_shapes = jax.eval_shape(tx.init, shapes)
         opt_sh = optax.tree_map_params(
@@ -307,18 +308,27 @@ class Engine:
         """One optimizer step (un-jitted; see `train_step`)."""
         mtp = self.cfg.model.mtp
         batch = with_loss_weights(as_batch(batch), 0 if mtp is None else mtp.depth)
+        # precision.loss_scale=dynamic: the objective times the scale, so every cotangent carries it (float16's).
+        scaling = isinstance(state.opt_state, LossScaleState)
+        scale = state.opt_state.scale if scaling else None
         if self.plan is None:
+            def scaled_objective(params, batch):
+                total, metrics = self.objective(params, batch)
+                return (total * scale if scaling else total), metrics
+
             def value_and_grad(params, batch):
-                (_, metrics), grads = jax.value_and_grad(self.objective, has_aux=True)(params, batch)
+                (_, metrics), grads = jax.value_and_grad(scaled_objective, has_aux=True)(params, batch)
                 return metrics, grads
         else:
             value_and_grad = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan,
-                                                     self.mesh, zigzag=self.backends.zigzag)
+                                                     self.mesh, zigzag=self.backends.zigzag, loss_scale=scale)
         with use_layout(self.layout):
             values, grads = loss_and_grads(
                 value_and_grad, state.params, batch,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
             )
+        if scaling:
+            grads = unscale(grads, scale)
         # Under the layout: an optimizer may place its work (Muon's whole matrices: sharding.whole_matrices).
         with jax.named_scope("optimizer"), use_layout(self.layout):
             grad_norm = optax.tree.norm(grads)
@@ -334,9 +344,14 @@ class Engine:
             # Judged from values already reduced over the mesh: the guards add no collective. A non-finite
             # router loss reaches the gradient norm; with finite gradients and learning rate, clipped
             # AdamW's update is finite (an overflowing one is still caught before any save).
-            reason = judge(state.guard, values["loss"], grad_norm, self.cfg.train, jnp.isfinite(lr))
+            reason = judge(state.guard, values["loss"], grad_norm, self.cfg.train, jnp.isfinite(lr), loss_scale=scale)
             params, opt_state = keep_if(reason == 0, (params, opt_state), (state.params, state.opt_state))
             guard = advance(state.guard, reason, values["loss"], grad_norm)
+            if scaling:  # after keep_if: an overflowing step is skipped, and its scale still falls
+                kept = adjust(state.opt_state, reason == OVERFLOW, reason == 0,
+                              self.cfg.precision.loss_scale_growth_interval)
+                opt_state = opt_state._replace(scale=kept.scale, good_steps=kept.good_steps)
+                values["loss_scale"] = opt_state.scale
         model_rows = None if self.layer_order is None else self.stored_row_of_model
         metrics = {**values, **bias_metrics(params, model_rows), "grad_norm": grad_norm, "lr": lr,
                    "skip_reason": reason, "skipped_steps": guard.skipped, "consecutive_skips": guard.consecutive}

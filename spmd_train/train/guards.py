@@ -16,9 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd_train.config.train_schema import TrainConfig
+from spmd_train.train.loss_scale import MIN_SCALE
 
-REASONS = (None, "nonfinite", "spike")
-"""skip_reason by the code the step reports (0: applied)."""
+REASONS = (None, "nonfinite", "spike", "overflow")
+"""skip_reason by the code the step reports (0: applied). "overflow": under a dynamic loss scale, a finite loss whose
+scaled gradients overflowed while the scale could still fall (it halves: `precision.loss_scale`). Not a divergence:
+`train.on_nonfinite=halt` lets it pass and it does not count toward `train.max_consecutive_skips` (the scale reaches
+1 within log2(scale) of them; an overflow at 1 is the model's own, "nonfinite")."""
+OVERFLOW = REASONS.index("overflow")
 STD_FLOOR = 0.01
 """The smallest standard deviation a spike is measured in, as a share of the window's mean."""
 
@@ -43,31 +48,39 @@ def init_guard(cfg: TrainConfig) -> GuardState:
 
 
 def judge(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, cfg: TrainConfig,
-          lr_finite: jax.Array | bool = True) -> jax.Array:
-    """The step's skip reason code (an index into REASONS): 0 applied, 1 non-finite, 2 spike.
+          lr_finite: jax.Array | bool = True, loss_scale: jax.Array | None = None) -> jax.Array:
+    """The step's skip reason code (an index into REASONS): 0 applied, 1 non-finite, 2 spike, 3 overflow.
 
     Non-finite: the loss, the gradient norm, or the learning rate (`lr_finite`: a NaN rate
-    turns finite gradients into a NaN update).
+    turns finite gradients into a NaN update). `loss_scale` (a dynamic loss scale's value): a finite loss with
+    non-finite gradients is an overflow of the scale while it is above its floor, not a fault of the model.
     """
     values = jnp.stack([loss, grad_norm]).astype(jnp.float32)
     finite = jnp.all(jnp.isfinite(values)) & lr_finite
+    if loss_scale is not None:
+        overflow = jnp.isfinite(values[0]) & ~jnp.isfinite(values[1]) & lr_finite & (loss_scale > MIN_SCALE)
     spike = jnp.zeros((), bool)
     if cfg.spike_sigma is not None:
         mean = jnp.mean(guard.window, axis=0)
         std = jnp.maximum(jnp.std(guard.window, axis=0), STD_FLOOR * jnp.abs(mean))
         full = guard.accepted >= cfg.spike_window
         spike = full & jnp.any(values > mean + cfg.spike_sigma * std)
-    return jnp.where(finite, jnp.where(spike, 2, 0), 1).astype(jnp.int32)
+    code = jnp.where(finite, jnp.where(spike, 2, 0), 1)
+    if loss_scale is not None:
+        code = jnp.where(overflow, OVERFLOW, code)
+    return code.astype(jnp.int32)
 
 
 def advance(guard: GuardState, reason: jax.Array, loss: jax.Array, grad_norm: jax.Array) -> GuardState:
-    """The guards after a step judged `reason`: an accepted step enters the window, a skip is counted."""
+    """The guards after a step judged `reason`: an accepted step enters the window, a skip is counted (an overflow of
+    the loss scale in the run's total only)."""
     ok = reason == 0
     slot = guard.accepted % guard.window.shape[0]
     entry = jnp.stack([loss, grad_norm]).astype(jnp.float32)
     window = jnp.where(ok, guard.window.at[slot].set(entry), guard.window)
     one = jnp.ones((), jnp.int32)
-    return GuardState(window, guard.accepted + jnp.where(ok, one, 0), jnp.where(ok, 0, guard.consecutive + 1),
+    consecutive = jnp.where(ok, 0, jnp.where(reason == OVERFLOW, guard.consecutive, guard.consecutive + 1))
+    return GuardState(window, guard.accepted + jnp.where(ok, one, 0), consecutive,
                       guard.skipped + jnp.where(ok, 0, one))
 
 
@@ -96,6 +109,10 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones((), bool)
 
 
+_SKIPPED_FOR = {"nonfinite": "a non-finite loss or gradient", "spike": "a spike"}
+"""What a run of skips that halts ended on (an overflow of the loss scale does not count toward one)."""
+
+
 def halt_reason(record: dict[str, Any], cfg: TrainConfig, saved: list[int]) -> str | None:
     """Why the run must stop after this finished step (one paragraph), or None to go on."""
     step = record["step"]
@@ -106,7 +123,7 @@ def halt_reason(record: dict[str, Any], cfg: TrainConfig, saved: list[int]) -> s
                 f"finite; stopped (train.on_nonfinite=halt, valid: skip to go on); {keep}")
     if record["consecutive_skips"] >= cfg.max_consecutive_skips:
         return (f"step {step}: {record['consecutive_skips']} steps in a row were skipped (the last for "
-                f"{'a non-finite loss or gradient' if record['skip_reason'] == 'nonfinite' else 'a spike'}:"
+                f"{_SKIPPED_FOR[record['skip_reason']]}:"
                 f" loss {record['loss']:.6g}, grad_norm {record['grad_norm']:.6g}); stopped "
                 f"(train.max_consecutive_skips={cfg.max_consecutive_skips}); {keep}. A diverged run "
                 "usually needs a lower optim.lr or a restart from an earlier checkpoint")

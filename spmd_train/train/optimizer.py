@@ -19,8 +19,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.optimizer_facts import MOMENT_KEYS, is_matrix, optimizer_facts
+from spmd_train.config.precision_schema import PrecisionConfig
 from spmd_train.config.train_schema import OptimConfig
 from spmd_train.errors import ConfigError
+from spmd_train.train.loss_scale import with_loss_scale
 from spmd_train.train.master_weights import with_master_copy
 from spmd_train.train.optimizers import optimizer_named
 
@@ -110,16 +112,19 @@ def _core(cfg: OptimConfig, lr: optax.Schedule, logical_tree: Any) -> optax.Grad
     return optimizer_named(cfg.name).build(cfg, lr, decay_mask(logical_tree), hyperparameters(cfg), logical_tree)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any, master: bool = False
+def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any, precision: PrecisionConfig | None = None
                    ) -> optax.GradientTransformation:
-    """The optimizer for a model whose parameters have these logical axes; `master`: on a float32 master copy of
-    them (precision.master=float32, `train.master_weights`)."""
+    """The optimizer for a model whose parameters have these logical axes, under the `precision` policy: on a float32
+    master copy of them (precision.master=float32, `train.master_weights`), with a dynamic loss scale in its state
+    (precision.loss_scale=dynamic, `train.loss_scale`)."""
+    precision = precision or PrecisionConfig()
     tx = optax.chain(
         # identity() has clipping's (empty) state: a checkpoint resumes with clipping on or off.
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
         _core(cfg, lr_schedule(cfg, total_steps), logical_tree),
     )
-    return with_master_copy(tx) if master else tx
+    tx = with_master_copy(tx) if precision.master == "float32" else tx
+    return with_loss_scale(tx, precision.loss_scale_init) if precision.loss_scale == "dynamic" else tx
 
 
 def state_sharding(leaf: Any, param_sharding: NamedSharding, param: Any) -> NamedSharding:

@@ -113,9 +113,10 @@ def _model_chunk(device: int, local: int, stages: int, placement: str) -> int:
 
 
 def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef: nnx.GraphDef, plan: PipelinePlan,
-                            mesh, *, zigzag: int = 1) -> Any:
+                            mesh, *, zigzag: int = 1, loss_scale: jax.Array | None = None) -> Any:
     """(params, batch) -> (metrics, gradients), run by the pipeline schedule (`zigzag`: as in `model_inputs`);
-    metrics: the mean loss, and with MoE layers the router metrics `Engine.objective` reports."""
+    metrics: the mean loss, and with MoE layers the router metrics `Engine.objective` reports; `loss_scale`: the
+    gradients are of the objective times it (`run_pipeline`)."""
     sched = plan.schedule
     m = sched.microbatches
     depths = chunk_depths(cfg, sched.stages)
@@ -166,7 +167,8 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
         context = {name: split(a) for name, a in docs.items()} or None
         loss, block_grads, head_grads, d_x, *stats = run_pipeline(
             stage_fn, head_fn, plan, blocks, rest, x, (split(targets), None if weights is None else split(weights)),
-            context=context, mesh=mesh, extras=moe is not None, chunk_rows=rows_table, chunk_kinds=kinds_table)
+            context=context, mesh=mesh, extras=moe is not None, chunk_rows=rows_table, chunk_kinds=kinds_table,
+            loss_scale=loss_scale)
         (embed_grads,) = embed_vjp(d_x)
         grads = jax.tree.map(lambda a, b: a + b, head_grads, embed_grads)
         metrics = {"loss": loss, **(_router_metrics(stats[0], model_order) if stats else {})}

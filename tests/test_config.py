@@ -42,8 +42,12 @@ def test_presets_fill_in_and_explicit_values_win(tmp_path):
 
 def test_defaults_without_a_file():
     cfg = load_config(None)
-    # Everything is the schema's default except the rules, which come from the default rules preset.
-    assert dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules=RulesConfig())) == Config()
+    # Everything is the schema's default except the rules, which come from the default rules preset, and
+    # precision.params / compute, which hold the model's dtypes (one setting under two names).
+    assert (cfg.precision.params, cfg.precision.compute) == (cfg.model.param_dtype, cfg.model.compute_dtype)
+    unset = dataclasses.replace(cfg.precision, params=None, compute=None)
+    rules = dataclasses.replace(cfg.mesh, rules=RulesConfig())
+    assert dataclasses.replace(cfg, mesh=rules, precision=unset) == Config()
     preset = yaml.safe_load((ROOT / "meshes" / "rules" / "default.yaml").read_text())
     assert {k: list(v) for k, v in cfg.mesh.rules.activations.items()} == preset["activations"]
     assert {k: list(v) for k, v in cfg.mesh.rules.params.items()} == preset["params"]
@@ -89,7 +93,7 @@ def test_overrides_parse_yaml_scalars_and_lists():
         (["model.d_model='64'"], ["model.d_model='64'", "valid integer"]),
         (["parallel.zero_stage=5"], ["parallel.zero_stage=5", "0, 1, 2 or 3"]),
         (["parallel.remat=sometimes"], ["parallel.remat='sometimes'", "save_matmuls"]),
-        (["model.compute_dtype=float16"], ["model.compute_dtype='float16'", "bfloat16"]),
+        (["model.compute_dtype=float64"], ["model.compute_dtype='float64'", "bfloat16"]),
         (["mesh.data=-1", "mesh.fsdp=-1"], ["mesh.data=-1", "mesh.fsdp=-1", "at most one"]),
         (["mesh.tensor=0"], ["mesh.tensor=0", "positive integer or -1"]),
         (["model.num_heads=8", "model.num_kv_heads=3"], ["model.num_kv_heads=3", "1, 2, 4, 8"]),

@@ -201,8 +201,8 @@ def test_gpu_limits_are_clear_errors(shape, dtype, blocks, needle):
 
 
 @pytest.mark.parametrize(("overrides", "needle"), [
-    (["model.compute_dtype=float32"], "needs model.compute_dtype=bfloat16 (the kernels feed wgmma bfloat16 "
-                                      "operands); got float32"),
+    (["model.compute_dtype=float32"], "needs model.compute_dtype (precision.compute)=bfloat16 (the kernels feed "
+                                      "wgmma bfloat16 operands); got float32"),
     (["model.compute_dtype=bfloat16", "model.head_dim=32"], "head_dim that is a multiple of 64; got 32"),
     (["model.compute_dtype=bfloat16", "model.head_dim=64", "backends.attention_blocks=[128,96]"],
      "backends.attention_blocks=[128, 96] does not suit the GPU kernels: each must be 64, 128, 192 or 256"),

@@ -105,8 +105,8 @@ def test_the_scale_is_saved_and_a_run_resumes_only_with_the_loss_scale_it_starte
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["model.compute_dtype=float16"], "model.compute_dtype=float16 needs precision.loss_scale=dynamic"),
-    (["model.param_dtype=float16", *FP16], "model.param_dtype=float16 needs precision.master=float32"),
+    (["model.compute_dtype=float16"], r"model.compute_dtype \(precision.compute\)=float16 needs precision.loss_scale"),
+    (["model.param_dtype=float16", *FP16], r"model.param_dtype \(precision.params\)=float16 needs precision.master"),
     ([*FP16, "backends.attention=pallas"], "our flash-attention kernels take float32 or bfloat16"),
 ])
 def test_float16_settings_that_cannot_train_are_refused_naming_the_keys(overrides, message):

@@ -66,7 +66,7 @@ def test_a_run_resumes_only_with_the_master_setting_it_started_with():
     check_same_model(saved, load_config(None, MASTER), "here")
     older = {"config": {"model": model, "optim": {"name": "adamw"}}}  # before the section: no master copy
     check_same_model(older, load_config(None, BF16), "here")
-    with pytest.raises(ConfigError, match="model.param_dtype=float32 stores them in float32 already"):
+    with pytest.raises(ConfigError, match=r"model.param_dtype \(precision.params\)=float32 stores them in float32"):
         load_config(None, ["precision.master=float32"])
 
 

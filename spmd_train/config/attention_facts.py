@@ -112,8 +112,8 @@ def _pallas_on_gpu(model: Any, backends: Any, platform: str) -> None:
     if platform != "gpu":
         return
     if model.compute_dtype != "bfloat16":
-        raise ConfigError(f"backends.attention=pallas on GPU needs model.compute_dtype=bfloat16 (the kernels feed "
-                          f"wgmma bfloat16 operands); got {model.compute_dtype}: set it, or use "
+        raise ConfigError(f"backends.attention=pallas on GPU needs model.compute_dtype (precision.compute)=bfloat16 "
+                          f"(the kernels feed wgmma bfloat16 operands); got {model.compute_dtype}: set it, or use "
                           "backends.attention=cudnn or xla")
     width = kernel_head_width(model)
     if width % 64:

@@ -256,21 +256,22 @@ def check_moe_groups(moe) -> None:
 
 
 def check_precision(cfg: Config) -> None:
-    """The precision policy against the model's dtypes and the attention backend."""
+    """The precision policy against the model's dtypes and the attention backend (each dtype named by both of its keys,
+    model.param_dtype / precision.params and model.compute_dtype / precision.compute: the user gave one of them)."""
     m, pr = cfg.model, cfg.precision
+    params, compute = "model.param_dtype (precision.params)", "model.compute_dtype (precision.compute)"
     if pr.master == "float32" and m.param_dtype == "float32":
-        raise ConfigError("precision.master=float32 keeps a float32 copy of bfloat16 or float16 parameters, and "
-                          "model.param_dtype=float32 stores them in float32 already (valid: precision.master=none, or "
-                          "model.param_dtype=bfloat16 or float16)")
+        raise ConfigError(f"precision.master=float32 keeps a float32 copy of bfloat16 or float16 parameters, and "
+                          f"{params}=float32 stores them in float32 already (valid: precision.master=none, or "
+                          f"{params}=bfloat16 or float16)")
     if m.compute_dtype == "float16" and pr.loss_scale != "dynamic":
-        raise ConfigError("model.compute_dtype=float16 needs precision.loss_scale=dynamic: float16 flushes gradients "
-                          "below 2^-24 to zero without a loss scale (valid: precision.loss_scale=dynamic, or "
-                          "model.compute_dtype=bfloat16 or float32)")
+        raise ConfigError(f"{compute}=float16 needs precision.loss_scale=dynamic: float16 flushes gradients below "
+                          f"2^-24 to zero without a loss scale (valid: precision.loss_scale=dynamic, or {compute}="
+                          "bfloat16 or float32)")
     if m.param_dtype == "float16" and pr.master != "float32":
-        raise ConfigError("model.param_dtype=float16 needs precision.master=float32: updates under float16's step "
-                          "(1 in 2048 of a weight) round away and its range ends at 65504 (valid: precision.master="
-                          "float32, or model.param_dtype=bfloat16 or float32)")
+        raise ConfigError(f"{params}=float16 needs precision.master=float32: updates under float16's step (1 in 2048 "
+                          f"of a weight) round away and its range ends at 65504 (valid: precision.master=float32, or "
+                          f"{params}=bfloat16 or float32)")
     if m.compute_dtype == "float16" and cfg.backends.attention == "pallas":
-        raise ConfigError("backends.attention=pallas: our flash-attention kernels take float32 or bfloat16, and "
-                          "model.compute_dtype=float16 (valid: backends.attention=auto, xla or cudnn, or "
-                          "model.compute_dtype=bfloat16)")
+        raise ConfigError(f"backends.attention=pallas: our flash-attention kernels take float32 or bfloat16, and "
+                          f"{compute}=float16 (valid: backends.attention=auto, xla or cudnn, or {compute}=bfloat16)")

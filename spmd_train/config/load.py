@@ -25,12 +25,14 @@ from spmd_train.config.checks import check_config
 from spmd_train.config.hf_config import hf_directory, model_section, read_hf_config
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.config.moved import MOVED_KEYS, upgrade_model_section
+from spmd_train.config.precision_schema import prefer_overridden_aliases, resolve_aliases
 from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-_PRESET_SECTIONS = {"model": ("models", ("model",)), "mesh": ("meshes", ("mesh", "parallel"))}
+_PRESET_SECTIONS = {"model": ("models", ("model",)), "mesh": ("meshes", ("mesh", "parallel")),
+                    "precision": ("precisions", ("precision",))}
 _ADAPTER = pydantic.TypeAdapter(Config)
 _MODEL = pydantic.TypeAdapter(ModelConfig)
 
@@ -88,14 +90,18 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         path = Path(path)
         raw = _read_yaml(path, what="config file")
         base_dir = path.resolve().parent
-    _deep_update(raw, parse_overrides(overrides))
+    given = parse_overrides(overrides)
+    prefer_overridden_aliases(raw, given)
+    _deep_update(raw, given)
     raw.pop("resolved", None)  # a run's config.json: what the engine derived, not settings
     return config_from_dict(raw, base_dir=base_dir)
 
 
 def config_from_dict(raw: Mapping[str, Any], base_dir: str | Path | None = None) -> Config:
     """Validate a nested dict (as read from YAML) into a Config, resolving presets first."""
+    given = dict(raw)  # what the user wrote: its precision keys win over presets and an imported checkpoint's
     raw = _resolve_presets(_with_hf_model(dict(raw)), Path(base_dir) if base_dir else Path.cwd())
+    resolve_aliases(raw, given)
     try:
         # JSON mode: strict about scalar types (no "64" for 64), yet dicts become dataclasses
         # and lists become tuples, which is exactly what YAML input needs.

@@ -1,11 +1,17 @@
-"""The `precision` section: the numeric policy beside `model.param_dtype` and `model.compute_dtype`."""
+"""The `precision` section: the numeric policy, with `precision.params` and `precision.compute` the same settings as
+`model.param_dtype` and `model.compute_dtype`, and recipes in `precisions/` (`precision.preset`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from spmd_train.config.field_types import STRICT, PositiveFloat, PositiveInt
+from spmd_train.config.field_types import STRICT, DType, PositiveFloat, PositiveInt
+from spmd_train.errors import ConfigError
+
+ALIASES = {"params": "param_dtype", "compute": "compute_dtype"}
+"""precision.<key> -> model.<key>: one setting under two names (the model section's came first)."""
 
 
 @dataclass(frozen=True)
@@ -14,6 +20,14 @@ class PrecisionConfig:
 
     __pydantic_config__ = STRICT
 
+    preset: str | None = None
+    """A recipe in precisions/ (fp32, mixed-bf16, bf16-master, mixed-fp16, fp16-master) or a path to a YAML file of
+    precision keys; keys given beside it, here or as model.param_dtype / model.compute_dtype, win."""
+    params: DType | None = None
+    """The stored parameters' dtype: model.param_dtype under the policy's name (either may be given; given both, they
+    must agree). Loaded configs hold the effective value in both."""
+    compute: DType | None = None
+    """The matmuls' operands and the activations: model.compute_dtype under the policy's name (as `params`)."""
     master: Literal["none", "float32"] = "none"
     """float32: keep a float32 master copy of bfloat16 parameters (model.param_dtype=bfloat16) in the optimizer state;
     the optimizer updates the master copy (its moments in float32 too) and the parameters are its bfloat16 rounding,
@@ -28,3 +42,39 @@ class PrecisionConfig:
     """The dynamic loss scale a run starts with (PyTorch's GradScaler default, 2^16)."""
     loss_scale_growth_interval: PositiveInt = 2000
     """Applied steps in a row after which the dynamic loss scale doubles (GradScaler's default)."""
+
+
+def resolve_aliases(merged: dict[str, Any], raw: Mapping[str, Any]) -> None:
+    """Make precision.params / compute and model.param_dtype / compute_dtype one setting in `merged` (defaults, presets
+    and `raw` merged): the key `raw` gives wins over a preset's; given both ways in `raw`, they must agree."""
+    precision, model = merged.get("precision"), merged.get("model")
+    if not isinstance(precision, dict) or not isinstance(model, dict):
+        return  # not mappings: validation names the section
+    given = raw.get("precision") if isinstance(raw.get("precision"), Mapping) else {}
+    given_model = raw.get("model") if isinstance(raw.get("model"), Mapping) else {}
+    for alias, key in ALIASES.items():
+        ours, theirs = given.get(alias), given_model.get(key)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ConfigError(f"precision.{alias}={ours} and model.{key}={theirs} are one setting under two names "
+                              f"(valid: give one of them, or the same value to both)")
+        value = ours if ours is not None else theirs if theirs is not None else precision.get(alias)
+        if value is None:
+            value = model.get(key)
+        precision[alias] = model[key] = value
+
+
+def prefer_overridden_aliases(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """An override of one name of a dtype drops the other name from the file `raw` (a run's saved config holds both):
+    `config.yaml model.compute_dtype=float16` changes the setting instead of contradicting the file's copy."""
+    for alias, key in ALIASES.items():
+        ours, theirs = _get(overrides, "precision", alias), _get(overrides, "model", key)
+        if (ours is None) != (theirs is None):
+            section, name = ("model", key) if ours is not None else ("precision", alias)
+            if isinstance(raw.get(section), dict):
+                raw[section].pop(name, None)
+
+
+def _get(tree: Mapping[str, Any], section: str, key: str) -> Any:
+    body = tree.get(section)
+    return body.get(key) if isinstance(body, Mapping) else None
+

@@ -194,6 +194,13 @@ def test_bf16_lion_and_adamw_hold_one_and_two_moments_in_the_parameter_dtype():
                           "model.d_ff=256"]),
     ("configs/tiny.yaml", ["optim.name=adafactor", "optim.b1=0.9", "model.d_model=256", "model.d_ff=512"]),
     ("configs/tiny.yaml", ["optim.name=lion", "model.param_dtype=bfloat16"]),
+    # precision.moments: AdamW's two in bfloat16 beside float32 parameters; Adafactor's momentum cast too; float32
+    # moments of bfloat16 parameters; bfloat16 moments under a float32 master copy.
+    ("configs/tiny.yaml", ["precision.moments=bfloat16"]),
+    ("configs/tiny.yaml", ["optim.name=adafactor", "optim.b1=0.9", "model.d_model=256", "model.d_ff=512",
+                           "precision.moments=bfloat16"]),
+    ("configs/tiny.yaml", ["precision.params=bfloat16", "precision.moments=float32"]),
+    ("configs/tiny.yaml", ["precision.preset=bf16-master", "precision.moments=bfloat16"]),
     ("configs/tiny.yaml", ["model.num_kv_heads=8", "model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=24",
                            "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6"]),
 ])

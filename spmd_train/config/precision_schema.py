@@ -28,6 +28,10 @@ class PrecisionConfig:
     must agree). Loaded configs hold the effective value in both."""
     compute: DType | None = None
     """The matmuls' operands and the activations: model.compute_dtype under the policy's name (as `params`)."""
+    moments: DType | None = None
+    """The optimizer's moments (AdamW's two, Lion's and Muon's momentum, Adafactor's factors): null, the parameters'
+    dtype (float32 over a master copy); bfloat16 halves AdamW's 8 bytes per float32 parameter. Computed in float32
+    each step, stored rounded."""
     master: Literal["none", "float32"] = "none"
     """float32: keep a float32 master copy of bfloat16 parameters (model.param_dtype=bfloat16) in the optimizer state;
     the optimizer updates the master copy (its moments in float32 too) and the parameters are its bfloat16 rounding,
@@ -77,4 +81,10 @@ def prefer_overridden_aliases(raw: dict[str, Any], overrides: Mapping[str, Any])
 def _get(tree: Mapping[str, Any], section: str, key: str) -> Any:
     body = tree.get(section)
     return body.get(key) if isinstance(body, Mapping) else None
+
+
+def moment_dtype(moments: str | None, master: str, param_dtype: str) -> str:
+    """The dtype the optimizer's moments are stored in under these settings (precision.moments null: the parameters',
+    float32 over a master copy)."""
+    return moments or ("float32" if master == "float32" else param_dtype)
 

@@ -24,6 +24,7 @@ from spmd_train.config.train_schema import OptimConfig
 from spmd_train.errors import ConfigError
 from spmd_train.train.loss_scale import with_loss_scale
 from spmd_train.train.master_weights import with_master_copy
+from spmd_train.train.moment_dtype import with_moment_dtype
 from spmd_train.train.optimizers import optimizer_named
 
 
@@ -114,14 +115,18 @@ def _core(cfg: OptimConfig, lr: optax.Schedule, logical_tree: Any) -> optax.Grad
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any, precision: PrecisionConfig | None = None
                    ) -> optax.GradientTransformation:
-    """The optimizer for a model whose parameters have these logical axes, under the `precision` policy: on a float32
-    master copy of them (precision.master=float32, `train.master_weights`), with a dynamic loss scale in its state
-    (precision.loss_scale=dynamic, `train.loss_scale`)."""
+    """The optimizer for a model whose parameters have these logical axes, under the `precision` policy: its moments
+    in precision.moments (`train.moment_dtype`), on a float32 master copy of them (precision.master=float32,
+    `train.master_weights`), with a dynamic loss scale in its state (precision.loss_scale=dynamic,
+    `train.loss_scale`)."""
     precision = precision or PrecisionConfig()
+    core = _core(cfg, lr_schedule(cfg, total_steps), logical_tree)
+    if precision.moments is not None:
+        core = with_moment_dtype(core, precision.moments)
     tx = optax.chain(
         # identity() has clipping's (empty) state: a checkpoint resumes with clipping on or off.
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
-        _core(cfg, lr_schedule(cfg, total_steps), logical_tree),
+        core,
     )
     tx = with_master_copy(tx) if precision.master == "float32" else tx
     return with_loss_scale(tx, precision.loss_scale_init) if precision.loss_scale == "dynamic" else tx

@@ -144,6 +144,8 @@ class Workload:
     """optim.b1 is set and adds a (fp32) momentum (`OptimizerFacts.b1_adds_state`: Adafactor)."""
     master: bool = False
     """precision.master=float32: the optimizer state holds a float32 copy of the parameters, its moments float32."""
+    moments: str | None = None
+    """precision.moments: the moments' dtype (None: the parameters', float32 over a master copy)."""
     attention: str = "flash"
     """"flash": a fused kernel (Pallas, cuDNN) keeps no [length, length] scores; "xla": the reference attention."""
     moe_impl: str = "capacity"
@@ -171,7 +173,8 @@ class Workload:
         keeps = impl in attention_names() and attention_facts(impl).keeps_scores
         momentum = optimizer_facts(cfg.optim.name).b1_adds_state and cfg.optim.b1 is not None
         return cls(global_batch=cfg.train.global_batch_size, seq_len=cfg.train.seq_len, optimizer=cfg.optim.name,
-                   momentum=momentum, master=cfg.precision.master == "float32", attention="xla" if keeps else "flash",
+                   momentum=momentum, master=cfg.precision.master == "float32", moments=cfg.precision.moments,
+                   attention="xla" if keeps else "flash",
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
                    documents=cfg.data.masks_documents, xla_cpu=platform == "cpu")
 

@@ -31,6 +31,7 @@ from spmd_train.analysis.plan.candidate import (
 )
 from spmd_train.analysis.plan.shape import ModelShape, ParamGroup
 from spmd_train.analysis.plan.stages import chunk_layers, stored_rows_factor
+from spmd_train.config.field_types import DTYPE_BYTES
 from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
 from spmd_train.config.optimizer_facts import optimizer_facts
 from spmd_train.config.resolved_rules import RuleTables
@@ -116,28 +117,32 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, tensor: int = 1, 
 
 def optimizer_bytes(g: ParamGroup, spec: Spec, shape: dict[str, int], param_bytes: int, w: Workload) -> float:
     """Optimizer-state bytes one device holds for parameter `g` stored with `spec`: the optimizer's own figure
-    (`config.optimizer_facts.OptimizerFacts.state_bytes`, optax's state), over a float32 master copy, which it
-    holds too, with `w.master` (`train.master_weights`)."""
+    (`config.optimizer_facts.OptimizerFacts.state_bytes`, optax's state) with its moments in `w.moments`
+    (`train.moment_dtype`; by default the parameters' dtype, float32 over a master copy), and the float32 master copy
+    itself with `w.master` (`train.master_weights`)."""
     ways = tuple(math.prod(shape[a] for a in axes) for axes in spec)
-    if w.master:
-        return (optimizer_facts(w.optimizer).state_bytes(g.shape, g.axes, ways, 4, w.momentum)
-                + 4 * math.prod(g.shape) / math.prod(ways))
-    return optimizer_facts(w.optimizer).state_bytes(g.shape, g.axes, ways, param_bytes, w.momentum)
+    local = math.prod(g.shape) / math.prod(ways)
+    moment = DTYPE_BYTES[w.moments] if w.moments else 4 if w.master else param_bytes
+    state = optimizer_facts(w.optimizer).state_bytes(g.shape, g.axes, ways, moment, w.momentum)
+    if w.moments and w.momentum:  # Adafactor's momentum, float32 in optax, is cast like every moment
+        state += (moment - 4) * local
+    return state + (4 * local if w.master else 0.0)
 
 
 def state_bytes(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state) bytes per device, parameter by parameter."""
     return _state_bytes(m, c.sizes, c.zero_stage, w.optimizer, w.momentum, c.rules,
-                        stored_rows_factor(m, c, w.seq_len), w.master)
+                        stored_rows_factor(m, c, w.seq_len), w.master, w.moments)
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def _state_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, optimizer: str, momentum: bool,
-                 rules: RuleTables | None, stored: float = 1.0, master: bool = False) -> tuple[float, float, float]:
+                 rules: RuleTables | None, stored: float = 1.0, master: bool = False, moments: str | None = None
+                 ) -> tuple[float, float, float]:
     """Parameter, gradient and optimizer bytes per device; `stored`: the layer stack's stored rows over its model
     rows (uneven pipeline chunks are padded to the deepest, `stages.stored_rows_factor`)."""
     shape = dict(zip(MESH_AXES, sizes, strict=True))
-    w = Workload(global_batch=1, seq_len=1, optimizer=optimizer, momentum=momentum, master=master)
+    w = Workload(global_batch=1, seq_len=1, optimizer=optimizer, momentum=momentum, master=master, moments=moments)
     params = grads = opt = 0.0
     for g in m.params:
         lay = param_layout(g.axes, sizes, stage, rules)
@@ -265,7 +270,7 @@ class _ActivationPart(NamedTuple):
 
 def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None, w: Workload,
                 stored: float = 1.0) -> _StatePart:
-    params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules, stored, w.master)
+    params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules, stored, w.master, w.moments)
     head, lookup, whole, layer_w = _gathered_weights(m, sizes, stage, w.xla_cpu, rules)
     tables = 2 * max(head, lookup) + (min(head, lookup) if whole else 0.0)
     return _StatePart(params, grads, opt, head, tables, layer_w)

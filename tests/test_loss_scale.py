@@ -2,8 +2,6 @@
 float32, sharded like one device, kept in checkpoints, refused where it does not apply, and float16's training parity
 with bfloat16."""
 
-from dataclasses import asdict
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +9,6 @@ import pytest
 from spmd_train import load_config
 from spmd_train.data import make_source
 from spmd_train.errors import ConfigError
-from spmd_train.train.checkpoint import check_same_model
 from spmd_train.train.guards import OVERFLOW, REASONS, init_guard, judge
 from spmd_train.train.loss_scale import LossScaleState, adjust, unscale
 from tests.runs import ROOT, relative_error, run_steps
@@ -92,16 +89,6 @@ def test_a_scaled_float32_moe_pipeline_equals_an_unscaled_one_device_run(devices
         np.testing.assert_allclose([h[key] for h in got], [h[key] for h in ref], rtol=1e-5, err_msg=key)
     assert [h["loss_scale"] for h in got] == [2.0**17, 2.0**18, 2.0**19]
     assert relative_error(engine.model_params(params), ref_params) < 1e-5
-
-
-def test_the_scale_is_saved_and_a_run_resumes_only_with_the_loss_scale_it_started_with():
-    model = asdict(load_config(None, []).model)
-    saved = {"config": {"model": model, "optim": {"name": "adamw"}, "precision": {"loss_scale": "dynamic"}}}
-    with pytest.raises(ConfigError, match=r"precision.loss_scale: checkpoint 'dynamic', this run 'none'"):
-        check_same_model(saved, load_config(None, []), "here")
-    check_same_model(saved, load_config(None, SCALED), "here")
-    older = {"config": {"model": model, "optim": {"name": "adamw"}, "precision": {"master": "none"}}}
-    check_same_model(older, load_config(None, []), "here")  # before the key: no scale
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

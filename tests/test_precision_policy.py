@@ -1,6 +1,7 @@
 """The precision policy's keys: precision.params / compute as model.param_dtype / compute_dtype under the policy's
 names, and the recipes in precisions/ (`precision.preset`)."""
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -78,20 +79,56 @@ def test_bfloat16_moments_stay_bfloat16_through_sharded_steps_and_track_float32_
     assert relative_error(params, ref_params) < 5e-3 and got[0] == pytest.approx(ref[0], rel=1e-6)
 
 
-def test_a_run_resumes_only_with_the_moments_dtype_it_saved_and_null_is_the_parameters():
-    from dataclasses import asdict
+def test_a_run_resumes_under_another_precision_policy_and_back(devices, tmp_path):
+    """bfloat16 parameters trained 2 steps without a master copy or a loss scale, resumed with both for a third step,
+    then without them again for a fourth: the state is carried over (a master copy from the stored parameters, the
+    moments cast to float32, a fresh scale), the first step after the change has the uninterrupted run's loss (the
+    forward pass reads the same parameters), and nothing is set aside as damaged."""
+    import jax
+    import numpy as np
 
-    from spmd_train.train.checkpoint import check_same_model
+    from spmd_train import Trainer, train
+    from spmd_train.train.loss_scale import LossScaleState
+    from spmd_train.train.master_weights import MasterState
+
+    base = ["train.seq_len=16", "mesh.fsdp=1", "mesh.tensor=1", "run.simulate_devices=1", "precision.params=bfloat16"]
+    config = lambda run, steps, *more: load_config(ROOT / "configs/tiny.yaml", [*base, f"run.dir={run}",
+                                                                                 f"train.steps={steps}", *more])
+    straight = train(config(tmp_path / "straight", 4), devices[:1]).history
+    train(config(tmp_path / "changed", 2), devices[:1])
+    trainer = Trainer(config(tmp_path / "changed", 3, "precision.master=float32", "precision.loss_scale=dynamic"),
+                      devices[:1])
+    try:
+        state = trainer.init()
+        assert isinstance(state.opt_state, LossScaleState) and float(state.opt_state.scale) == 2.0**16
+        inner = state.opt_state.inner
+        assert isinstance(inner, MasterState)
+        for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(inner.master), strict=True):
+            np.testing.assert_array_equal(np.asarray(m), np.asarray(p, np.float32))
+        assert {x.dtype for x in jax.tree.leaves(inner.inner[1][0].mu)} == {np.dtype("float32")}
+        third = trainer.run()
+    finally:
+        trainer.close()
+    fourth = train(config(tmp_path / "changed", 4), devices[:1]).history
+    losses = lambda records: {r["step"]: r["loss"] for r in records if r["step"] > 2}
+    got, want = {**losses(third), **losses(fourth)}, losses(straight)
+    assert got[3] == want[3]  # the same parameters, bitwise
+    # Step 3's update ran on the master copy (not rounded to bfloat16 before it lands), so step 4 reads parameters a
+    # rounding apart: 5e-6 relative here.
+    assert got[4] == pytest.approx(want[4], rel=1e-4)
+    assert not (tmp_path / "changed" / "damaged_checkpoints").exists()
+
+
+def test_a_policy_change_is_measured_on_the_stored_moments():
+    from spmd_train.train.policy_change import changes
 
     def saved(*overrides):
         return {"config": asdict(load_config(None, list(overrides)))}
 
-    # Refused before anything is restored: a restore into other dtypes would read as a damaged checkpoint.
-    with pytest.raises(ConfigError, match="precision.moments: the checkpoint's moments are float32, this run's "
-                                          "bfloat16"):
-        check_same_model(saved(), load_config(None, ["precision.moments=bfloat16"]), "here")
-    check_same_model(saved(), load_config(None, ["precision.moments=float32"]), "here")  # null: float32 params'
-    check_same_model(saved("precision.preset=bf16-master"),
-                     load_config(None, ["precision.preset=bf16-master", "precision.moments=float32"]), "here")
-    older = {"config": {"model": asdict(load_config(None, []).model), "optim": {"name": "adamw"}}}
-    check_same_model(older, load_config(None, []), "here")
+    assert changes(saved(), load_config(None, ["precision.moments=bfloat16"])) == ["moments: float32 -> bfloat16"]
+    assert changes(saved(), load_config(None, ["precision.moments=float32"])) == []  # null: float32 parameters'
+    assert changes(saved("precision.preset=bf16-master"),
+                   load_config(None, ["precision.preset=bf16-master", "precision.moments=float32"])) == []
+    assert changes({"config": {"model": {}}}, load_config(None, [])) == []  # a checkpoint from before the section
+    assert changes(saved("precision.loss_scale=dynamic"), load_config(None, [])) == ["precision.loss_scale: dynamic "
+                                                                                     "-> none"]

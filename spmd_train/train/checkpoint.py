@@ -24,7 +24,6 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from spmd_train.config.load import model_from_record
-from spmd_train.config.precision_schema import moment_dtype
 from spmd_train.config.schema import Config
 from spmd_train.errors import CheckpointWriteError, ConfigError
 from spmd_train.train.optimizer import state_differences
@@ -228,8 +227,9 @@ def _rate_change(key: str, old: Any, new: Any) -> bool:
 
 def check_same_model(meta: dict, cfg: Config, where: str) -> None:
     """Resuming continues the same model and optimizer: a difference in the model section, or in the optimizer
-    settings that shape its state (`optim.name`, `precision.master`, `precision.loss_scale`, `precision.moments`), is a
-    ConfigError naming it (checked before any restore, so the checkpoint is not mistaken for a damaged one)."""
+    settings that shape its state (`optim.name`, Adafactor's momentum), is a ConfigError naming it (checked before any
+    restore, so the checkpoint is not mistaken for a damaged one). The precision policy may change
+    (`train.policy_change`)."""
     diffs = model_differences(meta, cfg)
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was saved by a different model ({'; '.join(diffs)}); "
@@ -237,17 +237,6 @@ def check_same_model(meta: dict, cfg: Config, where: str) -> None:
                           "new run from its parameters")
     saved = meta.get("config", {})
     diffs = state_differences(saved.get("optim", {}), cfg.optim)
-    precision = saved.get("precision", {})  # checkpoints from before the section (or a key) kept the default
-    for key in ("master", "loss_scale"):
-        if precision.get(key, "none") != getattr(cfg.precision, key):
-            diffs.append(f"precision.{key}: checkpoint {precision.get(key, 'none')!r}, this run "
-                         f"{getattr(cfg.precision, key)!r}")
-    # The moments' dtype as stored: null means the parameters' (float32 over a master copy).
-    saved_moments = moment_dtype(precision.get("moments"), precision.get("master", "none"),
-                                 saved.get("model", {}).get("param_dtype", "float32"))
-    moments = moment_dtype(cfg.precision.moments, cfg.precision.master, cfg.model.param_dtype)
-    if saved_moments != moments:
-        diffs.append(f"precision.moments: the checkpoint's moments are {saved_moments}, this run's {moments}")
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was saved with another optimizer ({'; '.join(diffs)}), whose "
                           "state this run cannot continue; use the checkpoint's setting, a new run.dir, or "

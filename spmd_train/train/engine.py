@@ -41,7 +41,7 @@ from spmd_train.train.guards import OVERFLOW, GuardState, advance, all_finite, i
 from spmd_train.train.inputs import model_inputs, mtp_inputs, with_loss_weights
 from spmd_train.train.loss_scale import LossScaleState, adjust, unscale
 from spmd_train.train.memory_fit import bytes_per_device, check_state_fits, describe_run
-from spmd_train.train.optimizer import lr_schedule, make_optimizer, state_sharding
+from spmd_train.train.optimizer import lr_schedule, make_optimizer, opt_state_shardings
 from spmd_train.train.pipelined import chunk_depths, layer_order, model_rows, pipeline_plan, pipeline_value_and_grad
 
 
@@ -117,15 +117,7 @@ class Engine:
         tx = make_optimizer(cfg.optim, cfg.train.steps, logical, cfg.precision)
         param_sh = layout.param_shardings(logical, shapes)
         opt_shapes = jax.eval_shape(tx.init, shapes)
-        opt_sh = optax.tree_map_params(
-            tx,
-            state_sharding,  # the parameter's sharding, fitted to state of another shape (Adafactor's factors)
-            opt_shapes,
-            layout.opt_shardings(logical, shapes),
-            shapes,
-            transform_non_params=lambda _: NamedSharding(mesh, P()),
-            is_leaf=lambda x: isinstance(x, optax.MaskedNode),  # another part's parameter (Muon's AdamW part)
-        )
+        opt_sh = opt_state_shardings(tx, opt_shapes, layout, logical, shapes)
         replicated = NamedSharding(mesh, P())
         guard_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_guard(cfg.train)))
         state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, guard=guard_sh)

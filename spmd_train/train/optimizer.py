@@ -22,6 +22,7 @@ from spmd_train.config.optimizer_facts import MOMENT_KEYS, is_matrix, optimizer_
 from spmd_train.config.precision_schema import PrecisionConfig
 from spmd_train.config.train_schema import OptimConfig
 from spmd_train.errors import ConfigError
+from spmd_train.sharding.layout import Layout
 from spmd_train.train.loss_scale import with_loss_scale
 from spmd_train.train.master_weights import with_master_copy
 from spmd_train.train.moment_dtype import with_moment_dtype
@@ -157,3 +158,19 @@ def state_differences(saved: dict, cfg: OptimConfig) -> list[str]:
         return [f"optim.b1: checkpoint {saved.get('b1')}, this run {cfg.b1} ({name} keeps a momentum "
                 "only when optim.b1 is set)"]
     return []
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, opt_shapes: Any, layout: Layout, logical_tree: Any,
+                        param_shapes: Any) -> Any:
+    """The shardings of `tx`'s state (shapes `opt_shapes`) for parameters of these shapes and logical axes: each
+    parameter's state as `state_sharding` fits it, every other leaf (step counts, the loss scale) replicated."""
+    return optax.tree_map_params(
+        tx,
+        state_sharding,
+        opt_shapes,
+        layout.opt_shardings(logical_tree, param_shapes),
+        param_shapes,
+        transform_non_params=lambda _: NamedSharding(layout.mesh, P()),
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),  # another part's parameter (Muon's AdamW part)
+    )
+

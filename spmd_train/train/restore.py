@@ -13,6 +13,7 @@ from spmd_train.train.checkpoint import Checkpointer, check_same_model, check_sa
 from spmd_train.train.engine import Engine, TrainState
 from spmd_train.train.fingerprint import differences
 from spmd_train.train.guards import resize_window
+from spmd_train.train.policy_change import carry_over, changes, saved_opt_target
 
 
 class Unguarded(NamedTuple):
@@ -24,8 +25,11 @@ class Unguarded(NamedTuple):
 
 
 def restore_target(engine: Engine, cfg: Config, meta: dict) -> Any:
-    """The abstract state a checkpoint with this meta is read into: its guards as they were saved."""
+    """The abstract state a checkpoint with this meta is read into: its guards, and its optimizer state under its
+    precision policy (`policy_change`), as they were saved."""
     target = engine.abstract_state()
+    if changes(meta, cfg):
+        target = target._replace(opt_state=saved_opt_target(engine, meta))
     if meta.get("format", 1) < 2:  # saved before the step guards existed
         return Unguarded(target.step, target.params, target.opt_state)
     saved = meta["config"]["train"]["spike_window"]
@@ -73,6 +77,8 @@ def restore_latest(engine: Engine, cfg: Config, source: Checkpointer, where: Pat
     if restored is None:
         return None
     step, state, meta = restored
+    if same_run and changes(meta, cfg):
+        state = carry_over(engine, state, meta)
     return step, engine.reorder_layers(with_guards(engine, cfg, state), meta.get("layer_order"))
 
 

@@ -107,6 +107,7 @@ def test_a_run_resumes_under_another_precision_policy_and_back(devices, tmp_path
             np.testing.assert_array_equal(np.asarray(m), np.asarray(p, np.float32))
         assert {x.dtype for x in jax.tree.leaves(inner.inner[1][0].mu)} == {np.dtype("float32")}
         third = trainer.run()
+        after_third = jax.device_get(trainer.state.params)
     finally:
         trainer.close()
     fourth = train(config(tmp_path / "changed", 4), devices[:1]).history
@@ -117,6 +118,12 @@ def test_a_run_resumes_under_another_precision_policy_and_back(devices, tmp_path
     # rounding apart: 5e-6 relative here.
     assert got[4] == pytest.approx(want[4], rel=1e-4)
     assert not (tmp_path / "changed" / "damaged_checkpoints").exists()
+    # A new run takes the parameters of step 3 (saved with the master copy and the scale) into a plain policy.
+    fresh = train(config(tmp_path / "fresh", 1, f"checkpoint.load_from={tmp_path / 'changed' / 'checkpoints' / '3'}",
+                         "optim.lr=0"), devices[:1])
+    assert type(fresh.state.opt_state) is tuple  # plain AdamW state: no master copy, no scale
+    for a, b in zip(jax.tree.leaves(fresh.state.params), jax.tree.leaves(after_third), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_policy_change_is_measured_on_the_stored_moments():

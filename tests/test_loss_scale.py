@@ -15,6 +15,7 @@ from tests.runs import ROOT, relative_error, run_steps
 from tests.test_moe_model import NO_DROPS, ONE_DEVICE
 from tests.test_moe_model import _train as moe_train
 from tests.test_pipeline_moe import PIPELINED
+from tests.tiers import fast_cases
 
 SCALED = ["precision.loss_scale=dynamic"]
 FP16 = ["model.compute_dtype=float16", *SCALED]
@@ -77,7 +78,7 @@ def test_a_scaled_float32_run_over_data_fsdp_and_tensor_equals_an_unscaled_one_d
     assert float(state.opt_state.scale) == 2.0**19 and int(state.guard.skipped) == 0
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", fast_cases(["1f1b", "zb_h1"], fast=["zb_h1"]))
 def test_a_scaled_float32_moe_pipeline_equals_an_unscaled_one_device_run(devices, schedule):
     # Each microbatch's backward starts from the scale (the heads' and the router terms' cotangents), under the fused
     # executor (1F1B) and the split one (zero-bubble: B and W apart); router metrics and losses come back unscaled.

@@ -32,6 +32,10 @@ class PrecisionConfig:
     """The optimizer's moments (AdamW's two, Lion's and Muon's momentum, Adafactor's factors): null, the parameters'
     dtype (float32 over a master copy); bfloat16 halves AdamW's 8 bytes per float32 parameter. Computed in float32
     each step, stored rounded."""
+    matmul: Literal["default", "fp8"] = "default"
+    """fp8: the layers' matmuls (attention projections, dense MLPs, MLA's projections; not the embedding table and LM
+    head, the router or MoE experts) take e4m3 operands scaled per tensor and e5m2 output gradients, and ZeRO-3 gathers
+    those weights in e4m3 (one byte an element). default: the compute dtype's matmuls."""
     master: Literal["none", "float32"] = "none"
     """float32: keep a float32 master copy of bfloat16 parameters (model.param_dtype=bfloat16) in the optimizer state;
     the optimizer updates the master copy (its moments in float32 too) and the parameters are its bfloat16 rounding,

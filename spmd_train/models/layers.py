@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.param_specs import norm_params
+from spmd_train.ops.fp8 import FORWARD, dequantize, grad_qdq, qdq, quantize
 from spmd_train.sharding.constrain import constrain, stored_param
 
 
@@ -85,11 +90,57 @@ def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Arra
     the matmul itself is not recomputed (its output is not needed by its own gradient).
     """
     value, names, pinned = _unpack(p)
+    fp8 = _MATMUL.get() == "fp8" and not KEPT_OUT_OF_FP8 & set(names)
 
     def apply(x, w):
+        if fp8:  # precision.matmul=fp8 (`use_matmul`): e4m3 operands, the weight gathered in e4m3, e5m2 gradients
+            return grad_qdq(jnp.einsum(equation, qdq(x), _fp8_compute_layout(w, names, dtype, pinned)))
         return jnp.einsum(equation, x, _compute_layout(w, names, dtype, pinned=pinned))
 
     return jax.checkpoint(apply, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, value)
+
+
+MATMULS = ("default", "fp8")
+"""What `use_matmul` takes: the compute dtype's matmuls, or FP8 ones (`ops.fp8`)."""
+KEPT_OUT_OF_FP8 = frozenset({"vocab"})
+"""Weights with these logical axes keep the compute dtype under FP8: the embedding table and the LM head, whose
+logits set the loss (the layers FP8 recipes keep out, with the router and the norms, which are not `dense`)."""
+_MATMUL: contextvars.ContextVar[str] = contextvars.ContextVar("spmd_train_matmul", default="default")
+
+
+@contextlib.contextmanager
+def use_matmul(mode: str) -> Iterator[None]:
+    """Trace the `dense` matmuls inside with `mode` (one of MATMULS; precision.matmul), as the train step does."""
+    if mode not in MATMULS:
+        raise ValueError(f"matmul mode {mode!r} is not one of {', '.join(MATMULS)}")
+    token = _MATMUL.set(mode)
+    try:
+        yield
+    finally:
+        _MATMUL.reset(token)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _fp8_compute_layout(value: jax.Array, names: tuple[str, ...], dtype, pinned: bool) -> jax.Array:
+    """The weight rounded to e4m3 at its own scale while still in its stored shards, laid out for compute (so an FSDP
+    gather moves one byte an element), then dequantized to `dtype`; the gradient passes as for `_compute_layout`."""
+    stored = value if pinned else stored_param(value, names)
+    q, scale = quantize(stored, FORWARD)  # the amax of a sharded weight: one scalar reduced over its shards
+    # Gathered as bytes: compilers for chips without FP8 (XLA:CPU, TPU v5) widen an e4m3 gather to float32.
+    gathered = constrain(jax.lax.bitcast_convert_type(q, jnp.uint8), names)
+    return dequantize(jax.lax.bitcast_convert_type(gathered, FORWARD), scale, dtype)
+
+
+def _fp8_layout_fwd(value, names, dtype, pinned):
+    return _fp8_compute_layout(value, names, dtype, pinned), jnp.zeros((), value.dtype)
+
+
+def _fp8_layout_bwd(names, dtype, pinned, like, g):
+    g = constrain(g, names).astype(like.dtype)
+    return (g if pinned else stored_param(g, names),)
+
+
+_fp8_compute_layout.defvjp(_fp8_layout_fwd, _fp8_layout_bwd)
 
 
 def _unpack(p: nnx.Param | Pinned) -> tuple[jax.Array, tuple[str, ...], bool]:

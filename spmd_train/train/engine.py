@@ -25,6 +25,7 @@ from spmd_train.config.schema import Config
 from spmd_train.data.batch import Batch, as_batch
 from spmd_train.errors import ConfigError
 from spmd_train.mesh import build_mesh
+from spmd_train.models.layers import use_matmul
 from spmd_train.models.transformer import Transformer
 from spmd_train.ops import cross_entropy
 from spmd_train.parallel import Backends, resolve_backends
@@ -314,7 +315,7 @@ class Engine:
         else:
             value_and_grad = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan,
                                                      self.mesh, zigzag=self.backends.zigzag, loss_scale=scale)
-        with use_layout(self.layout):
+        with use_layout(self.layout), use_matmul(self.cfg.precision.matmul):
             values, grads = loss_and_grads(
                 value_and_grad, state.params, batch,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
@@ -356,7 +357,7 @@ class Engine:
         """The jitted evaluation: (params, batch) -> mean cross-entropy, without the pipeline schedule."""
 
         def loss(params, batch):
-            with use_layout(self.layout):
+            with use_layout(self.layout), use_matmul(self.cfg.precision.matmul):
                 return self.loss(params, batch)
 
         return jax.jit(loss, in_shardings=(self.state_shardings.params, self.batch_sharding),

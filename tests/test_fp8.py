@@ -126,3 +126,21 @@ def test_fp8_matmuls_train_within_three_percent_of_bfloat16(devices):
     losses, *_ = run_steps([*FP8, "mesh.fsdp=1", "mesh.tensor=1", "train.steps=300"], devices[:1], steps=300,
                            config="configs/tiny.yaml", optimized=True)
     assert abs(losses[-20:].mean() / floor - BF16_300) <= 0.03 * BF16_300, losses[-20:].mean() / floor
+
+
+def test_the_planner_and_describes_floor_gather_the_fp8_weights_in_one_byte():
+    from spmd_train.analysis.plan.candidate import Candidate
+    from spmd_train.analysis.plan.comm import zero_terms
+    from spmd_train.analysis.plan.shape import ModelShape
+    from spmd_train.config.precision_schema import takes_fp8
+
+    cfg = load_config(ROOT / "configs" / "llama3-8b_v5p-512.yaml", [*FP8, "mesh.tensor=1", "mesh.fsdp=64"])
+    shape, layout = ModelShape.from_config(cfg.model), Candidate(fsdp=64, zero_stage=3)
+    gathered = lambda fp8: sum(t.bytes for t in zero_terms(shape, layout, fp8=fp8) if t.purpose == "weights")
+    # Llama-3-8B: the two vocabulary tables (1.05B of 8.03B parameters) gathered once each in bfloat16 (2 bytes), the
+    # layers' matrices twice (forward and backward) in e4m3 (1 byte) instead of bfloat16: 15.8 GB instead of 29.6.
+    tables = sum(g.numel for g in shape.params if not takes_fp8(g.axes) and len(g.shape) > 1)
+    layers = sum(g.numel for g in shape.params if takes_fp8(g.axes))
+    assert tables == pytest.approx(2 * 128256 * 4096, rel=1e-3)
+    want = (tables * 2 + layers * 2 * 1) / (tables * 2 + layers * 2 * 2)
+    assert gathered(True) / gathered(False) == pytest.approx(want, rel=1e-3)

@@ -38,7 +38,8 @@ def zero_floor(engine: Engine, layout: AnalyticLayout | None = None) -> list[Flo
     engine's `analytic_layout`, when the caller has it)."""
     a = layout or analytic_layout(engine)
     totals: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
-    for t in zero_terms(a.shape, a.candidate, xla_cpu=True):  # the algorithm's traffic, nothing a compiler adds
+    # The algorithm's traffic, nothing a compiler adds.
+    for t in zero_terms(a.shape, a.candidate, xla_cpu=True, fp8=a.workload.matmul == "fp8"):
         totals[t.op, t.axes] += t.bytes
     return sorted((FloorTerm(op, axes, b) for (op, axes), b in totals.items()), key=lambda t: -t.bytes)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from spmd_train.config.field_types import STRICT, DType, PositiveFloat, PositiveInt
+from spmd_train.config.optimizer_facts import is_matrix
 from spmd_train.errors import ConfigError
 
 ALIASES = {"params": "param_dtype", "compute": "compute_dtype"}
@@ -91,4 +92,16 @@ def moment_dtype(moments: str | None, master: str, param_dtype: str) -> str:
     """The dtype the optimizer's moments are stored in under these settings (precision.moments null: the parameters',
     float32 over a master copy)."""
     return moments or ("float32" if master == "float32" else param_dtype)
+
+
+KEPT_OUT_OF_FP8 = frozenset({"vocab", "experts", "router_experts"})
+"""Logical axes of weights that keep the compute dtype under precision.matmul=fp8: the embedding table and the LM head,
+whose logits set the loss (as FP8 recipes keep them out), the router, and the routed experts (their batched matmuls
+are not built for FP8)."""
+
+
+def takes_fp8(axes: tuple[str | None, ...]) -> bool:
+    """Whether a weight with these logical axes is an FP8 matmul operand under precision.matmul=fp8 (and gathered in
+    one byte an element): a matrix (`optimizer_facts.is_matrix`) with none of KEPT_OUT_OF_FP8."""
+    return is_matrix(axes) and not KEPT_OUT_OF_FP8 & set(axes)
 

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
+from spmd_train.config.precision_schema import takes_fp8
 from spmd_train.models.param_specs import norm_params
 from spmd_train.ops.fp8 import FORWARD, dequantize, grad_qdq, qdq, quantize
 from spmd_train.sharding.constrain import constrain, stored_param
@@ -90,7 +91,7 @@ def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Arra
     the matmul itself is not recomputed (its output is not needed by its own gradient).
     """
     value, names, pinned = _unpack(p)
-    fp8 = _MATMUL.get() == "fp8" and not KEPT_OUT_OF_FP8 & set(names)
+    fp8 = _MATMUL.get() == "fp8" and takes_fp8(names)
 
     def apply(x, w):
         if fp8:  # precision.matmul=fp8 (`use_matmul`): e4m3 operands, the weight gathered in e4m3, e5m2 gradients
@@ -101,10 +102,8 @@ def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Arra
 
 
 MATMULS = ("default", "fp8")
-"""What `use_matmul` takes: the compute dtype's matmuls, or FP8 ones (`ops.fp8`)."""
-KEPT_OUT_OF_FP8 = frozenset({"vocab"})
-"""Weights with these logical axes keep the compute dtype under FP8: the embedding table and the LM head, whose
-logits set the loss (the layers FP8 recipes keep out, with the router and the norms, which are not `dense`)."""
+"""What `use_matmul` takes: the compute dtype's matmuls, or FP8 ones (`ops.fp8`) for the weights
+`config.precision_schema.takes_fp8` names."""
 _MATMUL: contextvars.ContextVar[str] = contextvars.ContextVar("spmd_train_matmul", default="default")
 
 

@@ -146,6 +146,8 @@ class Workload:
     """precision.master=float32: the optimizer state holds a float32 copy of the parameters, its moments float32."""
     moments: str | None = None
     """precision.moments: the moments' dtype (None: the parameters', float32 over a master copy)."""
+    matmul: str = "default"
+    """precision.matmul: fp8 gathers the weights `takes_fp8` names in one byte an element."""
     attention: str = "flash"
     """"flash": a fused kernel (Pallas, cuDNN) keeps no [length, length] scores; "xla": the reference attention."""
     moe_impl: str = "capacity"
@@ -174,6 +176,7 @@ class Workload:
         momentum = optimizer_facts(cfg.optim.name).b1_adds_state and cfg.optim.b1 is not None
         return cls(global_batch=cfg.train.global_batch_size, seq_len=cfg.train.seq_len, optimizer=cfg.optim.name,
                    momentum=momentum, master=cfg.precision.master == "float32", moments=cfg.precision.moments,
+                   matmul=cfg.precision.matmul,
                    attention="xla" if keeps else "flash",
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
                    documents=cfg.data.masks_documents, xla_cpu=platform == "cpu")

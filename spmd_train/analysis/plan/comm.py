@@ -32,6 +32,7 @@ from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.matrix_moves import local_matrices, whole_matrix_bytes, whole_matrix_moves
 from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
 from spmd_train.config.optimizer_facts import muon_dimensions, newton_schulz_flops
+from spmd_train.config.precision_schema import takes_fp8
 from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.ops.capacity import device_capacity
 from spmd_train.parallel.head_groups import kv_repeats
@@ -58,13 +59,14 @@ def _fraction(n: int) -> float:
     return (n - 1) / n
 
 
-def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False) -> list[CommTerm]:
+def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False, fp8: bool = False) -> list[CommTerm]:
     """Parameter traffic of data parallelism and ZeRO, parameter by parameter: as an accelerator's compiler
     partitions it, or with `xla_cpu` as XLA:CPU does, which is the algorithm's floor `describe` shows
-    (`analysis.zero_floor`, docs/explanation/planner-model.md#collective-bytes)."""
+    (`analysis.zero_floor`, docs/explanation/planner-model.md#collective-bytes). `fp8` (precision.matmul=fp8): the
+    weights `takes_fp8` names are gathered in one byte an element."""
     out = []
     accumulates = c.grad_accum > 1 or c.pipeline > 1
-    found = _zero_terms(m, c.sizes, c.zero_stage, xla_cpu, accumulates, c.rules)
+    found = _zero_terms(m, c.sizes, c.zero_stage, xla_cpu, accumulates, c.rules, fp8)
     for (op, axes, purpose), (per_micro, launches, once, once_launches) in found:
         out.append(CommTerm(op, axes, per_micro * c.grad_accum + once, launches * c.grad_accum + once_launches,
                             purpose))
@@ -73,7 +75,7 @@ def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False) -> list[CommT
 
 @functools.lru_cache(maxsize=1 << 14)
 def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool, accumulates: bool,
-                rules: RuleTables | None) -> tuple:
+                rules: RuleTables | None, fp8: bool = False) -> tuple:
     """((op, axes, purpose), (bytes per microbatch, launches per microbatch, bytes per step, launches per step))."""
     shape, cb = dict(zip(MESH_AXES, sizes, strict=True)), m.compute_bytes
     acts = tables_of(sizes, rules).activations
@@ -98,7 +100,8 @@ def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool
         gathered = live(stored - compute, shape)
         if gathered:
             gathers = 1 if (g.path == LOOKUP_ONLY and g.lookup_only) or (outside and not xla_cpu) else 2
-            add("all-gather", gathered, "weights", gathers * slice_bytes * _fraction(ways(gathered, shape)),
+            moved = slice_bytes / cb if fp8 and takes_fp8(g.axes) else slice_bytes  # e4m3: one byte an element
+            add("all-gather", gathered, "weights", gathers * moved * _fraction(ways(gathered, shape)),
                 gathers * layers)
         rows = g.shape[0] % shape["fsdp"] == 0
         if g.path == LOOKUP_ONLY and "fsdp" in gathered and rows and not compute & set(lay.params[0]) and not xla_cpu:
@@ -395,5 +398,5 @@ def optimizer_flops(m: ModelShape, c: Candidate, w: Workload) -> float:
 def comm_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     """Every collective a step of candidate `c` runs, per device: ZeRO, tensor, pipeline, expert, context and the
     optimizer's own."""
-    return [*zero_terms(m, c, w.xla_cpu), *tensor_terms(m, c, w), *pipeline_terms(m, c, w),
+    return [*zero_terms(m, c, w.xla_cpu, w.matmul == "fp8"), *tensor_terms(m, c, w), *pipeline_terms(m, c, w),
             *expert_terms(m, c, w), *context_terms(m, c, w), *optimizer_terms(m, c, w)]

@@ -1,7 +1,7 @@
-"""Training-step throughput and MFU per attention implementation, side by side in one run.
+"""Training-step throughput and MFU per attention implementation (and matmul precision), side by side in one run.
 
-Usage: python benchmarks/mfu.py [--model llama-1b] [--seq 4096] [--batch 8] [--steps 8]
-                                [--impls cudnn pallas xla] [--remat full]
+Usage: python benchmarks/mfu.py [--model llama-1b] [--layers N] [--seq 4096] [--batch 8] [--steps 8]
+                                [--impls cudnn pallas xla] [--matmuls default fp8] [--remat full]
 Each implementation trains the same model from the same initial parameters on one device
 (the first jax device) with `backends.attention=<impl>`: one warm-up step, then `--steps`
 synchronous steps whose median time gives tokens/s and MFU. MFU uses our model-FLOP count
@@ -10,7 +10,10 @@ synchronous steps whose median time gives tokens/s and MFU. MFU uses our model-F
 (`spmd_train/hardware.py`). The first implementation is the baseline of the ratio column, and
 every run's first-step loss must match the baseline's (same model, same data) before timing
 counts. Defaults: llama-1b at 4k tokens on a GPU or TPU; the tiny model with XLA attention only
-on CPU (the Pallas kernels are interpreted there: far too slow to time).
+on CPU (the Pallas kernels are interpreted there: far too slow to time). `--matmuls default fp8` runs each
+implementation with bfloat16 and with FP8 matmuls (`precision.matmul`; the MFU stays over the bf16 peak, so FP8's
+speed-up shows as a higher MFU) and records its own section; `--layers` cuts the model's depth (a Llama-3-8B slice
+that fits one GPU with its optimizer state).
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from spmd_train import load_config
 from spmd_train.train.trainer import Trainer
 
 
-def measure(impl: str, args, run_dir: str) -> dict:
-    """Median step time, tokens/s and MFU of `steps` steps with attention `impl`, plus the first loss."""
+def measure(impl: str, matmul: str, args, run_dir: str) -> dict:
+    """Median step time, tokens/s and MFU of `steps` steps with attention `impl` and `matmul` matmuls, plus the
+    first loss."""
     overrides = [f"model.preset={args.model}", f"backends.attention={impl}", f"parallel.remat={args.remat}",
                  f"train.seq_len={args.seq}", f"train.global_batch_size={args.batch}",
                  f"train.steps={args.steps + 1}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
-                 "checkpoint.every=0", f"run.dir={run_dir}/{impl}", "run.simulate_devices=null"]
+                 f"precision.matmul={matmul}", "checkpoint.every=0", f"run.dir={run_dir}/{impl}-{matmul}",
+                 "run.simulate_devices=null", *([f"model.num_layers={args.layers}"] if args.layers else [])]
     cfg = load_config(None, overrides)
     if cfg.model.vocab_size > 4096:  # the Markov source's transition table must fit: sample 4k token ids
         cfg = load_config(None, [*overrides, "data.vocab_size=4096"])
@@ -49,7 +54,8 @@ def measure(impl: str, args, run_dir: str) -> dict:
         trainer.close()
     time_s = statistics.median(r["step_time_s"] for r in records)
     mfu = statistics.median(r["mfu"] for r in records) if records[0]["mfu"] is not None else None
-    return {"impl": impl, "loss": first["loss"], "time_s": time_s, "tokens_s": args.batch * args.seq / time_s,
+    label = impl if matmul == "default" else f"{impl} + {matmul}"
+    return {"impl": label, "loss": first["loss"], "time_s": time_s, "tokens_s": args.batch * args.seq / time_s,
             "mfu": mfu, "compile_s": trainer.compile_time_s}
 
 
@@ -64,10 +70,12 @@ def main() -> None:
     parser.add_argument("--remat", default="full" if accelerator else "none")
     default_impls = {"gpu": ["cudnn", "pallas", "xla"], "tpu": ["pallas", "xla"]}.get(platform, ["xla"])
     parser.add_argument("--impls", nargs="+", default=default_impls)
+    parser.add_argument("--matmuls", nargs="+", default=["default"], choices=("default", "fp8"))
+    parser.add_argument("--layers", type=int, default=None)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as run_dir:
-        results = [measure(impl, args, run_dir) for impl in args.impls]
+        results = [measure(impl, matmul, args, run_dir) for impl in args.impls for matmul in args.matmuls]
     base = results[0]
     for r in results[1:]:
         if abs(r["loss"] - base["loss"]) > 2e-2 * abs(base["loss"]):
@@ -79,13 +87,17 @@ def main() -> None:
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a (no peak for this device)"
         rows.append(f"| {r['impl']} | {r['loss']:.4f} | {r['time_s']:.4f} | {r['tokens_s']:.0f} | {mfu} | "
                     f"{r['tokens_s'] / base['tokens_s']:.2f} | {r['compile_s']:.1f} |")
-    note = (f"{args.model}, {args.batch} x {args.seq} tokens per step, remat {args.remat}, one "
+    model = args.model + (f" ({args.layers} layers)" if args.layers else "")
+    note = (f"{model}, {args.batch} x {args.seq} tokens per step, remat {args.remat}, one "
             f"{jax.devices()[0].device_kind}; median of {args.steps} steps after one warm-up step.")
     table = "\n".join(rows)
     print(note + "\n" + table)
     command = "python benchmarks/mfu.py " + " ".join(sys.argv[1:])
-    update_section("mfu", "Training-step MFU by attention implementation (`benchmarks/mfu.py`)",
-                   provenance(command.strip()) + "\n" + note + "\n\n" + table + "\n")
+    key, title = (("mfu", "Training-step MFU by attention implementation (`benchmarks/mfu.py`)")
+                  if args.matmuls == ["default"] else
+                  (f"mfu-fp8-{model.split()[0]}", f"Training-step tokens/s, FP8 against bfloat16 matmuls, {model} "
+                   "(`benchmarks/mfu.py --matmuls`)"))
+    update_section(key, title, provenance(command.strip()) + "\n" + note + "\n\n" + table + "\n")
 
 
 if __name__ == "__main__":

@@ -139,3 +139,15 @@ def test_a_policy_change_is_measured_on_the_stored_moments():
     assert changes({"config": {"model": {}}}, load_config(None, [])) == []  # a checkpoint from before the section
     assert changes(saved("precision.loss_scale=dynamic"), load_config(None, [])) == ["precision.loss_scale: dynamic "
                                                                                      "-> none"]
+
+
+def test_the_engine_reports_the_policy_in_effect_and_describe_prints_it(devices):
+    from spmd_train import Engine
+    from spmd_train.analysis.render import precision_line
+
+    engine = Engine.build(load_config(None, ["precision.preset=bf16-master", "precision.matmul=fp8"]), devices)
+    policy = engine.resolved()["precision"]
+    assert policy == {"params": "bfloat16", "compute": "bfloat16", "matmul": "fp8", "moments": "float32",
+                      "master": "float32", "loss_scale": "none"}  # moments: null, float32 over the master copy
+    assert precision_line(policy) == ("precision: parameters bfloat16, compute bfloat16, optimizer moments float32, "
+                                      "master copy float32, FP8 matmuls (e4m3 / e5m2)")

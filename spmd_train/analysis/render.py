@@ -62,6 +62,9 @@ def renderables(report: Any) -> list[RenderableType]:
     backends = report.resolved.get("backends")
     if backends:
         out.append("backends: " + Backends(**backends).describe())
+    precision = report.resolved.get("precision")
+    if precision:
+        out.append(precision_line(precision))
 
     params = Table(title="Parameters", title_justify="left")
     for col in ("name", "shape", "logical axes", "partition spec", "bytes / device"):
@@ -129,6 +132,15 @@ def renderables(report: Any) -> list[RenderableType]:
     if report.resolved.get("rules"):
         out.extend(rules_renderables(report.resolved["rules"]))
     return out
+
+
+def precision_line(p: dict) -> str:
+    """The precision policy in effect, in one line (`Engine.resolved()['precision']`)."""
+    extras = [f"master copy {p['master']}" if p["master"] != "none" else "",
+              f"loss scale {p['loss_scale']}" if p["loss_scale"] != "none" else "",
+              "FP8 matmuls (e4m3 / e5m2)" if p["matmul"] == "fp8" else ""]
+    return (f"precision: parameters {p['params']}, compute {p['compute']}, optimizer moments {p['moments']}"
+            + "".join(f", {e}" for e in extras if e))
 
 
 def analytic_renderables(analytic: dict) -> list[RenderableType]:

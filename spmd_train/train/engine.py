@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.checks import check_layout
 from spmd_train.config.pipeline_keys import check_pipeline
+from spmd_train.config.precision_schema import moment_dtype
 from spmd_train.config.schema import Config
 from spmd_train.data.batch import Batch, as_batch
 from spmd_train.errors import ConfigError
@@ -197,8 +198,13 @@ class Engine:
         return meta
 
     def resolved(self) -> dict[str, Any]:
-        """What the engine derived from the config (effective sharding rules, backends, TPU compiler flags)."""
-        resolved = {"rules": self.layout.rules.to_json(), "backends": self.backends.to_json()}
+        """What the engine derived from the config (effective sharding rules, backends, the precision policy in
+        effect, TPU compiler flags)."""
+        pr, m = self.cfg.precision, self.cfg.model
+        precision = {"params": m.param_dtype, "compute": m.compute_dtype, "matmul": pr.matmul,
+                     "moments": moment_dtype(pr.moments, pr.master, m.param_dtype), "master": pr.master,
+                     "loss_scale": pr.loss_scale}
+        resolved = {"rules": self.layout.rules.to_json(), "backends": self.backends.to_json(), "precision": precision}
         if self.backends.platform == "tpu":
             resolved["tpu_flags"] = tpu_flags_in_effect()
         return resolved

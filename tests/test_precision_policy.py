@@ -151,3 +151,13 @@ def test_the_engine_reports_the_policy_in_effect_and_describe_prints_it(devices)
                       "master": "float32", "loss_scale": "none"}  # moments: null, float32 over the master copy
     assert precision_line(policy) == ("precision: parameters bfloat16, compute bfloat16, optimizer moments float32, "
                                       "master copy float32, FP8 matmuls (e4m3 / e5m2)")
+
+
+def test_a_run_resumes_with_another_compute_dtype_but_not_another_parameter_dtype():
+    from spmd_train.train.checkpoint import check_same_model
+
+    saved = {"config": asdict(load_config(None, ["precision.compute=bfloat16"]))}
+    # The state is stored in the parameters' dtype whatever the matmuls run in.
+    check_same_model(saved, load_config(None, ["precision.preset=mixed-fp16"]), "here")
+    with pytest.raises(ConfigError, match=r"model.param_dtype: checkpoint 'float32', this run 'bfloat16'"):
+        check_same_model(saved, load_config(None, ["precision.params=bfloat16"]), "here")

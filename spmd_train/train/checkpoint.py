@@ -214,14 +214,17 @@ def model_differences(meta: dict, cfg: Config) -> list[str]:
     saved = asdict(model_from_record(meta.get("config", {}).get("model", {})))
     current = asdict(cfg.model)
     saved.pop("preset"), current.pop("preset")
-    diffs = sorted(d for d in _differences(saved, current, "model") if not _rate_change(*d))
+    diffs = sorted(d for d in _differences(saved, current, "model") if not _free_change(*d))
     return [f"{key}: checkpoint {old!r}, this run {new!r}" for key, old, new in diffs]
 
 
-def _rate_change(key: str, old: Any, new: Any) -> bool:
-    """A change of the router biases' update rate between two numbers: the same model and state, moved otherwise
-    from now on (DeepSeek-V3 stops moving them for its last tokens); adding or removing the biases is no such
-    change."""
+def _free_change(key: str, old: Any, new: Any) -> bool:
+    """A change that keeps the model and its state: the compute dtype (the state is stored in the parameters' dtype
+    whatever the matmuls run in: bfloat16 on one machine, float16 with a loss scale on another), or the router biases'
+    update rate between two numbers (moved otherwise from now on: DeepSeek-V3 stops moving them for its last tokens;
+    adding or removing the biases is no such change)."""
+    if key == "model.compute_dtype":
+        return True
     return key == "model.moe.bias_update_rate" and old is not None and new is not None
 
 

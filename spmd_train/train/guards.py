@@ -57,8 +57,6 @@ def judge(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, cfg: TrainCo
     """
     values = jnp.stack([loss, grad_norm]).astype(jnp.float32)
     finite = jnp.all(jnp.isfinite(values)) & lr_finite
-    if loss_scale is not None:
-        overflow = jnp.isfinite(values[0]) & ~jnp.isfinite(values[1]) & lr_finite & (loss_scale > MIN_SCALE)
     spike = jnp.zeros((), bool)
     if cfg.spike_sigma is not None:
         mean = jnp.mean(guard.window, axis=0)
@@ -67,6 +65,7 @@ def judge(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, cfg: TrainCo
         spike = full & jnp.any(values > mean + cfg.spike_sigma * std)
     code = jnp.where(finite, jnp.where(spike, 2, 0), 1)
     if loss_scale is not None:
+        overflow = jnp.isfinite(values[0]) & ~jnp.isfinite(values[1]) & lr_finite & (loss_scale > MIN_SCALE)
         code = jnp.where(overflow, OVERFLOW, code)
     return code.astype(jnp.int32)
 

@@ -23,11 +23,13 @@ class MasterState(NamedTuple):
     inner: Any
 
 
+def to_f32(tree: Any) -> Any:
+    """Every array of `tree` in float32: the master copy of parameters, and gradients as the master copy takes them."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
 def with_master_copy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """`inner` run on a float32 master copy of the parameters (see the module's docstring)."""
-
-    def to_f32(tree: Any) -> Any:
-        return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
     def init_fn(params: Any) -> MasterState:
         master = to_f32(params)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from spmd_train.config.precision_schema import PrecisionConfig, moment_dtype
 from spmd_train.config.schema import Config
 from spmd_train.train.loss_scale import LossScaleState
-from spmd_train.train.master_weights import MasterState
+from spmd_train.train.master_weights import MasterState, to_f32
 from spmd_train.train.optimizer import make_optimizer, opt_state_shardings
 
 log = logging.getLogger("spmd_train")
@@ -62,20 +62,22 @@ def carry_over(engine: Any, state: Any, meta: dict) -> Any:
     """`state`, restored under the checkpoint's policy, under this run's (see the module's docstring)."""
     cfg = engine.cfg
     log.info("resuming under another precision policy (%s)", "; ".join(changes(meta, cfg)))
-    opt, scale, master = state.opt_state, None, None
-    if isinstance(opt, LossScaleState):
-        scale, opt = opt, opt.inner
-    if isinstance(opt, MasterState):
-        master, opt = opt.master, opt.inner
-    target = engine.abstract_state().opt_state
-    inner = target.inner if isinstance(target, LossScaleState) else target
-    inner = inner.inner if isinstance(inner, MasterState) else inner
+    scale, master, opt = _unwrap(state.opt_state)
+    *_, inner = _unwrap(engine.abstract_state().opt_state)
     opt = jax.tree.map(lambda x, t: x.astype(t.dtype), opt, inner)  # the same optimizer: the same tree
     if cfg.precision.master == "float32":
-        opt = MasterState(jax.tree.map(lambda p: p.astype(jnp.float32), state.params) if master is None else master,
-                          opt)
+        opt = MasterState(to_f32(state.params) if master is None else master, opt)
     if cfg.precision.loss_scale == "dynamic":
         fresh = (jnp.asarray(cfg.precision.loss_scale_init, jnp.float32), jnp.zeros((), jnp.int32))
         opt = LossScaleState(*((scale.scale, scale.good_steps) if scale is not None else fresh), opt)
     opt = jax.device_put(opt, engine.state_shardings.opt_state)
     return state._replace(opt_state=opt)
+
+
+def _unwrap(opt: Any) -> tuple[LossScaleState | None, Any, Any]:
+    """(the loss scale's state or None, the master copy or None, the optimizer's own state) of an optimizer state."""
+    scale = opt if isinstance(opt, LossScaleState) else None
+    opt = opt.inner if scale is not None else opt
+    master = opt.master if isinstance(opt, MasterState) else None
+    return scale, master, opt.inner if isinstance(opt, MasterState) else opt
+

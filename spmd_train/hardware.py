@@ -25,6 +25,10 @@ class DeviceSpec:
     name: str
     peak_bf16_flops: float
     hbm_bytes: float
+    peak_fp8_flops: float | None = None
+    """Dense FP8 matmul FLOP/s, where the chip has FP8 matmuls (None: it has none, or no source lists them)."""
+    peak_int8_ops: float | None = None
+    """Dense int8 matmul ops/s, where a source lists them (None: not listed)."""
 
 
 # Sources, cited by tag beside each figure below (docs/explanation/hardware-figures.md quotes each figure from its
@@ -53,27 +57,30 @@ class DeviceSpec:
 # [M1] https://github.com/AI-Hypercomputer/maxtext/blob/e591f30/src/maxtext/utils/accelerator_to_spec_map.py
 # _TABLE's rows, by source: v4 [C-v4]; v5e [C-v5e]; v5p [C-v5p]; v6e [C-v6e]; TPU7x [C-7x] (per chip / 2); A100
 # [N-A100]; H100 SXM, PCIe and NVL [N-H100]; H200 [N-H200]; B200 [N-BW] (memory: 1,440 GB per DGX B200 / 8, [N-POD]);
-# GB200 [N-GB] (360 PF sparse and 13.4 TB per NVL72 rack, / 72 / 2); MI300X [AMD]. Peaks are dense bf16: NVIDIA's
-# datasheets list 2:4-sparsity figures, twice the dense ones.
+# GB200 [N-GB] (360 PF sparse and 13.4 TB per NVL72 rack, / 72 / 2); MI300X [AMD]. Peaks are dense: NVIDIA's
+# datasheets list 2:4-sparsity figures, twice the dense ones. Columns: name, bf16, HBM, FP8, int8. FP8: twice bf16
+# on Hopper, Blackwell, MI300X and TPU7x ([C-7x]: 4,614 per chip), equal to bf16 on v5p and v6e (FP8 storage, no
+# faster matmul: [C-v5p], [C-7x]'s table), none on v4, v5e and A100. int8: v4 275 "(bf16 or int8)" [C-v4], v5e 393
+# [C-v5e], v5p 918 [SB-T], v6e 1,836 [C-v6e], A100 624 [N-A100]; not carried for the others (no source consulted).
 # Order matters: the first matching prefix wins ("TPU v5 lite" before "TPU v5").
 _TABLE: tuple[tuple[str, DeviceSpec], ...] = (
-    ("TPU v4", DeviceSpec("TPU v4", 275e12, 32 * GiB)),
-    ("TPU v5 lite", DeviceSpec("TPU v5e", 197e12, 16 * GiB)),
-    ("TPU v5e", DeviceSpec("TPU v5e", 197e12, 16 * GiB)),
-    ("TPU v5p", DeviceSpec("TPU v5p", 459e12, 95 * GiB)),
-    ("TPU v5", DeviceSpec("TPU v5p", 459e12, 95 * GiB)),
-    ("TPU v6 lite", DeviceSpec("TPU v6e", 918e12, 32 * GiB)),
-    ("TPU v6e", DeviceSpec("TPU v6e", 918e12, 32 * GiB)),
-    ("TPU7x", DeviceSpec("TPU7x (per TensorCore device)", 1153.5e12, 96 * GiB)),
-    ("NVIDIA A100-SXM4-40GB", DeviceSpec("A100 40GB", 312e12, 40e9)),
-    ("NVIDIA A100-SXM4-80GB", DeviceSpec("A100 80GB", 312e12, 80e9)),
-    ("NVIDIA H100 PCIe", DeviceSpec("H100 PCIe", 756.5e12, 80e9)),
-    ("NVIDIA H100 NVL", DeviceSpec("H100 NVL", 835.5e12, 94e9)),
-    ("NVIDIA H100", DeviceSpec("H100 SXM", 989.5e12, 80e9)),
-    ("NVIDIA H200", DeviceSpec("H200", 989.5e12, 141e9)),
-    ("NVIDIA B200", DeviceSpec("B200", 2250e12, 180e9)),
-    ("NVIDIA GB200", DeviceSpec("GB200", 2500e12, 186e9)),
-    ("AMD Instinct MI300X", DeviceSpec("MI300X", 1307.4e12, 192e9)),
+    ("TPU v4", DeviceSpec("TPU v4", 275e12, 32 * GiB, None, 275e12)),
+    ("TPU v5 lite", DeviceSpec("TPU v5e", 197e12, 16 * GiB, None, 393e12)),
+    ("TPU v5e", DeviceSpec("TPU v5e", 197e12, 16 * GiB, None, 393e12)),
+    ("TPU v5p", DeviceSpec("TPU v5p", 459e12, 95 * GiB, 459e12, 918e12)),
+    ("TPU v5", DeviceSpec("TPU v5p", 459e12, 95 * GiB, 459e12, 918e12)),
+    ("TPU v6 lite", DeviceSpec("TPU v6e", 918e12, 32 * GiB, 918e12, 1836e12)),
+    ("TPU v6e", DeviceSpec("TPU v6e", 918e12, 32 * GiB, 918e12, 1836e12)),
+    ("TPU7x", DeviceSpec("TPU7x (per TensorCore device)", 1153.5e12, 96 * GiB, 2307e12)),
+    ("NVIDIA A100-SXM4-40GB", DeviceSpec("A100 40GB", 312e12, 40e9, None, 624e12)),
+    ("NVIDIA A100-SXM4-80GB", DeviceSpec("A100 80GB", 312e12, 80e9, None, 624e12)),
+    ("NVIDIA H100 PCIe", DeviceSpec("H100 PCIe", 756.5e12, 80e9, 1513e12)),
+    ("NVIDIA H100 NVL", DeviceSpec("H100 NVL", 835.5e12, 94e9, 1670.5e12)),
+    ("NVIDIA H100", DeviceSpec("H100 SXM", 989.5e12, 80e9, 1979e12)),
+    ("NVIDIA H200", DeviceSpec("H200", 989.5e12, 141e9, 1979e12)),
+    ("NVIDIA B200", DeviceSpec("B200", 2250e12, 180e9, 4500e12)),
+    ("NVIDIA GB200", DeviceSpec("GB200", 2500e12, 186e9, 5000e12)),
+    ("AMD Instinct MI300X", DeviceSpec("MI300X", 1307.4e12, 192e9, 2614.9e12)),
 )
 
 
@@ -137,6 +144,12 @@ class Hardware:
     def hbm_bytes(self) -> float:
         """HBM bytes per device."""
         return self.spec.hbm_bytes
+
+    def matmul_peak(self, matmul: str) -> float:
+        """Dense FLOP/s per device of the matmuls precision.matmul=`matmul` runs: the chip's FP8 or int8 peak where
+        it has one, else the bf16 peak (a chip without FP8 or int8 matmuls computes them at its bf16 rate)."""
+        low = {"fp8": self.spec.peak_fp8_flops, "int8": self.spec.peak_int8_ops}.get(matmul)
+        return low or self.spec.peak_bf16_flops
 
 
 _NVLINK_ALPHA = 3.4e-6  # [NCCL] hwLat NVLink, Ring, Simple

@@ -134,11 +134,14 @@ def renderables(report: Any) -> list[RenderableType]:
     return out
 
 
+_MATMULS = {"fp8": "FP8 matmuls (e4m3 / e5m2)", "int8": "int8 matmuls (per token / per channel)"}
+
+
 def precision_line(p: dict) -> str:
     """The precision policy in effect, in one line (`Engine.resolved()['precision']`)."""
     extras = [f"master copy {p['master']}" if p["master"] != "none" else "",
               f"loss scale {p['loss_scale']}" if p["loss_scale"] != "none" else "",
-              "FP8 matmuls (e4m3 / e5m2)" if p["matmul"] == "fp8" else ""]
+              _MATMULS.get(p["matmul"], "")]
     return (f"precision: parameters {p['params']}, compute {p['compute']}, optimizer moments {p['moments']}"
             + "".join(f", {e}" for e in extras if e))
 

@@ -23,6 +23,7 @@ from spmd_train.analysis.plan.plan_report import (
     compiled_json,
     count,
     estimate_json,
+    quantized_compute_line,
     rejection_json,
     require_layouts,
     row_json,
@@ -144,6 +145,8 @@ def _breakdown(est, place, result: SearchResult) -> list[str]:
     lines.append("time per step:")
     for part, s in time_parts(t, est.candidate.devices).items():
         lines.append(f"  {part:40s} {seconds(s)}")
+    if result.workload.matmul != "default":
+        lines.append(quantized_compute_line(result.shape, result.workload, result.target.hardware))
     return lines
 
 

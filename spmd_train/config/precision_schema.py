@@ -33,10 +33,12 @@ class PrecisionConfig:
     """The optimizer's moments (AdamW's two, Lion's and Muon's momentum, Adafactor's factors): null, the parameters'
     dtype (float32 over a master copy); bfloat16 halves AdamW's 8 bytes per float32 parameter. Computed in float32
     each step, stored rounded."""
-    matmul: Literal["default", "fp8"] = "default"
+    matmul: Literal["default", "fp8", "int8"] = "default"
     """fp8: the layers' matmuls (attention projections, dense MLPs, MLA's projections; not the embedding table and LM
     head, the router or MoE experts) take e4m3 operands scaled per tensor and e5m2 output gradients, and ZeRO-3 gathers
-    those weights in e4m3 (one byte an element). default: the compute dtype's matmuls."""
+    those weights in e4m3 (one byte an element). int8: the same matmuls, forward and both gradients, as s8 x s8 -> s32
+    dots with symmetric scales per token and per channel (TPU v5e/v6e's double-rate matmuls). default: the compute
+    dtype's matmuls."""
     master: Literal["none", "float32"] = "none"
     """float32: keep a float32 master copy of bfloat16 parameters (model.param_dtype=bfloat16) in the optimizer state;
     the optimizer updates the master copy (its moments in float32 too) and the parameters are its bfloat16 rounding,
@@ -94,14 +96,15 @@ def moment_dtype(moments: str | None, master: str, param_dtype: str) -> str:
     return moments or ("float32" if master == "float32" else param_dtype)
 
 
-KEPT_OUT_OF_FP8 = frozenset({"vocab", "experts", "router_experts"})
-"""Logical axes of weights that keep the compute dtype under precision.matmul=fp8: the embedding table and the LM head,
-whose logits set the loss (as FP8 recipes keep them out), the router, and the routed experts (their batched matmuls
-are not built for FP8)."""
+KEPT_UNQUANTIZED = frozenset({"vocab", "experts", "router_experts"})
+"""Logical axes of weights that keep the compute dtype under precision.matmul=fp8 or int8: the embedding table and
+the LM head, whose logits set the loss (as FP8 and int8 recipes keep them out), the router, and the routed experts
+(their batched matmuls are not built for either)."""
 
 
-def takes_fp8(axes: tuple[str | None, ...]) -> bool:
-    """Whether a weight with these logical axes is an FP8 matmul operand under precision.matmul=fp8 (and gathered in
-    one byte an element): a matrix (`optimizer_facts.is_matrix`) with none of KEPT_OUT_OF_FP8."""
-    return is_matrix(axes) and not KEPT_OUT_OF_FP8 & set(axes)
+def takes_quantized(axes: tuple[str | None, ...]) -> bool:
+    """Whether a weight with these logical axes is a quantized matmul operand under precision.matmul=fp8 or int8
+    (under fp8 also gathered in one byte an element): a matrix (`optimizer_facts.is_matrix`) with none of
+    KEPT_UNQUANTIZED."""
+    return is_matrix(axes) and not KEPT_UNQUANTIZED & set(axes)
 

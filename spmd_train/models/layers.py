@@ -15,8 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
-from spmd_train.config.precision_schema import takes_fp8
+from spmd_train.config.precision_schema import takes_quantized
 from spmd_train.models.param_specs import norm_params
+from spmd_train.ops import int8
 from spmd_train.ops.fp8 import FORWARD, dequantize, grad_qdq, qdq, quantize
 from spmd_train.sharding.constrain import constrain, stored_param
 
@@ -91,19 +92,22 @@ def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Arra
     the matmul itself is not recomputed (its output is not needed by its own gradient).
     """
     value, names, pinned = _unpack(p)
-    fp8 = _MATMUL.get() == "fp8" and takes_fp8(names)
+    mode = _MATMUL.get() if takes_quantized(names) else "default"
 
     def apply(x, w):
-        if fp8:  # precision.matmul=fp8 (`use_matmul`): e4m3 operands, the weight gathered in e4m3, e5m2 gradients
+        if mode == "fp8":  # precision.matmul=fp8 (`use_matmul`): e4m3 operands, the weight gathered in e4m3, e5m2 grads
             return grad_qdq(jnp.einsum(equation, qdq(x), _fp8_compute_layout(w, names, dtype, pinned)))
-        return jnp.einsum(equation, x, _compute_layout(w, names, dtype, pinned=pinned))
+        w = _compute_layout(w, names, dtype, pinned=pinned)
+        if mode == "int8":  # precision.matmul=int8: s8 x s8 -> s32 dots forward and backward, per-token/channel scales
+            return int8.einsum(equation, x, w)
+        return jnp.einsum(equation, x, w)
 
     return jax.checkpoint(apply, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, value)
 
 
-MATMULS = ("default", "fp8")
-"""What `use_matmul` takes: the compute dtype's matmuls, or FP8 ones (`ops.fp8`) for the weights
-`config.precision_schema.takes_fp8` names."""
+MATMULS = ("default", "fp8", "int8")
+"""What `use_matmul` takes: the compute dtype's matmuls, or FP8 (`ops.fp8`) or int8 (`ops.int8`) ones for the weights
+`config.precision_schema.takes_quantized` names."""
 _MATMUL: contextvars.ContextVar[str] = contextvars.ContextVar("spmd_train_matmul", default="default")
 
 

@@ -147,7 +147,8 @@ class Workload:
     moments: str | None = None
     """precision.moments: the moments' dtype (None: the parameters', float32 over a master copy)."""
     matmul: str = "default"
-    """precision.matmul: fp8 gathers the weights `takes_fp8` names in one byte an element."""
+    """precision.matmul: fp8 gathers the weights `takes_quantized` names in one byte an element; fp8 and int8 time
+    their matmuls at the chip's FP8 or int8 peak (`timing.compute_seconds`)."""
     attention: str = "flash"
     """"flash": a fused kernel (Pallas, cuDNN) keeps no [length, length] scores; "xla": the reference attention."""
     moe_impl: str = "capacity"

@@ -32,7 +32,7 @@ from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.matrix_moves import local_matrices, whole_matrix_bytes, whole_matrix_moves
 from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
 from spmd_train.config.optimizer_facts import muon_dimensions, newton_schulz_flops
-from spmd_train.config.precision_schema import takes_fp8
+from spmd_train.config.precision_schema import takes_quantized
 from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.ops.capacity import device_capacity
 from spmd_train.parallel.head_groups import kv_repeats
@@ -63,7 +63,7 @@ def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False, fp8: bool = F
     """Parameter traffic of data parallelism and ZeRO, parameter by parameter: as an accelerator's compiler
     partitions it, or with `xla_cpu` as XLA:CPU does, which is the algorithm's floor `describe` shows
     (`analysis.zero_floor`, docs/explanation/planner-model.md#collective-bytes). `fp8` (precision.matmul=fp8): the
-    weights `takes_fp8` names are gathered in one byte an element."""
+    weights `takes_quantized` names are gathered in one byte an element."""
     out = []
     accumulates = c.grad_accum > 1 or c.pipeline > 1
     found = _zero_terms(m, c.sizes, c.zero_stage, xla_cpu, accumulates, c.rules, fp8)
@@ -100,7 +100,7 @@ def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool
         gathered = live(stored - compute, shape)
         if gathered:
             gathers = 1 if (g.path == LOOKUP_ONLY and g.lookup_only) or (outside and not xla_cpu) else 2
-            moved = slice_bytes / cb if fp8 and takes_fp8(g.axes) else slice_bytes  # e4m3: one byte an element
+            moved = slice_bytes / cb if fp8 and takes_quantized(g.axes) else slice_bytes  # e4m3: one byte an element
             add("all-gather", gathered, "weights", gathers * moved * _fraction(ways(gathered, shape)),
                 gathers * layers)
         rows = g.shape[0] % shape["fsdp"] == 0

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Any
 
-from spmd_train.analysis.plan.candidate import Candidate
+from spmd_train.analysis.plan.candidate import Candidate, Workload
 from spmd_train.analysis.plan.compiled import Compiled
 from spmd_train.analysis.plan.enumeration import MICROBATCHES, PIPELINES
 from spmd_train.analysis.plan.labels import label
@@ -21,6 +21,7 @@ from spmd_train.analysis.plan.timing import Timing, ties
 from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
+from spmd_train.hardware import Hardware
 from spmd_train.units import GiB
 
 
@@ -44,6 +45,15 @@ def time_parts(t: Timing, devices: int) -> dict[str, float]:
     for a in t.axes:
         parts[f"exposed {' x '.join(a.axes)} communication"] = a.exposed
     return parts
+
+
+def quantized_compute_line(m: ModelShape, w: Workload, hw: Hardware) -> str:
+    """Which FLOPs `compute` times at the chip's FP8 or int8 peak (precision.matmul), and that peak."""
+    share = min(1.0, 6.0 * m.quantized_params() / m.flops_per_token(w.seq_len))
+    peak, bf16 = hw.matmul_peak(w.matmul), hw.peak_flops
+    rate = (f"at its {w.matmul} peak, {peak / 1e12:,.0f} TFLOP/s against bf16's {bf16 / 1e12:,.0f}" if peak != bf16
+            else f"at the bf16 rate ({hw.kind} has no faster {w.matmul} matmul in the hardware table)")
+    return f"  (compute: the {w.matmul} matmuls, {share:.0%} of the FLOPs, {rate})"
 
 
 def tie_reason(winner: Timing, runner: Timing) -> str:

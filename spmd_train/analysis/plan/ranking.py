@@ -21,7 +21,7 @@ from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.rejections import Rejection, real_check
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.target import Target, slow_placements
-from spmd_train.analysis.plan.timing import Timing, achievable_fraction, device_flops, estimate_timing, ties
+from spmd_train.analysis.plan.timing import Timing, compute_seconds, device_flops, estimate_timing, ties
 from spmd_train.config.schema import Config
 from spmd_train.hardware import Hardware
 
@@ -105,7 +105,7 @@ def tie_order(ranked: list[Ranked], timing: Callable[[Ranked], Timing] = lambda 
 
 def _compute_bound(shape: ModelShape, c: Candidate, work: Workload, hw: Hardware) -> float:
     """Compute over the pipeline bubble: the step time without any communication (`timing.estimate_timing`)."""
-    compute = device_flops(shape, c, work)[1] / (hw.peak_flops * achievable_fraction(hw))
+    compute = compute_seconds(shape, work, hw, device_flops(shape, c, work)[1])
     if c.pipeline == 1 or hw.simulated:  # simulated devices' bubble costs no time (`timing`)
         return compute
     bubble = schedule_stats(c.pipeline_schedule, c.pipeline, c.pipeline_microbatches, c.virtual_stages)[1]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from spmd_train.config.field_types import DTYPE_BYTES
 from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
+from spmd_train.config.precision_schema import takes_quantized
 from spmd_train.models.flops import (
     attention_flops,
     layer_matmul_flops_per_token,
@@ -143,6 +144,11 @@ class ModelShape:
             return 0
         grouped = any(g.path.startswith("blocks.moe.") for g in self.params)
         return _per_layer(self.params, "blocks.moe" if grouped else "blocks")
+
+    def quantized_params(self) -> int:
+        """Parameters whose matmuls precision.matmul=fp8|int8 quantizes (`config.precision_schema.takes_quantized`):
+        each is used once per token, as every dense layer's weights are."""
+        return sum(g.numel for g in self.params if takes_quantized(g.axes))
 
     @property
     def active_params(self) -> int:

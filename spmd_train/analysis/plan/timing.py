@@ -108,6 +108,17 @@ def achievable_fraction(hw: Hardware, given: float | None = None) -> float:
     return ACHIEVABLE_FRACTION if hw.achievable is None else hw.achievable
 
 
+def compute_seconds(m: ModelShape, w: Workload, hw: Hardware, flops: float, achievable: float | None = None) -> float:
+    """Seconds a device computes `flops` of the step: the share in quantized matmuls (precision.matmul=fp8|int8:
+    6 FLOPs per token of each `ModelShape.quantized_params`, recomputation included in proportion) at the chip's FP8
+    or int8 peak (`Hardware.matmul_peak`), the rest at its bf16 peak, both at the achievable fraction."""
+    rate = hw.peak_flops * achievable_fraction(hw, achievable)
+    if w.matmul == "default":
+        return flops / rate
+    share = min(1.0, 6.0 * m.quantized_params() / m.flops_per_token(w.seq_len))
+    return flops * (1 - share + share * hw.peak_flops / hw.matmul_peak(w.matmul)) / rate
+
+
 def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float]:
     """(model FLOPs of the step over all devices, FLOPs the busiest device runs)."""
     tokens = w.global_batch * w.seq_len
@@ -139,7 +150,7 @@ def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, term
     """Step time, tokens/s, MFU and per-axis communication of candidate `c` on `hw`, given its collectives
     (`achievable` None: the measured `hw.achievable`, else `ACHIEVABLE_FRACTION`)."""
     model, busiest = device_flops(m, c, w)
-    compute = busiest / (hw.peak_flops * achievable_fraction(hw, achievable))
+    compute = compute_seconds(m, w, hw, busiest, achievable)
     bubble = 0.0
     if c.pipeline > 1:
         _, bubble, _ = schedule_stats(c.pipeline_schedule, c.pipeline, microbatches(c, rows_per_device(c, w)),

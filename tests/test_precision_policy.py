@@ -148,9 +148,12 @@ def test_the_engine_reports_the_policy_in_effect_and_describe_prints_it(devices)
     engine = Engine.build(load_config(None, ["precision.preset=bf16-master", "precision.matmul=fp8"]), devices)
     policy = engine.resolved()["precision"]
     assert policy == {"params": "bfloat16", "compute": "bfloat16", "matmul": "fp8", "moments": "float32",
-                      "master": "float32", "loss_scale": "none"}  # moments: null, float32 over the master copy
+                      "master": "float32", "loss_scale": "none", "reduce": "bfloat16"}  # moments: null, float32
+    # over the master copy; reduce: null, the compute dtype's
     assert precision_line(policy) == ("precision: parameters bfloat16, compute bfloat16, optimizer moments float32, "
                                       "master copy float32, FP8 matmuls (e4m3 / e5m2)")
+    assert precision_line({**policy, "matmul": "default", "reduce": "float32"}).endswith(
+        "master copy float32, gradients summed in float32")
 
 
 def test_a_run_resumes_with_another_compute_dtype_but_not_another_parameter_dtype():

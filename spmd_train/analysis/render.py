@@ -141,7 +141,8 @@ def precision_line(p: dict) -> str:
     """The precision policy in effect, in one line (`Engine.resolved()['precision']`)."""
     extras = [f"master copy {p['master']}" if p["master"] != "none" else "",
               f"loss scale {p['loss_scale']}" if p["loss_scale"] != "none" else "",
-              _MATMULS.get(p["matmul"], "")]
+              _MATMULS.get(p["matmul"], ""),
+              f"gradients summed in {p['reduce']}" if p.get("reduce", p["compute"]) != p["compute"] else ""]
     return (f"precision: parameters {p['params']}, compute {p['compute']}, optimizer moments {p['moments']}"
             + "".join(f", {e}" for e in extras if e))
 

@@ -272,6 +272,11 @@ def check_precision(cfg: Config) -> None:
         raise ConfigError(f"{params}=float16 needs precision.master=float32: updates under float16's step (1 in 2048 "
                           f"of a weight) round away and its range ends at 65504 (valid: precision.master=float32, or "
                           f"{params}=bfloat16 or float32)")
+    if pr.reduce is not None and pr.matmul != "default":
+        raise ConfigError(f"precision.reduce={pr.reduce} sets the dtype the default matmuls' weight gradients are "
+                          f"summed in, and precision.matmul={pr.matmul} computes them itself ("
+                          f"{'in the compute dtype' if pr.matmul == 'fp8' else 'in int32, exactly'}) (valid: "
+                          f"precision.reduce=null, or precision.matmul=default)")
     if m.compute_dtype == "float16" and cfg.backends.attention == "pallas":
         raise ConfigError(f"backends.attention=pallas: our flash-attention kernels take float32 or bfloat16, and "
                           f"{compute}=float16 (valid: backends.attention=auto, xla or cudnn, or {compute}=bfloat16)")

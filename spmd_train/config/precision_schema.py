@@ -39,6 +39,12 @@ class PrecisionConfig:
     those weights in e4m3 (one byte an element). int8: the same matmuls, forward and both gradients, as s8 x s8 -> s32
     dots with symmetric scales per token and per channel (TPU v5e/v6e's double-rate matmuls). default: the compute
     dtype's matmuls."""
+    reduce: Literal["float32", "bfloat16"] | None = None
+    """The dtype the layers' weight gradients are summed in across devices (over data and fsdp: the replica all-reduce
+    and ZeRO's reduce-scatter): null, the compute dtype's (bfloat16 compute sums in bfloat16); float32 sums exactly at
+    twice bfloat16's bytes, as Megatron's fp32 gradient reduction. Every `dense` weight (attention, MLPs, MLA, shared
+    experts, the LM head); the embedding lookup and routed experts keep the compute dtype's. Not with
+    precision.matmul=fp8|int8 (FP8 sums in the compute dtype, int8 in int32)."""
     master: Literal["none", "float32"] = "none"
     """float32: keep a float32 master copy of bfloat16 parameters (model.param_dtype=bfloat16) in the optimizer state;
     the optimizer updates the master copy (its moments in float32 too) and the parameters are its bfloat16 rounding,
@@ -108,3 +114,9 @@ def takes_quantized(axes: tuple[str | None, ...]) -> bool:
     KEPT_UNQUANTIZED."""
     return is_matrix(axes) and not KEPT_UNQUANTIZED & set(axes)
 
+
+
+def sums_in_reduce_dtype(axes: tuple[str | None, ...]) -> bool:
+    """Whether a weight's gradient is summed across devices in precision.reduce's dtype: a matrix a `dense` matmul
+    uses (not a routed expert's or the router's; an untied input table's lookup is not a matmul either)."""
+    return is_matrix(axes) and not {"experts", "router_experts"} & set(axes)

@@ -18,6 +18,7 @@ from spmd_train.config.model_schema import ModelConfig
 from spmd_train.config.precision_schema import takes_quantized
 from spmd_train.models.param_specs import norm_params
 from spmd_train.ops import int8
+from spmd_train.ops.einsum_specs import gradient_equations
 from spmd_train.ops.fp8 import FORWARD, dequantize, grad_qdq, qdq, quantize
 from spmd_train.sharding.constrain import constrain, stored_param
 
@@ -97,6 +98,9 @@ def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Arra
     def apply(x, w):
         if mode == "fp8":  # precision.matmul=fp8 (`use_matmul`): e4m3 operands, the weight gathered in e4m3, e5m2 grads
             return grad_qdq(jnp.einsum(equation, qdq(x), _fp8_compute_layout(w, names, dtype, pinned)))
+        reduce = _REDUCE.get()
+        if mode == "default" and reduce is not None and jnp.dtype(reduce) != jnp.dtype(dtype):
+            return _reduced_dense(equation, x, w, names, dtype, pinned, reduce)  # precision.reduce
         w = _compute_layout(w, names, dtype, pinned=pinned)
         if mode == "int8":  # precision.matmul=int8: s8 x s8 -> s32 dots forward and backward, per-token/channel scales
             return int8.einsum(equation, x, w)
@@ -109,18 +113,45 @@ MATMULS = ("default", "fp8", "int8")
 """What `use_matmul` takes: the compute dtype's matmuls, or FP8 (`ops.fp8`) or int8 (`ops.int8`) ones for the weights
 `config.precision_schema.takes_quantized` names."""
 _MATMUL: contextvars.ContextVar[str] = contextvars.ContextVar("spmd_train_matmul", default="default")
+_REDUCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("spmd_train_reduce", default=None)
 
 
 @contextlib.contextmanager
-def use_matmul(mode: str) -> Iterator[None]:
-    """Trace the `dense` matmuls inside with `mode` (one of MATMULS; precision.matmul), as the train step does."""
+def use_matmul(mode: str, reduce: str | None = None) -> Iterator[None]:
+    """Trace the `dense` matmuls inside with `mode` (one of MATMULS; precision.matmul) and their weight gradients
+    summed across devices in `reduce` (precision.reduce; None: the compute dtype), as the train step does."""
     if mode not in MATMULS:
         raise ValueError(f"matmul mode {mode!r} is not one of {', '.join(MATMULS)}")
-    token = _MATMUL.set(mode)
+    tokens = _MATMUL.set(mode), _REDUCE.set(reduce)
     try:
         yield
     finally:
-        _MATMUL.reset(token)
+        _MATMUL.reset(tokens[0])
+        _REDUCE.reset(tokens[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5, 6))
+def _reduced_dense(equation: str, x: jax.Array, value: jax.Array, names: tuple[str, ...], dtype, pinned: bool,
+                   reduce: str) -> jax.Array:
+    """`einsum(equation, x, weight)` whose weight gradient comes out of its matmul in `reduce`, so that the sum over
+    the batch's devices, which XLA's partitioner puts right after that matmul, runs in `reduce` (converting the
+    gradient afterwards would leave the sum in the compute dtype); laid out and cast back as `_compute_layout`'s."""
+    return jnp.einsum(equation, x, _compute_layout(value, names, dtype, pinned=pinned))
+
+
+def _reduced_dense_fwd(equation, x, value, names, dtype, pinned, reduce):
+    return _reduced_dense(equation, x, value, names, dtype, pinned, reduce), (x, value)
+
+
+def _reduced_dense_bwd(equation, names, dtype, pinned, reduce, residuals, g):
+    x, value = residuals
+    dx_equation, dw_equation = gradient_equations(equation)
+    dx = jnp.einsum(dx_equation, g, _compute_layout(value, names, dtype, pinned=pinned))
+    dw = constrain(jnp.einsum(dw_equation, x, g, preferred_element_type=jnp.dtype(reduce)), names)
+    return dx.astype(x.dtype), (dw if pinned else stored_param(dw, names)).astype(value.dtype)
+
+
+_reduced_dense.defvjp(_reduced_dense_fwd, _reduced_dense_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

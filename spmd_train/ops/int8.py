@@ -18,14 +18,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from spmd_train.ops.einsum_specs import gradient_equations, operands
+
 LEVELS = 127
 """The largest magnitude an operand is scaled to (symmetric: -128 is not used)."""
-
-
-def _specs(equation: str) -> tuple[str, str, str]:
-    inputs, out = equation.replace(" ", "").split("->")
-    a, b = inputs.split(",")
-    return a, b, out
 
 
 def quantize(x: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
@@ -39,9 +35,8 @@ def quantize(x: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.Array, jax.
 
 def int8_dot(equation: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     """`einsum(equation, a, b)` through int8 operands scaled along their kept axes, in `dtype`; no custom gradient."""
-    sa, sb, so = _specs(equation)
-    if set(sa) - set(sb) - set(so) or set(sb) - set(sa) - set(so):
-        raise ValueError(f"int8 einsum {equation!r}: an axis summed within one operand alone is not a matmul")
+    sa, sb, so = operands(equation)
+    gradient_equations(equation)  # refuses an axis summed within one operand alone
     qa, scale_a = quantize(a, tuple(i for i, n in enumerate(sa) if n not in so))
     qb, scale_b = quantize(b, tuple(i for i, n in enumerate(sb) if n not in so))
     acc = jnp.einsum(equation, qa, qb, preferred_element_type=jnp.int32)
@@ -70,10 +65,8 @@ def _einsum_fwd(equation, x, w):
 
 def _einsum_bwd(equation, residuals, g):
     x, w = residuals
-    sx, sw, so = _specs(equation)
-    dx = int8_dot(f"{so},{sw}->{sx}", g, w, x.dtype)
-    dw = int8_dot(f"{sx},{so}->{sw}", x, g, w.dtype)
-    return dx, dw
+    dx_equation, dw_equation = gradient_equations(equation)
+    return int8_dot(dx_equation, g, w, x.dtype), int8_dot(dw_equation, x, g, w.dtype)
 
 
 einsum.defvjp(_einsum_fwd, _einsum_bwd)

@@ -203,7 +203,7 @@ class Engine:
         pr, m = self.cfg.precision, self.cfg.model
         precision = {"params": m.param_dtype, "compute": m.compute_dtype, "matmul": pr.matmul,
                      "moments": moment_dtype(pr.moments, pr.master, m.param_dtype), "master": pr.master,
-                     "loss_scale": pr.loss_scale}
+                     "loss_scale": pr.loss_scale, "reduce": pr.reduce or m.compute_dtype}
         resolved = {"rules": self.layout.rules.to_json(), "backends": self.backends.to_json(), "precision": precision}
         if self.backends.platform == "tpu":
             resolved["tpu_flags"] = tpu_flags_in_effect()
@@ -321,7 +321,7 @@ class Engine:
         else:
             value_and_grad = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan,
                                                      self.mesh, zigzag=self.backends.zigzag, loss_scale=scale)
-        with use_layout(self.layout), use_matmul(self.cfg.precision.matmul):
+        with use_layout(self.layout), use_matmul(self.cfg.precision.matmul, self.cfg.precision.reduce):
             values, grads = loss_and_grads(
                 value_and_grad, state.params, batch,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
@@ -363,7 +363,7 @@ class Engine:
         """The jitted evaluation: (params, batch) -> mean cross-entropy, without the pipeline schedule."""
 
         def loss(params, batch):
-            with use_layout(self.layout), use_matmul(self.cfg.precision.matmul):
+            with use_layout(self.layout), use_matmul(self.cfg.precision.matmul, self.cfg.precision.reduce):
                 return self.loss(params, batch)
 
         return jax.jit(loss, in_shardings=(self.state_shardings.params, self.batch_sharding),

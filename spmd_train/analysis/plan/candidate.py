@@ -146,6 +146,8 @@ class Workload:
     """precision.master=float32: the optimizer state holds a float32 copy of the parameters, its moments float32."""
     moments: str | None = None
     """precision.moments: the moments' dtype (None: the parameters', float32 over a master copy)."""
+    reduce: str | None = None
+    """precision.reduce: the dtype the layers' weight gradients are summed in (None: the compute dtype)."""
     matmul: str = "default"
     """precision.matmul: fp8 gathers the weights `takes_quantized` names in one byte an element; fp8 and int8 time
     their matmuls at the chip's FP8 or int8 peak (`timing.compute_seconds`)."""
@@ -177,7 +179,7 @@ class Workload:
         momentum = optimizer_facts(cfg.optim.name).b1_adds_state and cfg.optim.b1 is not None
         return cls(global_batch=cfg.train.global_batch_size, seq_len=cfg.train.seq_len, optimizer=cfg.optim.name,
                    momentum=momentum, master=cfg.precision.master == "float32", moments=cfg.precision.moments,
-                   matmul=cfg.precision.matmul,
+                   matmul=cfg.precision.matmul, reduce=cfg.precision.reduce,
                    attention="xla" if keeps else "flash",
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
                    documents=cfg.data.masks_documents, xla_cpu=platform == "cpu")

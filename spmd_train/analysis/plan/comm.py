@@ -29,10 +29,11 @@ from spmd_train.analysis.plan.candidate import (
     ways,
 )
 from spmd_train.analysis.plan.shape import ModelShape
+from spmd_train.config.field_types import DTYPE_BYTES
 from spmd_train.config.matrix_moves import local_matrices, whole_matrix_bytes, whole_matrix_moves
 from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
 from spmd_train.config.optimizer_facts import muon_dimensions, newton_schulz_flops
-from spmd_train.config.precision_schema import takes_quantized
+from spmd_train.config.precision_schema import sums_in_reduce_dtype, takes_quantized
 from spmd_train.config.resolved_rules import RuleTables
 from spmd_train.ops.capacity import device_capacity
 from spmd_train.parallel.head_groups import kv_repeats
@@ -59,14 +60,16 @@ def _fraction(n: int) -> float:
     return (n - 1) / n
 
 
-def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False, fp8: bool = False) -> list[CommTerm]:
+def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False, fp8: bool = False,
+               reduce_bytes: int = 0) -> list[CommTerm]:
     """Parameter traffic of data parallelism and ZeRO, parameter by parameter: as an accelerator's compiler
     partitions it, or with `xla_cpu` as XLA:CPU does, which is the algorithm's floor `describe` shows
     (`analysis.zero_floor`, docs/explanation/planner-model.md#collective-bytes). `fp8` (precision.matmul=fp8): the
-    weights `takes_quantized` names are gathered in one byte an element."""
+    weights `takes_quantized` names are gathered in one byte an element. `reduce_bytes` (precision.reduce; 0: the
+    compute dtype's): the bytes an element of the gradients `sums_in_reduce_dtype` names are summed in."""
     out = []
     accumulates = c.grad_accum > 1 or c.pipeline > 1
-    found = _zero_terms(m, c.sizes, c.zero_stage, xla_cpu, accumulates, c.rules, fp8)
+    found = _zero_terms(m, c.sizes, c.zero_stage, xla_cpu, accumulates, c.rules, fp8, reduce_bytes)
     for (op, axes, purpose), (per_micro, launches, once, once_launches) in found:
         out.append(CommTerm(op, axes, per_micro * c.grad_accum + once, launches * c.grad_accum + once_launches,
                             purpose))
@@ -75,7 +78,7 @@ def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False, fp8: bool = F
 
 @functools.lru_cache(maxsize=1 << 14)
 def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool, accumulates: bool,
-                rules: RuleTables | None, fp8: bool = False) -> tuple:
+                rules: RuleTables | None, fp8: bool = False, reduce_bytes: int = 0) -> tuple:
     """((op, axes, purpose), (bytes per microbatch, launches per microbatch, bytes per step, launches per step))."""
     shape, cb = dict(zip(MESH_AXES, sizes, strict=True)), m.compute_bytes
     acts = tables_of(sizes, rules).activations
@@ -95,6 +98,9 @@ def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool
         grads = {a for dim in lay.grads for a in dim}
         opt = {a for dim in lay.optimizer for a in dim}
         slice_bytes = g.numel / ways(compute, shape) * cb
+        # The gradient's sum: in precision.reduce's dtype where `dense` computes it (`models.layers._reduced_dense`).
+        rb = reduce_bytes if reduce_bytes and not g.lookup_only and sums_in_reduce_dtype(g.axes) else cb
+        grad_bytes = slice_bytes / cb * rb
         layers = _stacked(g)
         outside = not g.path.startswith("blocks.")  # outside the layer stack: tables, the final norm
         gathered = live(stored - compute, shape)
@@ -117,17 +123,17 @@ def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool
         together = tuple(a for a in replicas if a in automatic) if scattered and not xla_cpu else ()
         if together:  # reduced over the shard's axes and the automatic replicas at once, then gathered back
             both = live({*scattered, *together}, shape)
-            add("reduce-scatter", both, "grad-scatter", slice_bytes * _fraction(ways(both, shape)), layers)
+            add("reduce-scatter", both, "grad-scatter", grad_bytes * _fraction(ways(both, shape)), layers)
             shard = g.numel / ways(compute | grads, shape) * m.param_bytes
             add("all-gather", together, "grad-gather", once=shard * _fraction(ways(together, shape)),
                 once_launches=1)
             replicas = tuple(a for a in replicas if a not in together)
         elif scattered and outside and len(live(reduced, shape)) > 1 and not xla_cpu:  # the whole gradient reduced
-            add("all-reduce", scattered, "grad-scatter", 2 * slice_bytes * _fraction(ways(scattered, shape)), layers)
+            add("all-reduce", scattered, "grad-scatter", 2 * grad_bytes * _fraction(ways(scattered, shape)), layers)
         elif scattered:
-            add("reduce-scatter", scattered, "grad-scatter", slice_bytes * _fraction(ways(scattered, shape)), layers)
+            add("reduce-scatter", scattered, "grad-scatter", grad_bytes * _fraction(ways(scattered, shape)), layers)
         if replicas:
-            dtype = m.compute_bytes if outside and not (accumulates or xla_cpu) else m.param_bytes
+            dtype = rb if outside and not (accumulates or xla_cpu) else m.param_bytes
             shard = g.numel / ways(compute | grads, shape) * dtype
             add("all-reduce", replicas, "grad-reduce", once=2 * shard * _fraction(ways(replicas, shape)),
                 once_launches=1)
@@ -398,5 +404,6 @@ def optimizer_flops(m: ModelShape, c: Candidate, w: Workload) -> float:
 def comm_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     """Every collective a step of candidate `c` runs, per device: ZeRO, tensor, pipeline, expert, context and the
     optimizer's own."""
-    return [*zero_terms(m, c, w.xla_cpu, w.matmul == "fp8"), *tensor_terms(m, c, w), *pipeline_terms(m, c, w),
-            *expert_terms(m, c, w), *context_terms(m, c, w), *optimizer_terms(m, c, w)]
+    zero = zero_terms(m, c, w.xla_cpu, w.matmul == "fp8", DTYPE_BYTES[w.reduce] if w.reduce else 0)
+    return [*zero, *tensor_terms(m, c, w), *pipeline_terms(m, c, w), *expert_terms(m, c, w), *context_terms(m, c, w),
+            *optimizer_terms(m, c, w)]

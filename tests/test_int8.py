@@ -12,7 +12,7 @@ import pytest
 
 from spmd_train import Engine, load_config
 from spmd_train.data import make_source
-from spmd_train.ops import int8
+from spmd_train.ops import rowwise
 from tests.runs import ROOT, relative_error, run_steps
 from tests.test_fp8 import BF16_300, _gradients, _rel
 
@@ -21,7 +21,7 @@ INT8 = ["precision.matmul=int8", "model.compute_dtype=bfloat16"]
 
 def test_each_operand_is_scaled_along_the_axes_it_keeps_and_rounded_into_127_levels():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 8)), jnp.float32).at[1, 2].set(0.0)
-    q, scale = int8.quantize(x, (2,))  # per token: the last axis contracted
+    q, scale = rowwise.quantize(x, (2,))  # per token: the last axis contracted
     assert q.dtype == jnp.int8 and scale.shape == (3, 5, 1)
     np.testing.assert_array_equal(jnp.max(jnp.abs(q.astype(jnp.int32)), axis=2)[jnp.arange(3) != 1], 127)
     assert float(scale[1, 2, 0]) == 1.0 and not jnp.any(q[1, 2])  # an all-zero row: scale 1, zeros
@@ -35,23 +35,23 @@ def test_the_int8_dot_equals_its_float_emulation_exactly():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(64, 3, 8)), jnp.float32)
-    qx, sx = int8.quantize(x, (2,))
-    qw, sw = int8.quantize(w, (0,))
+    qx, sx = rowwise.quantize(x, (2,))
+    qw, sw = rowwise.quantize(w, (0,))
     emulated = jnp.einsum("bld,dhk->blhk", qx.astype(jnp.float32), qw.astype(jnp.float32)) * sx[..., None] * sw[0]
-    np.testing.assert_allclose(int8.int8_dot("bld,dhk->blhk", x, w, jnp.float32), emulated, rtol=1e-6)
+    np.testing.assert_allclose(rowwise.scaled_dot("bld,dhk->blhk", x, w, jnp.float32), emulated, rtol=1e-6)
     with pytest.raises(ValueError, match="summed within one operand"):
-        int8.int8_dot("abc,cd->ad", x[0], w[:, 0], jnp.float32)
+        rowwise.scaled_dot("abc,cd->ad", x[0], w[:, 0], jnp.float32)
 
 
 def test_an_int8_matmul_and_its_gradients_are_within_two_percent_of_the_exact_ones():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(4, 16, 128)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(128, 96)) * 0.02, jnp.float32)
-    quantized = lambda x, w: jnp.sum(jnp.sin(int8.einsum("bld,df->blf", x, w)))
+    quantized = lambda x, w: jnp.sum(jnp.sin(rowwise.einsum("bld,df->blf", x, w)))
     exact = lambda x, w: jnp.sum(jnp.sin(jnp.einsum("bld,df->blf", x, w)))
     got, want = jax.grad(quantized, (0, 1))(x, w), jax.grad(exact, (0, 1))(x, w)
     # Measured: output, d input and d weight each about 0.9% from exact (127 levels per row: ~0.5% per operand).
-    assert 0.002 < _rel(int8.einsum("bld,df->blf", x, w), jnp.einsum("bld,df->blf", x, w)) < 0.02
+    assert 0.002 < _rel(rowwise.einsum("bld,df->blf", x, w), jnp.einsum("bld,df->blf", x, w)) < 0.02
     for g, e in zip(got, want, strict=True):
         assert 0.002 < _rel(g, e) < 0.02, _rel(g, e)  # rounded, yet close: not exact, not broken
 
@@ -99,7 +99,7 @@ def test_a_sharded_int8_matmul_and_its_gradients_equal_one_devices_bitwise(devic
     for equation, w_spec, cotangent in (("bld,dhk->blhk", (None, "tensor"), g),  # column-parallel
                                         ("blhk,hkd->bld", ("tensor",), g.sum(axis=(2, 3))[..., None])):  # row-parallel
         a, b = (x, w) if equation.startswith("bld") else (g, w.transpose(1, 2, 0))
-        loss = jax.jit(jax.grad(lambda a, b, eq=equation, ct=cotangent: jnp.sum(int8.einsum(eq, a, b) * ct), (0, 1)))
+        loss = jax.jit(jax.grad(lambda a, b, eq=equation, ct=cotangent: jnp.sum(rowwise.einsum(eq, a, b) * ct), (0, 1)))
         one, sharded = loss(a, b), loss(put(a, "fsdp"), put(b, *w_spec))
         for o, s in zip(one, sharded, strict=True):
             np.testing.assert_array_equal(o, s)

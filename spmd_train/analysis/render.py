@@ -134,7 +134,8 @@ def renderables(report: Any) -> list[RenderableType]:
     return out
 
 
-_MATMULS = {"fp8": "FP8 matmuls (e4m3 / e5m2)", "int8": "int8 matmuls (per token / per channel)"}
+_MATMULS = {"fp8": "FP8 matmuls (e4m3 / e5m2)", "fp8-row": "FP8 matmuls (e4m3 / e5m2, per token / per channel)",
+            "int8": "int8 matmuls (per token / per channel)"}
 
 
 def precision_line(p: dict) -> str:

@@ -255,6 +255,10 @@ def check_moe_groups(moe) -> None:
                           f"experts_per_token up to {room}, or a larger topk_group)")
 
 
+_QUANTIZED_SUMS = {"fp8": "in the compute dtype at per-tensor scales, in float32 at row scales",
+                   "int8": "in int32, exactly"}
+
+
 def check_precision(cfg: Config) -> None:
     """The precision policy against the model's dtypes and the attention backend (each dtype named by both of its keys,
     model.param_dtype / precision.params and model.compute_dtype / precision.compute: the user gave one of them)."""
@@ -275,8 +279,12 @@ def check_precision(cfg: Config) -> None:
     if pr.reduce is not None and pr.matmul != "default":
         raise ConfigError(f"precision.reduce={pr.reduce} sets the dtype the default matmuls' weight gradients are "
                           f"summed in, and precision.matmul={pr.matmul} computes them itself ("
-                          f"{'in the compute dtype' if pr.matmul == 'fp8' else 'in int32, exactly'}) (valid: "
+                          f"{_QUANTIZED_SUMS[pr.matmul]}) (valid: "
                           f"precision.reduce=null, or precision.matmul=default)")
+    if pr.fp8_scaling != "tensor" and pr.matmul != "fp8":
+        raise ConfigError(f"precision.fp8_scaling={pr.fp8_scaling} sets how FP8 matmuls scale their operands, and "
+                          f"precision.matmul={pr.matmul} runs none (valid: precision.matmul=fp8, or "
+                          "precision.fp8_scaling=tensor)")
     if m.compute_dtype == "float16" and cfg.backends.attention == "pallas":
         raise ConfigError(f"backends.attention=pallas: our flash-attention kernels take float32 or bfloat16, and "
                           f"{compute}=float16 (valid: backends.attention=auto, xla or cudnn, or {compute}=bfloat16)")

@@ -39,6 +39,10 @@ class PrecisionConfig:
     those weights in e4m3 (one byte an element). int8: the same matmuls, forward and both gradients, as s8 x s8 -> s32
     dots with symmetric scales per token and per channel (TPU v5e/v6e's double-rate matmuls). default: the compute
     dtype's matmuls."""
+    fp8_scaling: Literal["tensor", "row"] = "tensor"
+    """precision.matmul=fp8's scales: tensor, one per tensor (its amax: current scaling), the weights gathered in e4m3;
+    row, one per token of an activation and per output channel of a weight (and along the kept axes of each backward
+    matmul, torchtitan's "rowwise"), closer to exact, the weights gathered in the compute dtype."""
     reduce: Literal["float32", "bfloat16"] | None = None
     """The dtype the layers' weight gradients are summed in across devices (over data and fsdp: the replica all-reduce
     and ZeRO's reduce-scatter): null, the compute dtype's (bfloat16 compute sums in bfloat16); float32 sums exactly at
@@ -114,6 +118,12 @@ def takes_quantized(axes: tuple[str | None, ...]) -> bool:
     KEPT_UNQUANTIZED."""
     return is_matrix(axes) and not KEPT_UNQUANTIZED & set(axes)
 
+
+
+def matmul_mode(matmul: str, fp8_scaling: str) -> str:
+    """The `models.layers.use_matmul` mode of precision.matmul and precision.fp8_scaling: default, fp8 (per-tensor
+    scales), fp8-row or int8."""
+    return "fp8-row" if matmul == "fp8" and fp8_scaling == "row" else matmul
 
 
 def sums_in_reduce_dtype(axes: tuple[str | None, ...]) -> bool:

@@ -17,7 +17,7 @@ from spmd_train.config.mesh_schema import STACKING_AXES
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.config.precision_schema import takes_quantized
 from spmd_train.models.param_specs import norm_params
-from spmd_train.ops import int8
+from spmd_train.ops import rowwise
 from spmd_train.ops.einsum_specs import gradient_equations
 from spmd_train.ops.fp8 import FORWARD, dequantize, grad_qdq, qdq, quantize
 from spmd_train.sharding.constrain import constrain, stored_param
@@ -102,16 +102,17 @@ def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Arra
         if mode == "default" and reduce is not None and jnp.dtype(reduce) != jnp.dtype(dtype):
             return _reduced_dense(equation, x, w, names, dtype, pinned, reduce)  # precision.reduce
         w = _compute_layout(w, names, dtype, pinned=pinned)
-        if mode == "int8":  # precision.matmul=int8: s8 x s8 -> s32 dots forward and backward, per-token/channel scales
-            return int8.einsum(equation, x, w)
+        if mode in ("int8", "fp8-row"):  # s8 dots or FP8 operands, forward and backward, per-token/channel scales
+            return rowwise.einsum(equation, x, w, "int8" if mode == "int8" else "fp8")
         return jnp.einsum(equation, x, w)
 
     return jax.checkpoint(apply, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, value)
 
 
-MATMULS = ("default", "fp8", "int8")
-"""What `use_matmul` takes: the compute dtype's matmuls, or FP8 (`ops.fp8`) or int8 (`ops.int8`) ones for the weights
-`config.precision_schema.takes_quantized` names."""
+MATMULS = ("default", "fp8", "fp8-row", "int8")
+"""What `use_matmul` takes (`config.precision_schema.matmul_mode`): the compute dtype's matmuls, or for the weights
+`config.precision_schema.takes_quantized` names FP8 ones at per-tensor scales (`ops.fp8`) or row scales, or int8
+ones (`ops.rowwise`)."""
 _MATMUL: contextvars.ContextVar[str] = contextvars.ContextVar("spmd_train_matmul", default="default")
 _REDUCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("spmd_train_reduce", default=None)
 

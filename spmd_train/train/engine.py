@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd_train.config.checks import check_layout
 from spmd_train.config.pipeline_keys import check_pipeline
-from spmd_train.config.precision_schema import moment_dtype
+from spmd_train.config.precision_schema import matmul_mode, moment_dtype
 from spmd_train.config.schema import Config
 from spmd_train.data.batch import Batch, as_batch
 from spmd_train.errors import ConfigError
@@ -197,11 +197,17 @@ class Engine:
         meta["layer_order"] = self.stored_layer_order
         return meta
 
+    def _matmuls(self):
+        """The precision policy's matmuls (precision.matmul, fp8_scaling, reduce) for the layers traced inside."""
+        pr = self.cfg.precision
+        return use_matmul(matmul_mode(pr.matmul, pr.fp8_scaling), pr.reduce)
+
     def resolved(self) -> dict[str, Any]:
         """What the engine derived from the config (effective sharding rules, backends, the precision policy in
         effect, TPU compiler flags)."""
         pr, m = self.cfg.precision, self.cfg.model
-        precision = {"params": m.param_dtype, "compute": m.compute_dtype, "matmul": pr.matmul,
+        precision = {"params": m.param_dtype, "compute": m.compute_dtype,
+                     "matmul": matmul_mode(pr.matmul, pr.fp8_scaling),
                      "moments": moment_dtype(pr.moments, pr.master, m.param_dtype), "master": pr.master,
                      "loss_scale": pr.loss_scale, "reduce": pr.reduce or m.compute_dtype}
         resolved = {"rules": self.layout.rules.to_json(), "backends": self.backends.to_json(), "precision": precision}
@@ -321,7 +327,7 @@ class Engine:
         else:
             value_and_grad = pipeline_value_and_grad(self.cfg, self.graphdef, self.block_graphdef, self.plan,
                                                      self.mesh, zigzag=self.backends.zigzag, loss_scale=scale)
-        with use_layout(self.layout), use_matmul(self.cfg.precision.matmul, self.cfg.precision.reduce):
+        with use_layout(self.layout), self._matmuls():
             values, grads = loss_and_grads(
                 value_and_grad, state.params, batch,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
@@ -363,7 +369,7 @@ class Engine:
         """The jitted evaluation: (params, batch) -> mean cross-entropy, without the pipeline schedule."""
 
         def loss(params, batch):
-            with use_layout(self.layout), use_matmul(self.cfg.precision.matmul, self.cfg.precision.reduce):
+            with use_layout(self.layout), self._matmuls():
                 return self.loss(params, batch)
 
         return jax.jit(loss, in_shardings=(self.state_shardings.params, self.batch_sharding),

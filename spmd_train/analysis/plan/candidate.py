@@ -23,6 +23,7 @@ from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES, ZERO_AXES, C
 from spmd_train.config.model_schema import MoEImpl
 from spmd_train.config.optimizer_facts import optimizer_facts, optimizer_names
 from spmd_train.config.pipeline_keys import default_microbatches
+from spmd_train.config.precision_schema import matmul_mode
 from spmd_train.config.resolved_rules import ResolvedRules, RuleTables
 from spmd_train.config.schedule_facts import schedule_names
 from spmd_train.config.schema import Config
@@ -149,8 +150,9 @@ class Workload:
     reduce: str | None = None
     """precision.reduce: the dtype the layers' weight gradients are summed in (None: the compute dtype)."""
     matmul: str = "default"
-    """precision.matmul: fp8 gathers the weights `takes_quantized` names in one byte an element; fp8 and int8 time
-    their matmuls at the chip's FP8 or int8 peak (`timing.compute_seconds`)."""
+    """precision.matmul as `config.precision_schema.matmul_mode` names it: fp8 (per-tensor scales) gathers the
+    weights `takes_quantized` names in one byte an element; fp8 and int8 time their matmuls at the chip's FP8 or int8
+    peak (`timing.compute_seconds`); fp8-row at the bf16 rate (XLA's FP8 GEMM rewrite takes per-tensor scales)."""
     attention: str = "flash"
     """"flash": a fused kernel (Pallas, cuDNN) keeps no [length, length] scores; "xla": the reference attention."""
     moe_impl: str = "capacity"
@@ -179,7 +181,7 @@ class Workload:
         momentum = optimizer_facts(cfg.optim.name).b1_adds_state and cfg.optim.b1 is not None
         return cls(global_batch=cfg.train.global_batch_size, seq_len=cfg.train.seq_len, optimizer=cfg.optim.name,
                    momentum=momentum, master=cfg.precision.master == "float32", moments=cfg.precision.moments,
-                   matmul=cfg.precision.matmul, reduce=cfg.precision.reduce,
+                   matmul=matmul_mode(cfg.precision.matmul, cfg.precision.fp8_scaling), reduce=cfg.precision.reduce,
                    attention="xla" if keeps else "flash",
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
                    documents=cfg.data.masks_documents, xla_cpu=platform == "cpu")

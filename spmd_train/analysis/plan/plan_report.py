@@ -52,7 +52,7 @@ def quantized_compute_line(m: ModelShape, w: Workload, hw: Hardware) -> str:
     share = min(1.0, 6.0 * m.quantized_params() / m.flops_per_token(w.seq_len))
     peak, bf16 = hw.matmul_peak(w.matmul), hw.peak_flops
     rate = (f"at its {w.matmul} peak, {peak / 1e12:,.0f} TFLOP/s against bf16's {bf16 / 1e12:,.0f}" if peak != bf16
-            else f"at the bf16 rate ({hw.kind} has no faster {w.matmul} matmul in the hardware table)")
+            else f"at the bf16 rate (no faster {w.matmul} matmul on {hw.kind} in the hardware table)")
     return f"  (compute: the {w.matmul} matmuls, {share:.0%} of the FLOPs, {rate})"
 
 

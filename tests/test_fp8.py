@@ -11,8 +11,8 @@ import pytest
 from spmd_train import Engine, load_config, use_layout
 from spmd_train.data import make_source
 from spmd_train.errors import ConfigError
-from spmd_train.models.layers import use_matmul
 from spmd_train.ops.fp8 import BACKWARD, FORWARD, dequantize, grad_qdq, qdq, quantize
+from spmd_train.ops.matmul_mode import use_matmul
 from tests.runs import ROOT, relative_error, run_steps
 
 FP8 = ["precision.matmul=fp8", "model.compute_dtype=bfloat16"]

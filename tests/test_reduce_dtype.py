@@ -11,7 +11,7 @@ import pytest
 from spmd_train import Engine, load_config, use_layout
 from spmd_train.data import make_source
 from spmd_train.errors import ConfigError
-from spmd_train.models.layers import use_matmul
+from spmd_train.ops.matmul_mode import use_matmul
 from tests.runs import ROOT, relative_error
 
 

@@ -107,9 +107,9 @@ def moment_dtype(moments: str | None, master: str, param_dtype: str) -> str:
 
 
 KEPT_UNQUANTIZED = frozenset({"vocab", "experts", "router_experts"})
-"""Logical axes of weights that keep the compute dtype under precision.matmul=fp8 or int8: the embedding table and
-the LM head, whose logits set the loss (as FP8 and int8 recipes keep them out), the router, and the routed experts
-(their batched matmuls are not built for either)."""
+"""Logical axes of weights no `dense` matmul quantizes under precision.matmul=fp8 or int8: the embedding table and
+the LM head, whose logits set the loss (as FP8 and int8 recipes keep them out), the router, and the routed experts,
+which their own matmuls quantize (`quantizes_experts`), gathered in the compute dtype."""
 
 
 def takes_quantized(axes: tuple[str | None, ...]) -> bool:
@@ -121,9 +121,16 @@ def takes_quantized(axes: tuple[str | None, ...]) -> bool:
 
 
 def matmul_mode(matmul: str, fp8_scaling: str) -> str:
-    """The `models.layers.use_matmul` mode of precision.matmul and precision.fp8_scaling: default, fp8 (per-tensor
+    """The `ops.matmul_mode.use_matmul` mode of precision.matmul and precision.fp8_scaling: default, fp8 (per-tensor
     scales), fp8-row or int8."""
     return "fp8-row" if matmul == "fp8" and fp8_scaling == "row" else matmul
+
+
+def quantizes_experts(mode: str, moe_impl: str) -> bool:
+    """Whether the routed experts' matmuls run quantized under this `matmul_mode` and backends.moe: FP8 at per-tensor
+    scales everywhere; FP8 at row scales and int8 in the batched (capacity) matmuls, not in dropless's ragged ones
+    (`ops.experts`)."""
+    return mode == "fp8" or (mode in ("fp8-row", "int8") and moe_impl != "dropless")
 
 
 def sums_in_reduce_dtype(axes: tuple[str | None, ...]) -> bool:

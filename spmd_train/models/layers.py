@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +17,7 @@ from spmd_train.models.param_specs import norm_params
 from spmd_train.ops import rowwise
 from spmd_train.ops.einsum_specs import gradient_equations
 from spmd_train.ops.fp8 import FORWARD, dequantize, grad_qdq, qdq, quantize
+from spmd_train.ops.matmul_mode import matmul_in_use, reduce_in_use
 from spmd_train.sharding.constrain import constrain, stored_param
 
 
@@ -93,12 +91,12 @@ def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Arra
     the matmul itself is not recomputed (its output is not needed by its own gradient).
     """
     value, names, pinned = _unpack(p)
-    mode = _MATMUL.get() if takes_quantized(names) else "default"
+    mode = matmul_in_use() if takes_quantized(names) else "default"
 
     def apply(x, w):
         if mode == "fp8":  # precision.matmul=fp8 (`use_matmul`): e4m3 operands, the weight gathered in e4m3, e5m2 grads
             return grad_qdq(jnp.einsum(equation, qdq(x), _fp8_compute_layout(w, names, dtype, pinned)))
-        reduce = _REDUCE.get()
+        reduce = reduce_in_use()
         if mode == "default" and reduce is not None and jnp.dtype(reduce) != jnp.dtype(dtype):
             return _reduced_dense(equation, x, w, names, dtype, pinned, reduce)  # precision.reduce
         w = _compute_layout(w, names, dtype, pinned=pinned)
@@ -107,28 +105,6 @@ def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Arra
         return jnp.einsum(equation, x, w)
 
     return jax.checkpoint(apply, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, value)
-
-
-MATMULS = ("default", "fp8", "fp8-row", "int8")
-"""What `use_matmul` takes (`config.precision_schema.matmul_mode`): the compute dtype's matmuls, or for the weights
-`config.precision_schema.takes_quantized` names FP8 ones at per-tensor scales (`ops.fp8`) or row scales, or int8
-ones (`ops.rowwise`)."""
-_MATMUL: contextvars.ContextVar[str] = contextvars.ContextVar("spmd_train_matmul", default="default")
-_REDUCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("spmd_train_reduce", default=None)
-
-
-@contextlib.contextmanager
-def use_matmul(mode: str, reduce: str | None = None) -> Iterator[None]:
-    """Trace the `dense` matmuls inside with `mode` (one of MATMULS; precision.matmul) and their weight gradients
-    summed across devices in `reduce` (precision.reduce; None: the compute dtype), as the train step does."""
-    if mode not in MATMULS:
-        raise ValueError(f"matmul mode {mode!r} is not one of {', '.join(MATMULS)}")
-    tokens = _MATMUL.set(mode), _REDUCE.set(reduce)
-    try:
-        yield
-    finally:
-        _MATMUL.reset(tokens[0])
-        _REDUCE.reset(tokens[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5, 6))

@@ -6,6 +6,11 @@ They may arrive as stored (possibly FSDP-sharded) arrays: the caller's `Prepare`
 each into its compute form (cast, gathered, laid out) and runs inside the matmul's
 checkpoint, so the backward pass gathers again instead of keeping every gathered expert
 alive (as `models.layers.dense` does for dense weights). Nothing here knows of meshes.
+
+Under precision.matmul (`ops.matmul_mode.use_matmul`) the batched matmuls run in FP8 (per-tensor or row scales) or
+int8 like the dense layers'; the ragged ones in FP8 at per-tensor scales only, int8 and row-scaled FP8 keep the
+compute dtype there (`config.precision_schema.quantizes_experts` says the same to the planner). The weights are
+gathered in the compute dtype and rounded after.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from spmd_train.ops import rowwise
+from spmd_train.ops.einsum_specs import explicit
+from spmd_train.ops.fp8 import grad_qdq, qdq
+from spmd_train.ops.matmul_mode import matmul_in_use
 
 GATE_UP_AXES = ("experts", "embed", "expert_mlp")
 DOWN_AXES = ("experts", "expert_mlp", "embed")
@@ -84,13 +94,25 @@ def _bias(b: jax.Array | None, names: tuple[str, ...], dtype, prepare: Prepare) 
     return None if b is None else prepare.weight(b, names, dtype)
 
 
+def _quantized_einsum(mode: str) -> Callable[[str], Callable[[jax.Array, jax.Array], jax.Array]]:
+    """equation -> the experts' matmul under `use_matmul`'s mode: the compute dtype's, FP8 at per-tensor scales, or
+    FP8 or int8 at row scales (per slot and per expert output channel; `ops.rowwise`)."""
+    def einsum(eq):
+        if mode == "fp8":
+            return lambda a, w: grad_qdq(jnp.einsum(eq, qdq(a), qdq(w)))
+        if mode in ("fp8-row", "int8"):
+            fmt = "int8" if mode == "int8" else "fp8"
+            return lambda a, w: rowwise.einsum(explicit(eq, a.ndim, w.ndim), a, w, fmt)
+        return lambda a, w: jnp.einsum(eq, a, w)
+
+    return einsum
+
+
 def batched_swiglu(x: jax.Array, weights: ExpertWeights, dtype, prepare: Prepare = PLAIN,
                    limit: float | None = None) -> jax.Array:
     """Every expert on its own slots: x [..., E, C, d] -> [..., E, C, d], one batched matmul per weight."""
     x = x.astype(dtype)
-
-    def einsum(eq):
-        return lambda a, w: jnp.einsum(eq, a, w)
+    einsum = _quantized_einsum(matmul_in_use())
 
     def plus(y, b, names):  # a bias [E, n] over every slot [..., E, C, n]
         b = _bias(b, names, dtype, prepare)
@@ -110,6 +132,8 @@ def ragged_swiglu(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, 
     x = x.astype(dtype)
 
     def ragged(a, w):
+        if matmul_in_use() == "fp8":  # per-tensor FP8 is elementwise on the operands; row scales are not built here
+            return grad_qdq(jax.lax.ragged_dot(qdq(a), qdq(w), group_sizes))
         return jax.lax.ragged_dot(a, w, group_sizes)
 
     # Each row's expert, for the biases (only a biased model needs it; padding rows take the last, then are zeroed).

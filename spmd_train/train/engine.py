@@ -26,9 +26,9 @@ from spmd_train.config.schema import Config
 from spmd_train.data.batch import Batch, as_batch
 from spmd_train.errors import ConfigError
 from spmd_train.mesh import build_mesh
-from spmd_train.models.layers import use_matmul
 from spmd_train.models.transformer import Transformer
 from spmd_train.ops import cross_entropy
+from spmd_train.ops.matmul_mode import use_matmul
 from spmd_train.parallel import Backends, resolve_backends
 from spmd_train.parallel.gradients import loss_and_grads
 from spmd_train.parallel.pipeline_plan import PipelinePlan

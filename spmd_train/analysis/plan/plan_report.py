@@ -17,7 +17,7 @@ from spmd_train.analysis.plan.rejections import Rejection, factorizations, mesh_
 from spmd_train.analysis.plan.search import SearchResult
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.target import Target, target_for
-from spmd_train.analysis.plan.timing import Timing, ties
+from spmd_train.analysis.plan.timing import Timing, quantized_share, ties
 from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
@@ -49,7 +49,7 @@ def time_parts(t: Timing, devices: int) -> dict[str, float]:
 
 def quantized_compute_line(m: ModelShape, w: Workload, hw: Hardware) -> str:
     """Which FLOPs `compute` times at the chip's FP8 or int8 peak (precision.matmul), and that peak."""
-    share = min(1.0, 6.0 * m.quantized_params() / m.flops_per_token(w.seq_len))
+    share = quantized_share(m, w)
     peak, bf16 = hw.matmul_peak(w.matmul), hw.peak_flops
     rate = (f"at its {w.matmul} peak, {peak / 1e12:,.0f} TFLOP/s against bf16's {bf16 / 1e12:,.0f}" if peak != bf16
             else f"at the bf16 rate (no faster {w.matmul} matmul on {hw.kind} in the hardware table)")

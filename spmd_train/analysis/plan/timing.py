@@ -19,6 +19,7 @@ from spmd_train.analysis.plan.candidate import (
 from spmd_train.analysis.plan.comm import CommTerm, optimizer_flops
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.stages import stage_imbalance
+from spmd_train.config.precision_schema import quantizes_experts
 from spmd_train.hardware import Hardware
 
 ACHIEVABLE_FRACTION = 0.6
@@ -108,14 +109,22 @@ def achievable_fraction(hw: Hardware, given: float | None = None) -> float:
     return ACHIEVABLE_FRACTION if hw.achievable is None else hw.achievable
 
 
+def quantized_share(m: ModelShape, w: Workload) -> float:
+    """The share of a token's FLOPs in quantized matmuls under w.matmul: 6 per `ModelShape.quantized_params`, and
+    per routed-expert parameter a token uses where the experts' matmuls are quantized too (`quantizes_experts`)."""
+    experts = 3 * m.d_model * m.moe_d_ff * m.experts_per_token * m.moe_layers
+    params = m.quantized_params() + (experts if quantizes_experts(w.matmul, w.moe_impl) else 0)
+    return min(1.0, 6.0 * params / m.flops_per_token(w.seq_len))
+
+
 def compute_seconds(m: ModelShape, w: Workload, hw: Hardware, flops: float, achievable: float | None = None) -> float:
     """Seconds a device computes `flops` of the step: the share in quantized matmuls (precision.matmul=fp8|int8:
-    6 FLOPs per token of each `ModelShape.quantized_params`, recomputation included in proportion) at the chip's FP8
-    or int8 peak (`Hardware.matmul_peak`), the rest at its bf16 peak, both at the achievable fraction."""
+    `quantized_share`, recomputation included in proportion) at the chip's FP8 or int8 peak
+    (`Hardware.matmul_peak`), the rest at its bf16 peak, both at the achievable fraction."""
     rate = hw.peak_flops * achievable_fraction(hw, achievable)
     if w.matmul == "default":
         return flops / rate
-    share = min(1.0, 6.0 * m.quantized_params() / m.flops_per_token(w.seq_len))
+    share = quantized_share(m, w)
     return flops * (1 - share + share * hw.peak_flops / hw.matmul_peak(w.matmul)) / rate
 
 

@@ -2,8 +2,9 @@
 # What a session with a GPU should check, in few calls (device time is short and a fresh machine
 # costs minutes). Part `attention`: the compiled Hopper kernels against float64 (windows and
 # soft-caps included), speed against cuDNN and XLA, block shapes, sliding windows against cuDNN's.
-# Part `training`: the MoE layer and training-step MFU by attention. Part `numerics`: FP8 against bfloat16
-# matmuls, tokens/s on llama-1b and on a 16-layer Llama-3-8B slice that fits one GPU (target 1.25x).
+# Part `training`: the MoE layer and training-step MFU by attention. Part `numerics`: FP8 (per-tensor and row
+# scales) and int8 against bfloat16 matmuls, tokens/s on llama-1b, and FP8 on a 16-layer Llama-3-8B slice that fits
+# one GPU (target 1.25x).
 # Usage, from the repository root: bash benchmarks/gpu_session.sh attention|training|numerics|all
 # Packages the GPU image lacks (pydantic, tensorboardX) travel as wheels in .whl/ (see
 # docs/benchmarks.md); results land in docs/benchmarks.md and, when $OUT is set, it and the log there.
@@ -30,7 +31,7 @@ if [ "$part" = training ] || [ "$part" = all ]; then
   run python3 benchmarks/mfu.py --record --batch 4  # 8 x 4096 tokens of llama-1b run out of memory on an 80 GB H100
 fi
 if [ "$part" = numerics ] || [ "$part" = all ]; then
-  run python3 benchmarks/mfu.py --record --batch 4 --impls cudnn --matmuls default fp8
+  run python3 benchmarks/mfu.py --record --batch 4 --impls cudnn --matmuls default fp8 fp8-row int8
   run python3 benchmarks/mfu.py --record --model llama3-8b --layers 16 --batch 2 --impls cudnn --matmuls default fp8
 fi
 if [ -n "${OUT:-}" ]; then cp docs/benchmarks.md "$OUT/"; fi

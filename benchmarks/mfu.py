@@ -1,7 +1,7 @@
 """Training-step throughput and MFU per attention implementation (and matmul precision), side by side in one run.
 
 Usage: python benchmarks/mfu.py [--model llama-1b] [--layers N] [--seq 4096] [--batch 8] [--steps 8]
-                                [--impls cudnn pallas xla] [--matmuls default fp8] [--remat full]
+                                [--impls cudnn pallas xla] [--matmuls default fp8 fp8-row int8] [--remat full]
 Each implementation trains the same model from the same initial parameters on one device
 (the first jax device) with `backends.attention=<impl>`: one warm-up step, then `--steps`
 synchronous steps whose median time gives tokens/s and MFU. MFU uses our model-FLOP count
@@ -11,8 +11,9 @@ synchronous steps whose median time gives tokens/s and MFU. MFU uses our model-F
 every run's first-step loss must match the baseline's (same model, same data) before timing
 counts. Defaults: llama-1b at 4k tokens on a GPU or TPU; the tiny model with XLA attention only
 on CPU (the Pallas kernels are interpreted there: far too slow to time). `--matmuls default fp8` runs each
-implementation with bfloat16 and with FP8 matmuls (`precision.matmul`; the MFU stays over the bf16 peak, so FP8's
-speed-up shows as a higher MFU) and records its own section; `--layers` cuts the model's depth (a Llama-3-8B slice
+implementation with bfloat16 and with FP8 matmuls (`precision.matmul`; fp8-row: FP8 at row scales, int8: int8
+matmuls; the MFU stays over the bf16 peak, so a quantized speed-up shows as a higher MFU) and records its own
+section; `--layers` cuts the model's depth (a Llama-3-8B slice
 that fits one GPU with its optimizer state).
 """
 
@@ -32,6 +33,10 @@ from benchmarks.report import provenance, update_section
 from spmd_train import load_config
 from spmd_train.train.trainer import Trainer
 
+MATMULS = {"default": ["precision.matmul=default"], "fp8": ["precision.matmul=fp8"],
+           "fp8-row": ["precision.matmul=fp8", "precision.fp8_scaling=row"], "int8": ["precision.matmul=int8"]}
+"""--matmuls choices and the precision keys each sets."""
+
 
 def measure(impl: str, matmul: str, args, run_dir: str) -> dict:
     """Median step time, tokens/s and MFU of `steps` steps with attention `impl` and `matmul` matmuls, plus the
@@ -39,7 +44,7 @@ def measure(impl: str, matmul: str, args, run_dir: str) -> dict:
     overrides = [f"model.preset={args.model}", f"backends.attention={impl}", f"parallel.remat={args.remat}",
                  f"train.seq_len={args.seq}", f"train.global_batch_size={args.batch}",
                  f"train.steps={args.steps + 1}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
-                 f"precision.matmul={matmul}", "checkpoint.every=0", f"run.dir={run_dir}/{impl}-{matmul}",
+                 *MATMULS[matmul], "checkpoint.every=0", f"run.dir={run_dir}/{impl}-{matmul}",
                  "run.simulate_devices=null", *([f"model.num_layers={args.layers}"] if args.layers else [])]
     cfg = load_config(None, overrides)
     if cfg.model.vocab_size > 4096:  # the Markov source's transition table must fit: sample 4k token ids
@@ -70,7 +75,7 @@ def main() -> None:
     parser.add_argument("--remat", default="full" if accelerator else "none")
     default_impls = {"gpu": ["cudnn", "pallas", "xla"], "tpu": ["pallas", "xla"]}.get(platform, ["xla"])
     parser.add_argument("--impls", nargs="+", default=default_impls)
-    parser.add_argument("--matmuls", nargs="+", default=["default"], choices=("default", "fp8"))
+    parser.add_argument("--matmuls", nargs="+", default=["default"], choices=tuple(MATMULS))
     parser.add_argument("--layers", type=int, default=None)
     args = parser.parse_args()
 

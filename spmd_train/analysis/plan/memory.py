@@ -294,6 +294,8 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
     if w.attention == "xla" and c.remat == "none" and scheme in (None, "ulysses"):
         per_stack += tokens * m.num_heads / c.tensor * w.seq_len * 5
     layers = (m.num_layers - m.moe_layers) * dense + m.moe_layers * moe
+    # Multi-token prediction: each module is one more layer (an MoE one in an MoE model) after the trunk.
+    layers += (m.mtp_depth - m.mtp_moe_layers) * dense + m.mtp_moe_layers * moe
     stream = tokens * m.d_model * m.compute_bytes / (c.tensor if c.sequence_parallel else 1)  # one microbatch
     if c.pipeline > 1:
         _, _, in_flight = schedule_stats(c.pipeline_schedule, c.pipeline, micro, c.virtual_stages)
@@ -307,7 +309,9 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
     else:
         activations, pipeline_buffers = layers + per_stack, 0.0
     logit_grads = tokens * m.vocab_size / c.tensor * m.compute_bytes
-    logits = tokens * m.vocab_size / c.tensor * 4 if w.xla_cpu else logit_grads
+    # Each multi-token prediction module's head keeps its own logits until the backward pass, beside the main head's;
+    # the backward takes the heads' cotangents one at a time.
+    logits = (1 + m.mtp_depth) * (tokens * m.vocab_size / c.tensor * 4 if w.xla_cpu else logit_grads)
     recompute = 0.0
     if c.remat == "full":  # the largest layer's residuals, rebuilt for its backward
         recompute = layer_activation_bytes(m, "none", **kw)

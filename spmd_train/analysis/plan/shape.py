@@ -89,6 +89,8 @@ class ModelShape:
     """The groups a token's experts come from (model.moe.topk_group)."""
     mtp_moe_layers: int = 0
     """MoE layers of the multi-token prediction modules (model.mtp.depth in an MoE model), after the trunk's."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules (model.mtp.depth; 0 without): each one layer and one more pass of the head."""
     first_dense: int = 0
     """Dense layers before the layer stack (model.moe.first_k_dense), which a pipeline runs before its stages."""
     staged: tuple[tuple[float, int | None], ...] = ()
@@ -114,7 +116,8 @@ class ModelShape:
             latent_width=0 if m.mla is None else m.mla.kv_lora_rank + m.mla.qk_rope_head_dim + (m.mla.q_lora_rank or 0),
             heads_read_residual=m.mla is None or m.mla.q_lora_rank is None,
             n_group=moe.n_group if moe else 1, topk_group=moe.topk_group if moe else 1,
-            mtp_moe_layers=m.mtp.depth if m.mtp is not None and moe else 0, first_dense=m.first_dense,
+            mtp_moe_layers=m.mtp.depth if m.mtp is not None and moe else 0,
+            mtp_depth=m.mtp.depth if m.mtp is not None else 0, first_dense=m.first_dense,
             staged=_staged_layers(m), stack_unit=max(m.moe_every, 1),
         )
 

@@ -98,7 +98,7 @@ def dense(equation: str, x: jax.Array, p: nnx.Param | Pinned, dtype) -> jax.Arra
             return grad_qdq(jnp.einsum(equation, qdq(x), _fp8_compute_layout(w, names, dtype, pinned)))
         reduce = reduce_in_use()
         if mode == "default" and reduce is not None and jnp.dtype(reduce) != jnp.dtype(dtype):
-            return _reduced_dense(equation, x, w, names, dtype, pinned, reduce)  # precision.reduce
+            return _reduced_dense(equation, *rowwise.same_vma(x, w), names, dtype, pinned, reduce)  # precision.reduce
         w = _compute_layout(w, names, dtype, pinned=pinned)
         if mode in ("int8", "fp8-row"):  # s8 dots or FP8 operands, forward and backward, per-token/channel scales
             return rowwise.einsum(equation, x, w, "int8" if mode == "int8" else "fp8")

@@ -66,16 +66,39 @@ def _squeeze_contracted(scale: jax.Array, spec: str, out: str) -> jax.Array:
     return jnp.squeeze(scale, axis=tuple(i for i, n in enumerate(spec) if n not in out))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def einsum(equation: str, x: jax.Array, w: jax.Array, fmt: str = "int8") -> jax.Array:
     """`jnp.einsum(equation, x, w)` with all three of its matmuls (forward, input and weight gradients) on operands
     rounded to `fmt` (FORMATS) at row scales; the output in x's dtype, each gradient in its operand's."""
+    return _einsum(equation, *same_vma(x, w), fmt)
+
+
+def same_vma(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """The arrays, each cast to vary over every manual axis any of them varies over (inside a shard_map region).
+
+    A custom gradient must return each cotangent as its operand varies: an activation the same on every device of an
+    axis (invariant) meeting a weight split over it gives a gradient that varies there. Made varying before the custom
+    rule, the cast's own transpose (a psum over that axis) sums it back, as jnp.einsum's implicit broadcast would."""
+    vmas = [_varying(a) for a in arrays]
+    union = frozenset().union(*vmas)
+    return tuple(a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+                 for a, v in zip(arrays, vmas, strict=True))
+
+
+def _varying(a: jax.Array) -> frozenset[str]:
+    """The manual axes `a` varies over: jax 0.10 types say it as `manual_axis_type.varying`, earlier ones as `vma`."""
+    t = jax.typeof(a)
+    manual = getattr(t, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset(getattr(t, "vma", ()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _einsum(equation: str, x: jax.Array, w: jax.Array, fmt: str) -> jax.Array:
     forward, _ = FORMATS[fmt]
     return scaled_dot(equation, x, w, x.dtype, forward, forward)
 
 
 def _einsum_fwd(equation, x, w, fmt):
-    return einsum(equation, x, w, fmt), (x, w)
+    return _einsum(equation, x, w, fmt), (x, w)
 
 
 def _einsum_bwd(equation, fmt, residuals, g):
@@ -86,4 +109,4 @@ def _einsum_bwd(equation, fmt, residuals, g):
             scaled_dot(dw_equation, x, g, w.dtype, forward, backward))
 
 
-einsum.defvjp(_einsum_fwd, _einsum_bwd)
+_einsum.defvjp(_einsum_fwd, _einsum_bwd)

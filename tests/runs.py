@@ -47,6 +47,16 @@ def run_steps(overrides: list[str], devices, steps: int = 3, config: str | None 
     return np.array(losses), jax.tree.map(np.asarray, state.params), engine, state
 
 
+def tpu_step_hlo(overrides: list[str], topology: str) -> str:
+    """The optimized HLO text of the tiny test model's train step (with `overrides`) compiled for a TPU `topology`
+    (e.g. "v5e:2x4") through libtpu, without the persistent compilation cache."""
+    from spmd_train.analysis.topology import tpu_topology_devices, without_persistent_cache
+
+    engine = Engine.build(load_config(None, overrides), tpu_topology_devices(topology))
+    with without_persistent_cache():
+        return engine.train_step.lower(engine.abstract_state(), engine.abstract_batch()).compile().as_text()
+
+
 def optimized_step(engine: Engine, state, data):
     """`engine`'s train step compiled for `state` and `data`'s batches by XLA:CPU's optimizing backend (`OPTIMIZED`)."""
     return engine.train_step.lower(state, data.batch(0, engine.batch_sharding)).compile(compiler_options=OPTIMIZED)

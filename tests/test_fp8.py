@@ -13,7 +13,7 @@ from spmd_train.data import make_source
 from spmd_train.errors import ConfigError
 from spmd_train.ops.fp8 import BACKWARD, FORWARD, dequantize, grad_qdq, qdq, quantize
 from spmd_train.ops.matmul_mode import use_matmul
-from tests.runs import ROOT, relative_error, run_steps
+from tests.runs import ROOT, relative_error, run_steps, tpu_step_hlo
 
 FP8 = ["precision.matmul=fp8", "model.compute_dtype=bfloat16"]
 BF16 = ["model.compute_dtype=bfloat16"]
@@ -68,12 +68,8 @@ def _gathered_bytes(hlo: str) -> dict[str, float]:
 @pytest.mark.tpu_aot
 def test_zero3_gathers_the_fp8_weights_in_one_byte_an_element_and_the_vocabulary_in_bfloat16():
     # Compiled for a TPU slice: XLA:CPU widens every narrow gather (its bfloat16 ones to float32, e4m3 to float16).
-    from spmd_train.analysis.topology import tpu_topology_devices, without_persistent_cache
-
-    cfg = load_config(None, ["mesh.fsdp=8", "parallel.zero_stage=3", *FP8])
-    engine = Engine.build(cfg, tpu_topology_devices("v5e:2x4"))
-    with without_persistent_cache():
-        hlo = engine.train_step.lower(engine.abstract_state(), engine.abstract_batch()).compile().as_text()
+    overrides = ["mesh.fsdp=8", "parallel.zero_stage=3", *FP8]
+    cfg, hlo = load_config(None, overrides), tpu_step_hlo(overrides, "v5e:2x4")
     gathered = _gathered_bytes(hlo)
     # The layers' weights in e4m3 (one byte an element: v5e has no FP8 matmul, yet the gather stays narrow), the
     # embedding table and the LM head in bfloat16 (each gathered once, whole: 2 tables x vocab x d_model x 2 bytes).

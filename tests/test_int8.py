@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmd_train import Engine, load_config
+from spmd_train import load_config
 from spmd_train.data import make_source
 from spmd_train.ops import rowwise
-from tests.runs import ROOT, relative_error, run_steps
+from tests.runs import ROOT, relative_error, run_steps, tpu_step_hlo
 from tests.test_fp8 import BF16_300, _gradients, _rel
 
 INT8 = ["precision.matmul=int8", "model.compute_dtype=bfloat16"]
@@ -70,13 +70,7 @@ def _dots(hlo: str) -> collections.Counter:
 
 @pytest.mark.tpu_aot
 def test_a_v6e_compile_runs_every_layer_matmul_and_its_gradients_as_s8_dots():
-    from spmd_train.analysis.topology import tpu_topology_devices, without_persistent_cache
-
-    cfg = load_config(None, ["mesh.fsdp=2", "mesh.tensor=2", *INT8])
-    engine = Engine.build(cfg, tpu_topology_devices("v6e:2x2"))
-    with without_persistent_cache():
-        hlo = engine.train_step.lower(engine.abstract_state(), engine.abstract_batch()).compile().as_text()
-    dots = _dots(hlo)
+    dots = _dots(tpu_step_hlo(["mesh.fsdp=2", "mesh.tensor=2", *INT8], "v6e:2x2"))
     s8 = sum(n for (out, a, b, _), n in dots.items() if (out, a, b) == ("s32", "s8", "s8"))
     # The layer loop is scanned, so each of a layer's 7 matrices (q, k, v, o, gate, up, down) has one forward and two
     # backward dots in the program, all s8 x s8 -> s32; the LM head's three stay bfloat16 (kept out by rule).

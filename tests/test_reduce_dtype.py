@@ -12,19 +12,14 @@ from spmd_train import Engine, load_config, use_layout
 from spmd_train.data import make_source
 from spmd_train.errors import ConfigError
 from spmd_train.ops.matmul_mode import use_matmul
-from tests.runs import ROOT, relative_error
+from tests.runs import ROOT, relative_error, tpu_step_hlo
 
 
 def _reduce_scatters(overrides: list[str]) -> list[tuple[str, int]]:
     """(element type, elements) of each reduce-scatter of a small model's ZeRO-3 step compiled for a v5e:2x4 slice."""
-    from spmd_train.analysis.topology import tpu_topology_devices, without_persistent_cache
-
-    cfg = load_config(None, ["mesh.fsdp=8", "parallel.zero_stage=3", "model.d_model=512", "model.d_ff=1024",
-                             "model.num_heads=8", "model.num_kv_heads=8", "train.global_batch_size=8",
-                             "train.seq_len=128", "model.compute_dtype=bfloat16", *overrides])
-    engine = Engine.build(cfg, tpu_topology_devices("v5e:2x4"))
-    with without_persistent_cache():
-        hlo = engine.train_step.lower(engine.abstract_state(), engine.abstract_batch()).compile().as_text()
+    hlo = tpu_step_hlo(["mesh.fsdp=8", "parallel.zero_stage=3", "model.d_model=512", "model.d_ff=1024",
+                        "model.num_heads=8", "model.num_kv_heads=8", "train.global_batch_size=8", "train.seq_len=128",
+                        "model.compute_dtype=bfloat16", *overrides], "v5e:2x4")
     found = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* reduce-scatter(?:-start)?\(", hlo)
     return [(dtype, int(np.prod([int(d) for d in dims.split(",") if d]))) for dtype, dims in found]
 

@@ -94,15 +94,21 @@ def _gradients(overrides, devices, matmul):
     return jax.device_get(engine.model_params(jax.jit(grads)(state.params, data.batch(0, engine.batch_sharding))))
 
 
+def quantization_and_mesh_errors(matmul, devices, base=(), mesh=("mesh.fsdp=4", "mesh.tensor=2")):
+    """(how far one device's gradients with `matmul` matmuls are from exact, how far `mesh`'s are from one device's),
+    each the largest relative error over the leaves."""
+    one = _gradients([*base, "mesh.fsdp=1"], devices[:1], matmul)
+    sharded = _gradients([*base, *mesh], devices, matmul)
+    exact = _gradients([*base, "mesh.fsdp=1"], devices[:1], "default")
+    return relative_error(one, exact), relative_error(sharded, one)
+
+
 def test_fp8_gradients_over_fsdp_and_tensor_equal_one_devices_far_inside_fp8s_own_error(devices):
     # Per-tensor scales are the whole tensor's (reduced over its shards under fsdp 4 x tensor 2), so both round alike
     # but for summation order, which can move a value across a rounding boundary now and then. In float32 compute
     # (measured: 3e-4 at most, on one leaf, against FP8's own 0.10); bfloat16 compute's own rounding differences
     # (1 in 256) would cross e4m3's boundaries (1 in 16) for a few % of the values instead.
-    one = _gradients(["mesh.fsdp=1"], devices[:1], "fp8")
-    sharded = _gradients(["mesh.fsdp=4", "mesh.tensor=2"], devices, "fp8")
-    exact = _gradients(["mesh.fsdp=1"], devices[:1], "default")
-    fp8_error, mesh_error = relative_error(one, exact), relative_error(sharded, one)
+    fp8_error, mesh_error = quantization_and_mesh_errors("fp8", devices)
     assert 0.02 < fp8_error < 0.2 and mesh_error < 0.02 * fp8_error, (fp8_error, mesh_error)
 
 
@@ -130,10 +136,7 @@ def test_row_scales_keep_every_token_precise_beside_an_outlier_token_where_one_s
 def test_row_scaled_fp8_gradients_over_fsdp_and_tensor_stay_close_to_one_devices(devices):
     cfg = load_config(None, [*FP8, "precision.fp8_scaling=row"])
     assert Engine.build(cfg, devices[:1]).resolved()["precision"]["matmul"] == "fp8-row"
-    one = _gradients(["mesh.fsdp=1"], devices[:1], "fp8-row")
-    sharded = _gradients(["mesh.fsdp=4", "mesh.tensor=2"], devices, "fp8-row")
-    exact = _gradients(["mesh.fsdp=1"], devices[:1], "default")
-    fp8_error, mesh_error = relative_error(one, exact), relative_error(sharded, one)
+    fp8_error, mesh_error = quantization_and_mesh_errors("fp8-row", devices)
     assert 0.02 < fp8_error < 0.2 and mesh_error < 0.1 * fp8_error, (fp8_error, mesh_error)
     with pytest.raises(ConfigError, match=r"precision.fp8_scaling=row .*precision.matmul=default runs none"):
         load_config(None, ["precision.fp8_scaling=row"])
@@ -149,12 +152,18 @@ BF16_300 = 1.1097
 """bfloat16 compute's final loss over the floor on configs/tiny.yaml in 300 steps (tests/test_loss_scale.py)."""
 
 
+def over_floor_after_300_steps(overrides: list[str], devices) -> float:
+    """The mean loss of the last 20 of 300 steps of configs/tiny.yaml on one device, over the data's floor."""
+    floor = make_source(load_config(ROOT / "configs/tiny.yaml")).loss_floor
+    losses, *_ = run_steps([*overrides, "mesh.fsdp=1", "mesh.tensor=1", "train.steps=300"], devices[:1], steps=300,
+                           config="configs/tiny.yaml", optimized=True)
+    return float(losses[-20:].mean() / floor)
+
+
 @pytest.mark.slow
 def test_fp8_matmuls_train_within_three_percent_of_bfloat16(devices):
-    floor = make_source(load_config(ROOT / "configs/tiny.yaml")).loss_floor
-    losses, *_ = run_steps([*FP8, "mesh.fsdp=1", "mesh.tensor=1", "train.steps=300"], devices[:1], steps=300,
-                           config="configs/tiny.yaml", optimized=True)
-    assert abs(losses[-20:].mean() / floor - BF16_300) <= 0.03 * BF16_300, losses[-20:].mean() / floor
+    ratio = over_floor_after_300_steps(FP8, devices)
+    assert abs(ratio - BF16_300) <= 0.03 * BF16_300, ratio
 
 
 def test_the_planner_and_describes_floor_gather_the_fp8_weights_in_one_byte():

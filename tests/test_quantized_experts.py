@@ -13,7 +13,7 @@ from spmd_train import load_config
 from spmd_train.ops.experts import ExpertWeights, batched_swiglu, ragged_swiglu
 from spmd_train.ops.matmul_mode import use_matmul
 from tests.runs import ROOT, relative_error
-from tests.test_fp8 import _gradients, _rel
+from tests.test_fp8 import _gradients, _rel, quantization_and_mesh_errors
 
 
 def _weights(rng, experts=4, d=32, f=48):
@@ -67,10 +67,7 @@ def test_int8_experts_over_expert_and_fsdp_stay_close_to_one_devices(devices):
     # device scales a weight gradient over its own tokens (the ops know no mesh): the experts' gradients 1e-2 from
     # one device's (the rest 3e-7), against int8's own 0.12.
     moe = ["model.preset=moe-tiny", "model.num_layers=2", "mesh.tensor=1", "backends.capacity_factor=4"]
-    one = _gradients([*moe, "mesh.fsdp=1"], devices[:1], "int8")
-    sharded = _gradients([*moe, "mesh.expert=4", "mesh.fsdp=2"], devices, "int8")
-    exact = _gradients([*moe, "mesh.fsdp=1"], devices[:1], "default")
-    int8_error, mesh_error = relative_error(one, exact), relative_error(sharded, one)
+    int8_error, mesh_error = quantization_and_mesh_errors("int8", devices, moe, ("mesh.expert=4", "mesh.fsdp=2"))
     assert 0.002 < int8_error < 0.3 and mesh_error < 0.25 * int8_error, (int8_error, mesh_error)
 
 

@@ -34,11 +34,11 @@ class PrecisionConfig:
     dtype (float32 over a master copy); bfloat16 halves AdamW's 8 bytes per float32 parameter. Computed in float32
     each step, stored rounded."""
     matmul: Literal["default", "fp8", "int8"] = "default"
-    """fp8: the layers' matmuls (attention projections, dense MLPs, MLA's projections; not the embedding table and LM
-    head, the router or MoE experts) take e4m3 operands scaled per tensor and e5m2 output gradients, and ZeRO-3 gathers
-    those weights in e4m3 (one byte an element). int8: the same matmuls, forward and both gradients, as s8 x s8 -> s32
-    dots with symmetric scales per token and per channel (TPU v5e/v6e's double-rate matmuls). default: the compute
-    dtype's matmuls."""
+    """fp8: the layers' matmuls (attention projections, dense MLPs, MLA's projections, the routed experts; not the
+    embedding table and LM head or the router) take e4m3 operands scaled per tensor (or per row: fp8_scaling) and e5m2
+    output gradients, and ZeRO-3 gathers the dense weights in e4m3 (one byte an element). int8: the same matmuls,
+    forward and both gradients, as s8 x s8 -> s32 dots with symmetric scales per token and per channel (TPU v5e/v6e's
+    double-rate matmuls; dropless experts keep the compute dtype). default: the compute dtype's matmuls."""
     fp8_scaling: Literal["tensor", "row"] = "tensor"
     """precision.matmul=fp8's scales: tensor, one per tensor (its amax: current scaling), the weights gathered in e4m3;
     row, one per token of an activation and per output channel of a weight (and along the kept axes of each backward
@@ -117,7 +117,6 @@ def takes_quantized(axes: tuple[str | None, ...]) -> bool:
     (under fp8 also gathered in one byte an element): a matrix (`optimizer_facts.is_matrix`) with none of
     KEPT_UNQUANTIZED."""
     return is_matrix(axes) and not KEPT_UNQUANTIZED & set(axes)
-
 
 
 def matmul_mode(matmul: str, fp8_scaling: str) -> str:

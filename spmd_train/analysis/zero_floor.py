@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmd_train.analysis.analytic import AnalyticLayout, analytic_layout
-from spmd_train.analysis.plan.comm import zero_terms
-from spmd_train.config.field_types import DTYPE_BYTES
+from spmd_train.analysis.plan.comm import policy_zero_terms
 from spmd_train.train.engine import Engine
 
 
@@ -40,8 +39,7 @@ def zero_floor(engine: Engine, layout: AnalyticLayout | None = None) -> list[Flo
     a = layout or analytic_layout(engine)
     totals: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
     # The algorithm's traffic, nothing a compiler adds.
-    reduce_bytes = DTYPE_BYTES[a.workload.reduce] if a.workload.reduce else 0
-    for t in zero_terms(a.shape, a.candidate, xla_cpu=True, fp8=a.workload.matmul == "fp8", reduce_bytes=reduce_bytes):
+    for t in policy_zero_terms(a.shape, a.candidate, a.workload, xla_cpu=True):
         totals[t.op, t.axes] += t.bytes
     return sorted((FloorTerm(op, axes, b) for (op, axes), b in totals.items()), key=lambda t: -t.bytes)
 

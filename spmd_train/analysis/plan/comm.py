@@ -76,6 +76,13 @@ def zero_terms(m: ModelShape, c: Candidate, xla_cpu: bool = False, fp8: bool = F
     return out
 
 
+def policy_zero_terms(m: ModelShape, c: Candidate, w: Workload, xla_cpu: bool | None = None) -> list[CommTerm]:
+    """`zero_terms` under w's precision policy (FP8 gathers, precision.reduce's bytes), partitioned as w.xla_cpu says
+    unless `xla_cpu` is given."""
+    return zero_terms(m, c, w.xla_cpu if xla_cpu is None else xla_cpu, w.matmul == "fp8",
+                      DTYPE_BYTES[w.reduce] if w.reduce else 0)
+
+
 @functools.lru_cache(maxsize=1 << 14)
 def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool, accumulates: bool,
                 rules: RuleTables | None, fp8: bool = False, reduce_bytes: int = 0) -> tuple:
@@ -404,6 +411,5 @@ def optimizer_flops(m: ModelShape, c: Candidate, w: Workload) -> float:
 def comm_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     """Every collective a step of candidate `c` runs, per device: ZeRO, tensor, pipeline, expert, context and the
     optimizer's own."""
-    zero = zero_terms(m, c, w.xla_cpu, w.matmul == "fp8", DTYPE_BYTES[w.reduce] if w.reduce else 0)
-    return [*zero, *tensor_terms(m, c, w), *pipeline_terms(m, c, w), *expert_terms(m, c, w), *context_terms(m, c, w),
-            *optimizer_terms(m, c, w)]
+    return [*policy_zero_terms(m, c, w), *tensor_terms(m, c, w), *pipeline_terms(m, c, w), *expert_terms(m, c, w),
+            *context_terms(m, c, w), *optimizer_terms(m, c, w)]

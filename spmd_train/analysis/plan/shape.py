@@ -148,6 +148,11 @@ class ModelShape:
         grouped = any(g.path.startswith("blocks.moe.") for g in self.params)
         return _per_layer(self.params, "blocks.moe" if grouped else "blocks")
 
+    @property
+    def routed_expert_params(self) -> int:
+        """Routed-expert parameters a token uses across the trunk's MoE layers (k experts' three matrices each)."""
+        return 3 * self.d_model * self.moe_d_ff * self.experts_per_token * self.moe_layers
+
     def quantized_params(self) -> int:
         """Parameters whose matmuls precision.matmul=fp8|int8 quantizes (`config.precision_schema.takes_quantized`):
         each is used once per token, as every dense layer's weights are."""

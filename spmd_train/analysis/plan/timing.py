@@ -112,8 +112,7 @@ def achievable_fraction(hw: Hardware, given: float | None = None) -> float:
 def quantized_share(m: ModelShape, w: Workload) -> float:
     """The share of a token's FLOPs in quantized matmuls under w.matmul: 6 per `ModelShape.quantized_params`, and
     per routed-expert parameter a token uses where the experts' matmuls are quantized too (`quantizes_experts`)."""
-    experts = 3 * m.d_model * m.moe_d_ff * m.experts_per_token * m.moe_layers
-    params = m.quantized_params() + (experts if quantizes_experts(w.matmul, w.moe_impl) else 0)
+    params = m.quantized_params() + (m.routed_expert_params if quantizes_experts(w.matmul, w.moe_impl) else 0)
     return min(1.0, 6.0 * params / m.flops_per_token(w.seq_len))
 
 
@@ -133,7 +132,7 @@ def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float
     tokens = w.global_batch * w.seq_len
     model = m.flops_per_token(w.seq_len) * tokens
     attention_fwd = m.attention_flops_per_token(w.seq_len) / 3  # one forward pass of attention, per token
-    experts_fwd = 2 * 3 * m.d_model * m.moe_d_ff * m.experts_per_token * m.moe_layers  # routed experts, forward
+    experts_fwd = 2 * m.routed_expert_params  # routed experts, forward
     head = m.d_model * m.vocab_size
     extra = 0.0  # per token
     if c.remat == "full":

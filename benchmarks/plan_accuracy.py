@@ -113,10 +113,12 @@ GRID = _grid()
 
 
 def as_compiled(terms: list[CommTerm], platform: str) -> list[CommTerm]:
-    """The estimated terms as the compiling platform counts them: XLA:CPU's all-reduce + slice for reduce-scatters."""
+    """The estimated terms as the compiling platform counts them: XLA:CPU's all-reduce + slice for the
+    reduce-scatters it creates itself (not the step's own, `grad-reduce`: ZeRO-1's psum_scatter stays one)."""
     if platform != "cpu":
         return list(terms)
-    return [replace(t, bytes=2 * t.bytes) if t.op == "reduce-scatter" else t for t in terms]
+    return [replace(t, bytes=2 * t.bytes) if t.op == "reduce-scatter" and t.purpose != "grad-reduce" else t
+            for t in terms]
 
 
 def estimated_bytes(terms: list[CommTerm], platform: str, mesh: dict[str, int]) -> dict[tuple[str, ...], float]:
@@ -304,7 +306,7 @@ compiled heap and live peak (TPU_GRID) and the libtpu-compiled parameter traffic
   and pinned by a test: at ZeRO-3 a weight outside the layer stack is gathered once per microbatch; a table
   split on its width is re-split by rows over fsdp (all-to-all); with two batch axes the table's gradient is
   all-reduced whole; an MoE model's non-expert gradients are scattered over fsdp x expert and gathered over
-  expert; ZeRO-1 reduces a table's gradient in the compute dtype; full remat reduces the attention's output
+  expert; ZeRO-0 all-reduces a table's gradient in the compute dtype; full remat reduces the attention's output
   again but not the MLP's; SP gathers a sublayer's input 3 times; a pipeline sums its head gradients over the
   stages as they are stored (split over fsdp at ZeRO-3) and its input gradients in the compute dtype (this
   stop: the estimate had fp32 inputs and whole tables, +75%). Outside 1%: fsdp -2.4% on llama3-8b fsdp 64 x

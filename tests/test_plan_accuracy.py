@@ -122,7 +122,13 @@ LIBTPU = {
         {"fsdp": 2, "sequence": 4},
         {("all-reduce", ("fsdp", "sequence")): 919_410_702, ("reduce-scatter", ("fsdp", "sequence")): 212_860_928,
          ("all-gather", ("fsdp", "sequence")): 885_427_200, ("all-to-all", ("fsdp",)): 32_833_536}),
-    "ZeRO-1: the table's gradient all-reduced in the compute dtype; SP gathers a sublayer's input 3 times": (
+    "ZeRO-1 over fsdp: the whole gradient reduce-scattered once a step in fp32, the update gathered (2Ψ)": (
+        "mesh_presets", ("model.preset=llama-1b", "model.num_layers=2", "train.seq_len=256",
+                         "train.global_batch_size=8", "mesh.fsdp=8", "mesh.tensor=1", "mesh.data=1",
+                         "parallel.zero_stage=1"),
+        {"fsdp": 8}, {("reduce-scatter", ("fsdp",)): 1_345_089_536, ("all-gather", ("fsdp",)): 1_345_096_704}),
+    "ZeRO-0 (tp_sp's stage) over fsdp 4: the table's gradient all-reduced in the compute dtype; SP gathers a "
+    "sublayer's input 3 times": (
         "mesh_presets", (*GPT2, "mesh.preset=tp_sp", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"),
         {"fsdp": 4, "tensor": 2}, {("all-reduce", ("fsdp",)): 100_440_582,
                                    ("all-gather", ("tensor",)): 5_505_024, ("reduce-scatter", ("tensor",)): 3_932_160}),
@@ -165,7 +171,7 @@ LIVE = {
     "mixtral-8x7b fsdp 2 x expert 4": (
         "moe", ("model.preset=mixtral-8x7b", *L8B, "train.seq_len=256", "train.global_batch_size=8"),
         {"fsdp": 2, "expert": 4}, 9_826_215_098, None),
-    "gpt2-small fsdp 4 x tensor 2, SP (ZeRO-1)": (
+    "gpt2-small fsdp 4 x tensor 2, SP (ZeRO-0)": (
         "mesh_presets", (*GPT2, "mesh.preset=tp_sp", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"),
         {"fsdp": 4, "tensor": 2}, 438_586_256, None),
     "llama-1b fsdp 2 x sequence 4, ulysses": (

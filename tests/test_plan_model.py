@@ -342,7 +342,7 @@ def test_context_parallel_attention_keeps_what_jax_vjp_keeps_of_it(devices, sche
 # --- collectives -------------------------------------------------------------------------------------------------
 
 
-def test_zero3_moves_three_parameter_volumes_and_zero1_too_by_hand():
+def test_zero3_moves_three_parameter_volumes_and_zero1_two_by_hand():
     # fsdp 8, every weight split over it: two bf16 gathers and one bf16 reduce-scatter per weight (the untied table
     # is gathered once), i.e. the ZeRO paper's 3Ψ(N-1)/N; on an accelerator the weights outside the layer stack
     # (table, final norm, LM head) are gathered once. ZeRO-1 all-reduces fp32 gradients (2Ψ) and gathers fp32
@@ -359,7 +359,7 @@ def test_zero3_moves_three_parameter_volumes_and_zero1_too_by_hand():
         assert three == pytest.approx({("all-gather", "weights"): 2 * gathered * 2 * (n - 1) / n,
                                        ("reduce-scatter", "grad-scatter"): 2 * psi * 2 * (n - 1) / n, **reshard})
     one = {(t.op, t.purpose): t.bytes for t in zero_terms(shape, Candidate(fsdp=n, zero_stage=1, grad_accum=2))}
-    assert one == pytest.approx({("all-reduce", "grad-reduce"): 2 * psi * 4 * (n - 1) / n,
+    assert one == pytest.approx({("reduce-scatter", "grad-reduce"): psi * 4 * (n - 1) / n,
                                  ("all-gather", "update-gather"): psi * 4 * (n - 1) / n})
 
 

@@ -2,6 +2,7 @@
 
 import math
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import pytest
@@ -42,12 +43,19 @@ def test_hsdp_adds_one_all_reduce_of_the_fp32_shard_over_data(devices):
                                    ("all-reduce", ("data",)): 2 * (total / 4 * 4) * 1 / 2})
 
 
-def test_zero1_all_reduces_gradients_and_gathers_updated_fp32_parameters(devices):
-    engine = _engine(devices, "mesh.preset=fsdp", "parallel.zero_stage=1")
-    total, _ = _counts(engine)
-    terms = {(t.op, t.axes): t.bytes for t in zero_floor(engine)}
-    assert terms == pytest.approx({("all-reduce", ("fsdp",)): 2 * total * 4 * 7 / 8,
+def test_zero1_reduce_scatters_gradients_and_gathers_updated_fp32_parameters_2_psi(devices):
+    # The seeds' ZeRO-1: 2Ψ (N-1)/N a step (reduce-scatter into the optimizer's shard, gather the update), where an
+    # all-reduce and the gather moved 3Ψ; the compiled program moves the same (the norm's scalars aside).
+    overrides = ["model.compute_dtype=bfloat16", "mesh.preset=fsdp", "parallel.zero_stage=1"]
+    report = describe(load_config("configs/mesh_presets.yaml", overrides), devices=devices)
+    total, _ = _counts(_engine(devices, *overrides[1:]))
+    terms = {(t.op, t.axes): t.bytes for t in report.zero_floor}
+    assert terms == pytest.approx({("reduce-scatter", ("fsdp",)): total * 4 * 7 / 8,
                                    ("all-gather", ("fsdp",)): total * 4 * 7 / 8})
+    compiled = defaultdict(float)
+    for c in report.collectives:
+        compiled[c.op, c.axes] += c.bytes
+    assert {k: v for k, v in compiled.items() if v > 1000} == pytest.approx(terms)
 
 
 def test_tensor_split_weights_are_counted_per_tensor_shard(devices):
@@ -84,6 +92,32 @@ def test_llama3_8b_zero3_over_64_chips_of_v5p_moves_close_to_the_floor():
     assert by_op["all-gather"] <= floor["all-gather"]  # each weight gathered at most twice, in bf16
     assert by_op["reduce-scatter"] == pytest.approx(floor["reduce-scatter"], rel=0.01)  # every gradient, vocab too
     assert by_op["all-reduce"] < 1e-3 * floor["reduce-scatter"]  # only norm scales and scalars
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+def test_zero1_and_zero2_move_two_parameter_volumes_on_a_v5p_slice():
+    # The seeds' formula: reduce-scatter the gradients, all-gather the updated shards, 2Ψ (N-1)/N a step in the
+    # gradient dtype (float32 throughout here, so both halves are 4 bytes an element).
+    from spmd_train.analysis.topology import tpu_topology_devices
+
+    tpu_topology_devices("v5p:2x2x2")  # libtpu loaded once before two threads ask for the slice
+    base = ["model.preset=llama-1b", "model.num_layers=2", "mesh.fsdp=8", "mesh.tensor=1", "mesh.data=1",
+            "train.global_batch_size=16", "train.seq_len=256", "model.param_dtype=float32",
+            "model.compute_dtype=float32"]
+    with ThreadPoolExecutor(2) as pool:  # XLA releases the GIL: the two compiles side by side
+        reports = list(pool.map(lambda s: describe(load_config(None, [*base, f"parallel.zero_stage={s}"]),
+                                                   topology="v5p:2x2x2"), (1, 2)))
+    for stage, report in zip((1, 2), reports, strict=True):
+        two_psi = 2 * report.param_count * 4 * 7 / 8
+        moved = sum(c.bytes for c in report.collectives if c.axes == ("fsdp",))
+        ops = {c.op for c in report.collectives if c.axes == ("fsdp",) and c.bytes > 1e-3 * two_psi}
+        # ZeRO-2 also re-splits the tied table's scattered gradient from its rows into its stored layout
+        # (`Layout.scatter_path`): an all-to-all of 8.5% of one volume, 4.3% of the two.
+        assert ops == ({"reduce-scatter", "all-gather"} | ({"all-to-all"} if stage == 2 else set())), (stage, ops)
+        assert moved == pytest.approx(two_psi, rel=0.05), (stage, moved / two_psi)
+        (row,) = report.floor_ratios()
+        assert row["floor_bytes"] == pytest.approx(two_psi, rel=1e-6)
 
 
 @pytest.mark.slow

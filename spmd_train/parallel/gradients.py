@@ -33,10 +33,10 @@ def loss_and_grads(
     """(mean values, gradient of the mean loss) over the global batch: a pytree of arrays with the rows on axis 0
     (the tokens [batch, length + 1] and what goes with them).
 
-    Gradients come back in the ZeRO stage's gradient layout.
+    Gradients come back split like the optimizer state (over the ZeRO axes from stage 1): what the update reads.
     """
     mesh, stage = layout.mesh, layout.zero_stage
-    grad_layout = _shardings(layout, logical, params, fsdp=stage >= 2)
+    grad_layout = _shardings(layout, logical, params, fsdp=stage >= 1)
     # An axis that splits some parameter besides FSDP (`expert` under MoE) stays automatic.
     splits = {a for sh in jax.tree.leaves(_shardings(layout, logical, params, fsdp=False))
               for a in spec_axes(sh.spec)}
@@ -49,8 +49,10 @@ def loss_and_grads(
     ways = 1
     for axis in manual:
         ways *= mesh.shape[axis]
-    # Parameters and gradients are replicated over every manual axis (that is what puts an
-    # axis in `manual`), so both enter and leave the region whole along them.
+    # Parameters are replicated over every manual axis (that is what puts an axis in `manual`), so they enter
+    # whole along them. Gradients leave split over the manual ZeRO axes (stage 1: `fsdp`, and `sequence` when the
+    # rules shard over it), whole along the rest.
+    out_grads = _specs(grad_layout, keep=lambda a: a in manual)
 
     def local(params, batch):
         # Without varying-axis checks (check_vma=False below) autodiff returns this device's own
@@ -63,19 +65,33 @@ def loss_and_grads(
             auto_specs = _specs(grad_layout, keep=lambda a: a not in manual)
             scatter = lambda g: jax.lax.with_sharding_constraint(g, auto_specs)
         loss, grads = _accumulate(value_and_grad, params, batch, grad_accum, scatter=scatter)
-        grads = jax.lax.psum(grads, manual)  # the step's single reduction over these axes
-        grads = jax.tree.map(lambda g: g / ways, grads)
+        # The step's single reduction over these axes: ZeRO-1 reduce-scatters into the optimizer's shard (the
+        # update reads only its shard; the updated parameters are gathered once), so a step moves 2Ψ over `fsdp`
+        # where an all-reduce and that gather moved 3Ψ.
+        grads = jax.tree.map(lambda g, spec: _reduce(g, spec, manual) / ways, grads, out_grads)
         return jax.tree.map(lambda v: jax.lax.psum(v, manual) / ways, loss), grads
 
     loss, grads = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(P(), P(manual)),
-        out_specs=(P(), P()),
+        out_specs=(P(), out_grads),
         axis_names=set(manual),
         check_vma=False,
     )(params, batch)
     return loss, jax.lax.with_sharding_constraint(grads, grad_layout)
+
+
+def _reduce(g: jax.Array, spec: P, manual: tuple[str, ...]) -> jax.Array:
+    """The sum of `g` over the manual axes, left split over those `spec` places on its dimensions."""
+    done: list[str] = []
+    for dim in range(len(spec)):
+        axes = entry_axes(spec, dim)
+        if axes:
+            g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+            done.extend(axes)
+    rest = tuple(a for a in manual if a not in done)
+    return jax.lax.psum(g, rest) if rest else g
 
 
 def _accumulate(value_and_grad: ValueAndGrad, params: Any, batch: Any, grad_accum: int, scatter):

@@ -139,9 +139,17 @@ def _zero_terms(m: ModelShape, sizes: tuple[int, ...], stage: int, xla_cpu: bool
             add("all-reduce", scattered, "grad-scatter", 2 * grad_bytes * _fraction(ways(scattered, shape)), layers)
         elif scattered:
             add("reduce-scatter", scattered, "grad-scatter", grad_bytes * _fraction(ways(scattered, shape)), layers)
+        # ZeRO-1: the whole accumulated gradient is reduce-scattered once a step into the optimizer's shard
+        # (`parallel.gradients`), then any other replica axes reduce that shard.
+        deferred = tuple(a for a in replicas if a in opt)
+        replicas = tuple(a for a in replicas if a not in opt)
+        dtype = rb if outside and not (accumulates or xla_cpu) else m.param_bytes
+        if deferred:  # in the parameter dtype everywhere (libtpu converts a table's all-reduce, not this)
+            whole = g.numel / ways(compute | grads, shape) * m.param_bytes
+            add("reduce-scatter", deferred, "grad-reduce", once=whole * _fraction(ways(deferred, shape)),
+                once_launches=1)
         if replicas:
-            dtype = rb if outside and not (accumulates or xla_cpu) else m.param_bytes
-            shard = g.numel / ways(compute | grads, shape) * dtype
+            shard = g.numel / ways(compute | grads | set(deferred), shape) * dtype
             add("all-reduce", replicas, "grad-reduce", once=2 * shard * _fraction(ways(replicas, shape)),
                 once_launches=1)
         regathered = live(opt - stored, shape)

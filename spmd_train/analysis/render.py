@@ -85,6 +85,10 @@ def renderables(report: Any) -> list[RenderableType]:
                        ("compiled: aliased (donated)", "alias_bytes"),
                        ("peak = arg + out + temp - alias", "peak_bytes")):
         memory.add_row(label, human_bytes(d[key]))
+    if d.get("host_state_bytes"):
+        memory.add_row("optimizer state in host memory (offload)", human_bytes(d["host_state_bytes"]))
+        memory.add_row("compiled: host arguments, host temporaries",
+                       f"{human_bytes(d['host_argument_bytes'])}, {human_bytes(d['host_temp_bytes'])}")
     fits = "unknown device" if report.fits is None else ("yes" if report.fits else "[red]NO[/red]")
     memory.add_row("device memory (HBM)", f"{human_bytes(report.hbm_bytes)}  fits: {fits}")
     out.append(memory)

@@ -208,6 +208,11 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         "attention_flops": attention_kernel_flops(hlo) or None,
         "model_attention_flops": model_attention_flops,
         "xla_cost_flops": float(cost.get("flops", float("nan"))) if cost else float("nan"),
+        # offload.optimizer: the state's bytes in the host's memory (from shardings), and the compiled program's
+        # own host figures (XLA:CPU reports none: its "host" and "device" are one memory).
+        "host_state_bytes": engine.offload.host_bytes_per_device if engine.offload else 0,
+        "host_argument_bytes": mem.host_argument_size_in_bytes,
+        "host_temp_bytes": mem.host_temp_size_in_bytes,
     }
     collectives = collectives_of(hlo, mesh)
     if context is not None:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from spmd_train.config.attention_facts import attention_facts, attention_names, check_variants
 from spmd_train.config.mesh_schema import MESH_AXES
+from spmd_train.config.optimizer_facts import optimizer_facts, optimizer_names
 from spmd_train.config.resolved_rules import resolve_rules
 from spmd_train.config.schema import Config
 from spmd_train.config.validity import (
@@ -54,6 +55,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"model.rope_scaling.low_freq_factor={sc.low_freq_factor} must be below "
                           f"model.rope_scaling.high_freq_factor={sc.high_freq_factor} (Llama 3.1 uses 1 and 4)")
     check_precision(cfg)
+    check_offload(cfg)
     d = cfg.data
     if d.source == "markov" and (d.vocab_size or m.vocab_size) > m.vocab_size:
         raise ConfigError(f"data.vocab_size={d.vocab_size} is larger than model.vocab_size={m.vocab_size} "
@@ -288,3 +290,17 @@ def check_precision(cfg: Config) -> None:
     if m.compute_dtype == "float16" and cfg.backends.attention == "pallas":
         raise ConfigError(f"backends.attention=pallas: our flash-attention kernels take float32 or bfloat16, and "
                           f"{compute}=float16 (valid: backends.attention=auto, xla or cudnn, or {compute}=bfloat16)")
+
+
+def check_offload(cfg: Config) -> None:
+    """The offload section against the optimizer (what the devices offer is `train.offload.check_host_memory`'s)."""
+    o = cfg.offload
+    if o.optimizer_share and not optimizer_facts(cfg.optim.name).elementwise:
+        valid = ", ".join(n for n in optimizer_names() if optimizer_facts(n).elementwise)
+        raise ConfigError(f"offload.optimizer={str(o.optimizer).lower()} streams the optimizer state through the "
+                          f"device a slice at a time, and optim.name={cfg.optim.name} updates whole matrices at once "
+                          f"(valid: offload.optimizer=false, or optim.name={valid})")
+    if o.optimizer_groups is not None and not o.optimizer_share:
+        raise ConfigError(f"offload.optimizer_groups={o.optimizer_groups} sets how the offloaded optimizer state "
+                          "streams, and offload.optimizer=false offloads none (valid: offload.optimizer=true or a "
+                          "fraction, or offload.optimizer_groups=null)")

@@ -69,6 +69,10 @@ class OptimizerFacts:
     """The `MOMENT_KEYS` it has no use for, and why (setting one is refused)."""
     b1_adds_state: bool = False
     """Setting optim.b1 adds a momentum to its state (a run resumes only with b1 set or unset as it started)."""
+    elementwise: bool = False
+    """Its update of each parameter element reads only that element's gradient, state and value (and the step count),
+    so the state can be updated a slice at a time (offload.optimizer); Adafactor's factored moments and Muon's
+    orthogonalisation read whole matrices."""
 
 
 _FACTS: Registry[OptimizerFacts] = Registry("optimizer")
@@ -140,14 +144,15 @@ def _adafactor_bytes(shape: tuple[int, ...], axes: tuple[str, ...], ways: tuple[
     return (factored + 2) * param_bytes + extra  # (1,) placeholders for update and v
 
 
-register_optimizer_facts(OptimizerFacts("adamw", (("b1", 0.9), ("b2", 0.95), ("eps", 1e-8)), _moments(2)))
+register_optimizer_facts(OptimizerFacts("adamw", (("b1", 0.9), ("b2", 0.95), ("eps", 1e-8)), _moments(2),
+                                        elementwise=True))
 register_optimizer_facts(OptimizerFacts(
     "adafactor", (("b1", None),), _adafactor_bytes, b1_adds_state=True,  # Shazeer & Stern 2018: no first moment
     not_applicable=(("b2", "Adafactor's second-moment decay is 1 - t^-0.8, set by the step"),
                     ("eps", "Adafactor's epsilon (1e-30) is added to the squared gradient, another quantity"))))
 register_optimizer_facts(OptimizerFacts(
     "lion", (("b1", 0.9), ("b2", 0.99)), _moments(1),  # Chen et al. 2023 (optax's defaults)
-    not_applicable=(("eps", "Lion's update is the sign of a momentum; it divides by nothing"),)))
+    not_applicable=(("eps", "Lion's update is the sign of a momentum; it divides by nothing"),), elementwise=True))
 register_optimizer_facts(OptimizerFacts(
     # b1: Muon's Nesterov momentum; b2, eps: the AdamW that updates the tables, the router and the vectors (its b1 is
     # AdamW's 0.9). Liu et al. 2025 (Moonlight): momentum 0.95, AdamW betas (0.9, 0.95).

@@ -43,6 +43,14 @@ from spmd_train.train.guards import OVERFLOW, GuardState, advance, all_finite, i
 from spmd_train.train.inputs import model_inputs, mtp_inputs, with_loss_weights
 from spmd_train.train.loss_scale import LossScaleState, adjust, unscale
 from spmd_train.train.memory_fit import bytes_per_device, check_state_fits, describe_run
+from spmd_train.train.offload import (
+    OffloadPlan,
+    check_host_memory,
+    clipper,
+    plan_offload,
+    streamed_update,
+    to_device,
+)
 from spmd_train.train.optimizer import lr_schedule, make_optimizer, opt_state_shardings
 from spmd_train.train.pipelined import chunk_depths, layer_order, model_rows, pipeline_plan, pipeline_value_and_grad
 
@@ -81,6 +89,10 @@ class Engine:
     """Model layer of each stored row of the layer stack, when it is not the identity (interleaved 1F1B)."""
     state_bytes_per_device: int = 0
     """Parameters, gradients and optimizer state one device stores (from shapes and shardings)."""
+    offload: OffloadPlan | None = None
+    """Where offload.optimizer keeps the optimizer state and how it streams (None: on the device)."""
+    stream_tx: optax.GradientTransformation | None = None
+    """With `offload`: `tx` without its clipping, which the step runs first on the whole gradient."""
 
     @classmethod
     def build(cls, cfg: Config, devices: list[jax.Device] | None = None) -> Engine:
@@ -120,17 +132,24 @@ class Engine:
         param_sh = layout.param_shardings(logical, shapes)
         opt_shapes = jax.eval_shape(tx.init, shapes)
         opt_sh = opt_state_shardings(tx, opt_shapes, layout, logical, shapes)
+        offload = stream_tx = None
+        if cfg.offload.optimizer_share:
+            check_host_memory(cfg, mesh.devices.flat[0])
+            rows = cfg.model.stack_rows if order is None else int(order.size)
+            offload = plan_offload(cfg, tx, opt_shapes, opt_sh, shapes, layout.opt_shardings(logical, shapes), rows)
+            opt_sh = offload.stored
+            stream_tx = make_optimizer(cfg.optim, cfg.train.steps, logical, cfg.precision, clip=False)
         replicated = NamedSharding(mesh, P())
         guard_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_guard(cfg.train)))
         state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, guard=guard_sh)
         # Before anything compiles: XLA aborts the process on a state of absurd size.
         need = (bytes_per_device(shapes, param_sh) + bytes_per_device(shapes, layout.grad_shardings(logical, shapes))
-                + bytes_per_device(opt_shapes, opt_sh))
+                + bytes_per_device(opt_shapes, opt_sh) - (offload.host_bytes_per_device if offload else 0))
         check_state_fits(need, mesh.devices.flat[0], describe_run(cfg, sizes), allocating=False)
         return cls(cfg=cfg, mesh=mesh, layout=layout, backends=backends, graphdef=graphdef, logical=logical,
                    param_shapes=shapes, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                    state_shardings=state_sh, batch_sharding=layout.batch_sharding(), block_graphdef=block_graphdef,
-                   plan=plan, layer_order=order, state_bytes_per_device=need)
+                   plan=plan, layer_order=order, state_bytes_per_device=need, offload=offload, stream_tx=stream_tx)
 
     def init_state(self) -> TrainState:
         """Fresh parameters and optimizer state, created directly in their shardings.
@@ -174,8 +193,12 @@ class Engine:
     def state_health(self):
         """Jitted: state -> (whether every parameter and optimizer value is finite, the state's fingerprint
         [leaves, 2]), reduced where the shards live; what a save records and a restore checks."""
-        return jax.jit(lambda state: (all_finite((state.params, state.opt_state)), fingerprint(state)),
-                       out_shardings=NamedSharding(self.mesh, P()))
+        def health(state):
+            if self.offload is not None:  # computed on the device, where the values can be read
+                state = state._replace(opt_state=to_device(state.opt_state, self.offload))
+            return all_finite((state.params, state.opt_state)), fingerprint(state)
+
+        return jax.jit(health, out_shardings=NamedSharding(self.mesh, P()))
 
     def abstract_batch(self) -> Batch:
         """The step's batch as ShapeDtypeStructs carrying the batch sharding: to lower or compile the step."""
@@ -334,15 +357,7 @@ class Engine:
             )
         if scaling:
             grads = unscale(grads, scale)
-        # Under the layout: an optimizer may place its work (Muon's whole matrices: sharding.whole_matrices).
-        with jax.named_scope("optimizer"), use_layout(self.layout):
-            grad_norm = optax.tree.norm(grads)
-            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, without_bias_updates(updates))
-        counts = values.pop("expert_counts", None)  # with MoE layers
-        if counts is not None and self.cfg.model.moe.moves_bias:
-            with jax.named_scope("router_bias"):
-                params = update_router_bias(params, counts, self.cfg.model.moe.bias_update_rate)
+        grad_norm = optax.tree.norm(grads)
         # The schedule is indexed by applied steps: a skipped step does not advance it (nor optax's count).
         lr = self.schedule(state.step - state.guard.skipped)
         with jax.named_scope("guards"):
@@ -350,7 +365,28 @@ class Engine:
             # router loss reaches the gradient norm; with finite gradients and learning rate, clipped
             # AdamW's update is finite (an overflowing one is still caught before any save).
             reason = judge(state.guard, values["loss"], grad_norm, self.cfg.train, jnp.isfinite(lr), loss_scale=scale)
-            params, opt_state = keep_if(reason == 0, (params, opt_state), (state.params, state.opt_state))
+        # Under the layout: an optimizer may place its work (Muon's whole matrices: sharding.whole_matrices).
+        with jax.named_scope("optimizer"), use_layout(self.layout):
+            apply = lambda params, updates: optax.apply_updates(params, without_bias_updates(updates))
+            if self.offload is None:
+                updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+                params = apply(state.params, updates)
+            else:  # a slice at a time through the device, each kept or dropped as the guards decided
+                # Clipped whole, before the slices: measured on v5p, clipping each slice as it streams let XLA
+                # schedule the slices' transfers worse (device peak 17.7 GB against 14.9 for Llama-3-8B, fsdp 8).
+                clipped = clipper(grads, self.cfg)(grads)
+                params, opt_state = streamed_update(self.stream_tx, self.offload, clipped, state.opt_state,
+                                                    state.params, reason == 0, apply, lambda tree: tree)
+        counts = values.pop("expert_counts", None)  # with MoE layers
+        before_bias = params
+        if counts is not None and self.cfg.model.moe.moves_bias:
+            with jax.named_scope("router_bias"):
+                params = update_router_bias(params, counts, self.cfg.model.moe.bias_update_rate)
+        with jax.named_scope("guards"):
+            if self.offload is None:
+                params, opt_state = keep_if(reason == 0, (params, opt_state), (state.params, state.opt_state))
+            else:  # the streamed slices were kept or dropped already: only what changed since (the router bias)
+                params = keep_if(reason == 0, params, before_bias)
             guard = advance(state.guard, reason, values["loss"], grad_norm)
             if scaling:  # after keep_if: an overflowing step is skipped, and its scale still falls
                 kept = adjust(state.opt_state, reason == OVERFLOW, reason == 0,

@@ -114,19 +114,20 @@ def _core(cfg: OptimConfig, lr: optax.Schedule, logical_tree: Any) -> optax.Grad
     return optimizer_named(cfg.name).build(cfg, lr, decay_mask(logical_tree), hyperparameters(cfg), logical_tree)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any, precision: PrecisionConfig | None = None
-                   ) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, total_steps: int, logical_tree: Any, precision: PrecisionConfig | None = None,
+                   *, clip: bool = True) -> optax.GradientTransformation:
     """The optimizer for a model whose parameters have these logical axes, under the `precision` policy: its moments
     in precision.moments (`train.moment_dtype`), on a float32 master copy of them (precision.master=float32,
     `train.master_weights`), with a dynamic loss scale in its state (precision.loss_scale=dynamic,
-    `train.loss_scale`)."""
+    `train.loss_scale`). `clip=False`: no clipping in the chain (the same state), for a caller that clipped the whole
+    gradient first (`train.offload`, whose slices would each be clipped by their own norm)."""
     precision = precision or PrecisionConfig()
     core = _core(cfg, lr_schedule(cfg, total_steps), logical_tree)
     if precision.moments is not None:
         core = with_moment_dtype(core, precision.moments)
     tx = optax.chain(
         # identity() has clipping's (empty) state: a checkpoint resumes with clipping on or off.
-        optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
+        optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None and clip else optax.identity(),
         core,
     )
     tx = with_master_copy(tx) if precision.master == "float32" else tx

@@ -1,0 +1,107 @@
+"""offload.optimizer: the optimizer state in pinned host memory, streamed through the device a slice at a time."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from spmd_train import Engine, load_config
+from spmd_train.analysis import describe
+from spmd_train.errors import ConfigError
+from spmd_train.train.offload import check_host_memory, clipper, streamed_update
+from tests.runs import TINY, run_steps
+
+MASTER = ["model.param_dtype=bfloat16", "precision.master=float32"]
+BITES = ["optim.clip_norm=0.05"]  # below the tiny model's gradient norms: every step clips
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_an_offloaded_run_matches_one_on_the_device(devices):
+    # The streamed update is exact given the same gradients (the next test, bit for bit). Across two whole programs
+    # XLA:CPU fuses differently (the clip's global-norm sum, the update with the parameter add), which moves the
+    # last bit of some values: three steps agree to float32's rounding.
+    plain = run_steps(["mesh.fsdp=1"], devices[:1])
+    off = run_steps(["mesh.fsdp=1", "offload.optimizer=true"], devices[:1])
+    np.testing.assert_allclose(plain[0], off[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((plain[1], plain[3].opt_state)), jax.tree.leaves((off[1], off[3].opt_state)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+    engine, state = off[2], off[3]
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim}
+    assert kinds == {"pinned_host"}  # every moment; the step counts stay on the device
+    assert engine.offload.groups == engine.cfg.model.num_layers
+    assert engine.offload.host_bytes_per_device == sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim)
+
+
+def test_the_streamed_update_of_a_sharded_state_equals_the_whole_update(devices):
+    # fsdp 8: a cut never crosses a device's shard; half the state offloaded, the layer stack's first.
+    cfg = load_config(None, [*TINY, "mesh.fsdp=8", *MASTER, *BITES, "offload.optimizer=0.5",
+                             "offload.optimizer_groups=3"])
+    engine = Engine.build(cfg, devices)
+    state = engine.init_state()
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape, p.dtype) * 0.01, state.params)
+
+    def whole(g, s, p):
+        updates, s = engine.tx.update(g, jax.device_put(s, engine.offload.device), p)
+        return optax.apply_updates(p, updates), s
+
+    def streamed(g, s, p):
+        return streamed_update(engine.stream_tx, engine.offload, clipper(g, cfg)(g), s, p, True,
+                               optax.apply_updates, lambda t: t)
+
+    assert _same(jax.jit(whole)(grads, state.opt_state, state.params),
+                 jax.jit(streamed)(grads, state.opt_state, state.params))
+    # Step guards: a rejected step keeps the old state, slice by slice.
+    kept = jax.jit(lambda g, s, p: streamed_update(engine.stream_tx, engine.offload, g, s, p, False,
+                                                   optax.apply_updates, clipper(g, cfg)))(
+        grads, state.opt_state, state.params)
+    assert _same(kept, (state.params, state.opt_state))
+    host = {jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+            if x.sharding.memory_kind == "pinned_host"}
+    assert host and all("blocks" in p for p in host)  # the tables' state stays on the device
+    total = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim) / 8
+    assert 0.5 * total <= engine.offload.host_bytes_per_device < 0.75 * total
+
+
+def test_describe_reports_the_state_in_host_memory(devices):
+    report = describe(load_config(None, [*TINY, "mesh.fsdp=8", "offload.optimizer=true"]), devices=devices)
+    plain = describe(load_config(None, [*TINY, "mesh.fsdp=8"]), devices=devices)
+    assert report.per_device["host_state_bytes"] == report.per_device["opt_state_bytes"] - 8  # all but the count
+    assert plain.per_device["host_state_bytes"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+def test_a_tpu_compile_moves_the_state_through_host_memory():
+    overrides = ["model.preset=llama-1b", "model.num_layers=2", "mesh.fsdp=8", "mesh.tensor=1", "mesh.data=1",
+                 "train.global_batch_size=8", "train.seq_len=256"]
+    report = describe(load_config(None, [*overrides, "offload.optimizer=true"]), topology="v5p:2x2x2")
+    d = report.per_device
+    # The compiled program's host arguments are the offloaded state, and its device arguments are the rest.
+    assert d["host_argument_bytes"] == d["host_state_bytes"] > 0
+    assert d["argument_bytes"] == pytest.approx(d["param_bytes"] + d["batch_bytes"], rel=0.01)
+
+
+def test_offload_errors_name_the_key_and_what_is_valid(devices):
+    with pytest.raises(ConfigError, match=r"offload.optimizer=true .* optim.name=adafactor .* optim.name=adamw, lion"):
+        load_config(None, [*TINY, "offload.optimizer=true", "optim.name=adafactor"])
+    with pytest.raises(ConfigError, match=r"offload.optimizer_groups=4 .* offload.optimizer=false offloads none"):
+        load_config(None, [*TINY, "offload.optimizer_groups=4"])
+
+    class Memory:
+        def __init__(self, kind):
+            self.kind = kind
+
+    class NoHost:
+        platform, device_kind = "gpu", "a device without host memory"
+
+        def addressable_memories(self):
+            return [Memory("device")]
+
+    with pytest.raises(ConfigError, match=r"pinned_host memory, which gpu devices \(a device without host memory\) "
+                                          r"do not offer \(their memories: device; valid: offload.optimizer=false\)"):
+        check_host_memory(load_config(None, [*TINY, "offload.optimizer=0.5"]), NoHost())

@@ -1,8 +1,11 @@
 """Device and host memory of Llama-3-8B's train step with and without offload.optimizer, compiled for a TPU slice.
 
-Each layout is compiled once through libtpu (the `tpu-aot` extra) by `analysis.step_report.describe`; memory is
-`compiled.memory_analysis()`: device peak = arguments + outputs + temporaries - aliased, host = the host arguments
-(the offloaded state) and host temporaries. The saving is stated against the optimizer state's bytes per device.
+Each layout is compiled once through libtpu (the `tpu-aot` extra) by `analysis.step_report.describe`. Three device
+figures, as three parts of XLA see them: `compiled.memory_analysis()`'s peak (arguments + outputs + temporaries -
+aliased: what `describe` reports), the heap buffer assignment gives the device's default memory space (every buffer
+at its offset: what the runtime allocates), and the peak of XLA's live-range analysis less the host memory space's
+bytes (what is live at once). Host: the host arguments (the offloaded state) and host temporaries. Savings are stated
+against the optimizer state's bytes per device.
 
 Run: `.venv/bin/python -m benchmarks.offload` (`--layers N` for a shorter stack, `--topology`).
 """
@@ -11,14 +14,33 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
+import os
 import platform
+import re
+import tempfile
 
-import jax
+DUMP = tempfile.mkdtemp(prefix="offload-bench-")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} "
+                           "--xla_dump_hlo_module_re=step_fn").strip()  # before jax reads it
 
-from spmd_train import load_config
-from spmd_train.analysis import describe
+import jax  # noqa: E402
+
+from spmd_train import load_config  # noqa: E402
+from spmd_train.analysis import describe  # noqa: E402
 
 GIB = 2**30
+
+
+def _dumped(seen: set[str]) -> tuple[float, float]:
+    """(heap, live peak) in bytes of the step program dumped since `seen`: the default memory space's total in the
+    memory-usage report, and the live-range peak less the host memory space (cmem)."""
+    new = sorted(set(glob.glob(os.path.join(DUMP, "*step_fn*memory-usage-report.txt"))) - seen)
+    report = open(new[-1]).read()
+    spaces = dict(re.findall(r"Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", report))
+    live_file = new[-1].replace("memory-usage-report.txt", "live-range.txt")
+    live = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", open(live_file).read()).group(1)
+    return float(spaces["default"]), float(live.replace(" ", "")) - float(spaces.get("cmem", 0))
 
 
 def main() -> None:
@@ -30,16 +52,21 @@ def main() -> None:
             "train.global_batch_size=8", "train.seq_len=2048", "parallel.remat=full"]
     rows = {}
     for name, extra in (("on the device", []), ("offload.optimizer=true", ["offload.optimizer=true"])):
-        d = describe(load_config(None, [*base, *extra]), topology=args.topology).per_device
+        seen = set(glob.glob(os.path.join(DUMP, "*step_fn*memory-usage-report.txt")))
+        d = dict(describe(load_config(None, [*base, *extra]), topology=args.topology).per_device)
+        d["heap"], d["live"] = _dumped(seen)
         rows[name] = d
-        print(f"{name:24s} device peak {d['peak_bytes'] / GIB:6.2f} GiB (arguments {d['argument_bytes'] / GIB:5.2f}, "
-              f"temporaries {d['temp_bytes'] / GIB:5.2f}); host arguments {d['host_argument_bytes'] / GIB:5.2f} GiB, "
+        print(f"{name:24s} peak {d['peak_bytes'] / GIB:6.2f} GiB (arguments {d['argument_bytes'] / GIB:5.2f}, "
+              f"temporaries {d['temp_bytes'] / GIB:5.2f}), heap {d['heap'] / GIB:6.2f} GiB, "
+              f"live {d['live'] / GIB:6.2f} GiB; host arguments {d['host_argument_bytes'] / GIB:5.2f} GiB, "
               f"host temporaries {d['host_temp_bytes'] / GIB:5.2f} GiB", flush=True)
     plain, off = rows["on the device"], rows["offload.optimizer=true"]
     state = plain["opt_state_bytes"]
-    saved = plain["peak_bytes"] - off["peak_bytes"]
-    print(f"optimizer state {state / GIB:.2f} GiB per device; the device peak falls by {saved / GIB:.2f} GiB "
-          f"({saved / state:.0%} of it); {datetime.date.today()}, jax {jax.__version__}, {platform.machine()}")
+    for what, key in (("memory_analysis peak", "peak_bytes"), ("heap", "heap"), ("live peak", "live")):
+        saved = plain[key] - off[key]
+        print(f"{what}: falls by {saved / GIB:.2f} GiB, {saved / state:.0%} of the optimizer state's "
+              f"{state / GIB:.2f} GiB per device")
+    print(f"{datetime.date.today()}, jax {jax.__version__}, {platform.machine()}")
 
 
 if __name__ == "__main__":

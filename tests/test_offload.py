@@ -105,3 +105,20 @@ def test_offload_errors_name_the_key_and_what_is_valid(devices):
     with pytest.raises(ConfigError, match=r"pinned_host memory, which gpu devices \(a device without host memory\) "
                                           r"do not offer \(their memories: device; valid: offload.optimizer=false\)"):
         check_host_memory(load_config(None, [*TINY, "offload.optimizer=0.5"]), NoHost())
+
+
+def test_the_planner_counts_the_offloaded_state_on_the_host_and_two_slices_on_the_device():
+    from spmd_train.analysis.plan import Candidate, ModelShape, Workload
+    from spmd_train.analysis.plan.memory import WORKSPACE_FRACTION, estimate_memory
+
+    cfg = load_config(None, [*TINY, "mesh.fsdp=8", "offload.optimizer=0.5", "offload.optimizer_groups=4"])
+    work = Workload.from_config(cfg)
+    assert (work.offload_optimizer, work.offload_groups) == (0.5, 4)
+    shape, layout = ModelShape.from_config(cfg.model), Candidate(fsdp=8)
+    plain = estimate_memory(shape, layout, Workload(32, 16))
+    for share, groups, device in ((1.0, 0, 2 / cfg.model.num_layers), (0.5, 4, 0.5 + 2 * 0.5 / 4)):
+        off = estimate_memory(shape, layout, Workload(32, 16, offload_optimizer=share, offload_groups=groups))
+        assert off.host_optimizer == pytest.approx(share * plain.optimizer)
+        assert off.optimizer == pytest.approx(device * plain.optimizer)
+        # The device's peak falls by what left it (and the workspace allowance on it).
+        assert plain.peak - off.peak == pytest.approx((plain.optimizer - off.optimizer) * (1 + WORKSPACE_FRACTION))

@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
@@ -38,24 +37,29 @@ MAX_GROUPS = 64
 
 @dataclass(frozen=True)
 class Cut:
-    """How one parameter-shaped array is sliced: along `axis` at `bounds` (groups + 1 offsets), or, when no
-    dimension is free of mesh axes, whole in group `whole` and empty in the others."""
+    """How one parameter-shaped array streams: `groups` equal slices of `size` along `axis` (`streamed`), or, when no
+    dimension free of mesh axes divides into them, all of it at once beside the loop (`axis` None: resident)."""
 
-    axis: int
-    bounds: tuple[int, ...]
-    whole: int | None = None
+    axis: int | None
+    size: int = 0
 
-    def take(self, x: jax.Array, group: int) -> jax.Array:
-        """Slice `group` of `x` (possibly empty)."""
-        if self.whole is not None:
-            return x if group == self.whole else jax.lax.slice_in_dim(x, 0, 0, axis=0)
-        return jax.lax.slice_in_dim(x, self.bounds[group], self.bounds[group + 1], axis=self.axis)
+    @property
+    def streamed(self) -> bool:
+        """Whether the array goes through the device a slice at a time."""
+        return self.axis is not None
 
-    def put(self, x: jax.Array, piece: jax.Array, group: int) -> jax.Array:
-        """`x` with slice `group` replaced by `piece` (an in-place update XLA can do in `x`'s own buffer)."""
-        if self.whole is not None:
-            return piece if group == self.whole else x
-        return jax.lax.dynamic_update_slice_in_dim(x, piece, self.bounds[group], axis=self.axis)
+    def take(self, x: jax.Array, group: jax.Array) -> jax.Array:
+        """Slice `group` of a streamed array."""
+        return jax.lax.dynamic_slice_in_dim(x, group * self.size, self.size, axis=self.axis)
+
+    def put(self, x: jax.Array, piece: jax.Array, group: jax.Array) -> jax.Array:
+        """`x` with slice `group` replaced by `piece`, in place."""
+        return jax.lax.dynamic_update_slice_in_dim(x, piece, group * self.size, axis=self.axis)
+
+
+def _empty(x: jax.Array) -> jax.Array:
+    """`x` with no rows: its place in an update that leaves it out (an elementwise update of nothing is free)."""
+    return jax.lax.slice_in_dim(x, 0, 0, axis=0)
 
 
 class _NotAParameter:
@@ -104,7 +108,7 @@ def plan_offload(cfg: Config, tx: optax.GradientTransformation, opt_shapes: Any,
     groups = default_groups(cfg, stored_rows)
     paths_shapes = jax.tree_util.tree_flatten_with_path(param_shapes)[0]
     shardings = jax.tree.leaves(param_opt_sh)
-    cuts = [_cut(s.shape, sh, groups, i) for i, ((_, s), sh) in enumerate(zip(paths_shapes, shardings, strict=True))]
+    cuts = [_cut(s.shape, sh, groups) for (_, s), sh in zip(paths_shapes, shardings, strict=True)]
     # Which parameters' state goes to the host: the layer stack's first, in order, until the share is reached.
     sizes = [math.prod(s.shape) for _, s in paths_shapes]
     order = sorted(range(len(sizes)), key=lambda i: (not _in_stack(paths_shapes[i][0]), i))
@@ -143,11 +147,11 @@ def clipper(grads: Any, cfg: Config) -> Callable[[Any], Any]:
 
 def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: Any, state: Any, params: Any,
                     keep: jax.Array, apply: Callable[[Any, Any], Any], clip: Callable[[Any], Any]) -> tuple[Any, Any]:
-    """(new parameters, new state) of `tx` (whose chain clips nothing), slice by slice, each slice's gradient
-    prepared by `clip` (`clipper`): `apply(params, updates)` makes a slice's new parameters, which, like its new
-    state, are kept
-    where `keep` holds, else the old ones. Each result is written back into its array in place (the state into
-    its home memory), so neither the whole update nor a second copy of the parameters or the state is ever made."""
+    """(new parameters, new state) of `tx` (whose chain clips nothing): the resident arrays at once, then the
+    streamed ones in a loop over the groups, each slice's gradient prepared by `clip` (`clipper`) and its new
+    parameters made by `apply(params, updates)`. New parameters and state are kept where `keep` holds, else the old
+    ones, and written back in place (the state into its home memory). In a loop XLA fetches a slice at most one
+    iteration ahead, so the device holds about two slices of the state at a time."""
     state_leaves, state_def = jax.tree.flatten(state)
     roles = jax.tree.leaves(
         optax.tree_map_params(tx, lambda _, cut: cut, state, plan.cuts, transform_non_params=lambda _: NOT_A_PARAMETER,
@@ -155,38 +159,44 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
         is_leaf=lambda x: isinstance(x, (Cut, _NotAParameter)))
     device, stored = jax.tree.leaves(plan.device), jax.tree.leaves(plan.stored)
     cuts, param_def = jax.tree.flatten(plan.cuts, is_leaf=lambda x: isinstance(x, Cut))
-    grad_leaves = jax.tree.leaves(grads)
-    param_leaves = list(jax.tree.leaves(params))
-    out_state = list(state_leaves)
-    # after[k]: the stored state once slices 0..k-1 are written back. Slice g is read from after[g - 1] (its own
-    # values: no slice writes another's): the data dependence keeps XLA from fetching it before slice g - 2 is
-    # home, so the device holds about two slices (one updating, the next arriving) however much memory it has.
-    done: list[Any] = []  # each slice's new state, on the device
-    scalars = None
-    for g in range(plan.groups):
-        with jax.named_scope(f"offload_group_{g}"):
-            source = out_state
-            if g >= 2:
-                source, _ = jax.lax.optimization_barrier((out_state, done[g - 2]))
-            old = [jax.device_put(role.take(x, g), sh) if isinstance(role, Cut) else x
-                   for x, role, sh in zip(source, roles, device, strict=True)]
-            old_params = [c.take(x, g) for x, c in zip(param_leaves, cuts, strict=True)]
-            grads_g = clip(param_def.unflatten([c.take(x, g) for x, c in zip(grad_leaves, cuts, strict=True)]))
-            updates, new = tx.update(grads_g, state_def.unflatten(old), param_def.unflatten(old_params))
-            new_params = jax.tree.leaves(apply(param_def.unflatten(old_params), updates))
-            for i, (c, n, o) in enumerate(zip(cuts, new_params, old_params, strict=True)):
-                param_leaves[i] = c.put(param_leaves[i], jnp.where(keep, n, o), g)
-            new = [jnp.where(keep, n, o) for n, o in zip(jax.tree.leaves(new), old, strict=True)]
-            for i, (n, role, sh) in enumerate(zip(new, roles, stored, strict=True)):
-                if isinstance(role, Cut):
-                    out_state[i] = role.put(out_state[i], jax.device_put(n, sh), g)
-            done.append(new)
-            if scalars is None:  # step counts and the like: the same in every slice
-                scalars = {i: n for i, (n, role) in enumerate(zip(new, roles, strict=True))
-                           if not isinstance(role, Cut)}
-    for i, n in (scalars or {}).items():
-        out_state[i] = n
-    return param_def.unflatten(param_leaves), state_def.unflatten(out_state)
+    grad_leaves, param_leaves = jax.tree.leaves(grads), jax.tree.leaves(params)
+
+    def update(g_leaves, p_leaves, s_leaves):
+        """One update of the whole tree's structure: (new parameter leaves, new state leaves), kept or not."""
+        updates, new = tx.update(clip(param_def.unflatten(g_leaves)), state_def.unflatten(s_leaves),
+                                 param_def.unflatten(p_leaves))
+        new_params = jax.tree.leaves(apply(param_def.unflatten(p_leaves), updates))
+        return ([jnp.where(keep, n, o) for n, o in zip(new_params, p_leaves, strict=True)],
+                [jnp.where(keep, n, o) for n, o in zip(jax.tree.leaves(new), s_leaves, strict=True)])
+
+    # The resident arrays whole (the streamed ones empty); this call also gives the step counts their new values.
+    pick = lambda leaves, cut_of: [_empty(x) if c.streamed else x for x, c in zip(leaves, cut_of, strict=True)]
+    state_cuts = [r if isinstance(r, Cut) else None for r in roles]
+    s_in = [x if r is None else jax.device_put(_empty(x) if r.streamed else x, sh)
+            for x, r, sh in zip(state_leaves, state_cuts, device, strict=True)]
+    new_p, new_s = update(pick(grad_leaves, cuts), pick(param_leaves, cuts), s_in)
+    out_params = [x if c.streamed else n for x, n, c in zip(param_leaves, new_p, cuts, strict=True)]
+    out_state = [n if r is None else x if r.streamed else jax.device_put(n, sh)
+                 for x, n, r, sh in zip(state_leaves, new_s, state_cuts, stored, strict=True)]
+
+    def body(group, carry):
+        p_all, s_all = carry
+        slice_or_empty = lambda x, c: c.take(x, group) if c.streamed else _empty(x)
+        s_in = [x if r is None else jax.device_put(slice_or_empty(x, r), sh)
+                for x, r, sh in zip(state_leaves_in_loop(s_all), state_cuts, device, strict=True)]
+        new_p, new_s = update([slice_or_empty(x, c) for x, c in zip(grad_leaves, cuts, strict=True)],
+                              [slice_or_empty(x, c) for x, c in zip(p_all, cuts, strict=True)], s_in)
+        p_all = [c.put(x, n, group) if c.streamed else x for x, n, c in zip(p_all, new_p, cuts, strict=True)]
+        s_all = [r.put(x, jax.device_put(n, sh), group) if r is not None and r.streamed else x
+                 for x, n, r, sh in zip(s_all, new_s, state_cuts, stored, strict=True)]
+        return p_all, s_all
+
+    # The loop carries every array (the step counts and resident ones pass through unchanged: the first call's).
+    state_leaves_in_loop = lambda s_all: [old if r is None else x for x, old, r in
+                                          zip(s_all, state_leaves, state_cuts, strict=True)]
+    with jax.named_scope("offload_stream"):
+        out_params, out_state = jax.lax.fori_loop(0, plan.groups, body, (out_params, out_state))
+    return param_def.unflatten(out_params), state_def.unflatten(out_state)
 
 
 def to_device(state: Any, plan: OffloadPlan) -> Any:
@@ -194,15 +204,11 @@ def to_device(state: Any, plan: OffloadPlan) -> Any:
     return jax.device_put(state, plan.device)
 
 
-def _cut(shape: tuple[int, ...], sharding: NamedSharding, groups: int, index: int) -> Cut:
+def _cut(shape: tuple[int, ...], sharding: NamedSharding, groups: int) -> Cut:
     # Not the minor dimension: TPUs write host memory in whole (8, 128) tiles ("lane slice updating is not supported"),
     # and a slice of rows is one contiguous block anyway.
-    free = [d for d in range(len(shape) - 1) if not entry_axes(sharding.spec, d) and shape[d] >= 2]
-    if not free:
-        return Cut(0, (), whole=index % groups)
-    axis = max(free, key=lambda d: (shape[d] >= groups, -d))  # the first that gives every group a slice
-    bounds = np.linspace(0, shape[axis], groups + 1).round().astype(int)
-    return Cut(axis, tuple(int(b) for b in bounds))
+    free = [d for d in range(len(shape) - 1) if not entry_axes(sharding.spec, d) and shape[d] % groups == 0]
+    return Cut(free[0], shape[free[0]] // groups) if free and groups > 1 else Cut(None)
 
 
 def _bytes(shape: Any, sharding: NamedSharding) -> int:

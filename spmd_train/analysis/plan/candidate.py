@@ -159,6 +159,10 @@ class Workload:
     capacity_factor: float = 1.25
     documents: bool = False
     """Packed documents are masked (context parallelism then exchanges their ids)."""
+    offload_optimizer: float = 0.0
+    """offload.optimizer's share of the optimizer state kept in host memory (0: none)."""
+    offload_groups: int = 0
+    """offload.optimizer_groups: the slices the offloaded state streams in (0: one per layer, at most 64)."""
     xla_cpu: bool = False
     """Compiled by XLA:CPU (simulated devices), which partitions parameter traffic as `analysis.zero_floor` counts
     it; an accelerator's compiler keeps the LM head it gathered, re-splits lookup tables and reduces some gradients
@@ -184,7 +188,8 @@ class Workload:
                    matmul=matmul_mode(cfg.precision.matmul, cfg.precision.fp8_scaling), reduce=cfg.precision.reduce,
                    attention="xla" if keeps else "flash",
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
-                   documents=cfg.data.masks_documents, xla_cpu=platform == "cpu")
+                   documents=cfg.data.masks_documents, offload_optimizer=cfg.offload.optimizer_share,
+                   offload_groups=cfg.offload.optimizer_groups or 0, xla_cpu=platform == "cpu")
 
 
 # --- layout arithmetic ------------------------------------------------------------------------------------------

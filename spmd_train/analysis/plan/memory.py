@@ -81,6 +81,9 @@ class MemoryEstimate:
     """The all-to-all's send and receive slot buffers of one MoE layer."""
     workspace: float
     """`WORKSPACE_FRACTION` of the rest."""
+    host_optimizer: float = 0.0
+    """offload.optimizer: the optimizer state in host memory (not in `optimizer`, which keeps the rest and the two
+    slices streaming through the device)."""
 
     @property
     def state(self) -> float:
@@ -253,6 +256,7 @@ class _StatePart(NamedTuple):
     head_weights: float
     head_grads: float
     layer_weights: float
+    host_optimizer: float = 0.0
 
 
 class _ActivationPart(NamedTuple):
@@ -273,7 +277,13 @@ def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTa
     params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules, stored, w.master, w.moments)
     head, lookup, whole, layer_w = _gathered_weights(m, sizes, stage, w.xla_cpu, rules)
     tables = 2 * max(head, lookup) + (min(head, lookup) if whole else 0.0)
-    return _StatePart(params, grads, opt, head, tables, layer_w)
+    host = opt * w.offload_optimizer
+    if host:
+        # offload.optimizer (`train.offload`): the device keeps the rest, and in the update two slices of the
+        # offloaded state (one updating, the next arriving), after the activations are gone.
+        groups = w.offload_groups or max(1, min(m.num_layers, 64))
+        opt = opt - host + 2 * host / groups
+    return _StatePart(params, grads, opt, head, tables, layer_w, host)
 
 
 def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) -> _ActivationPart:
@@ -341,7 +351,8 @@ def _assemble(s: _StatePart, a: _ActivationPart) -> MemoryEstimate:
                           pipeline_buffers=a.pipeline_buffers, logits=a.logits, logit_grads=a.logit_grads,
                           head_weights=s.head_weights,
                           head_grads=s.head_grads, layer_weights=s.layer_weights, recompute=a.recompute,
-                          moe_dispatch=a.moe_dispatch, workspace=WORKSPACE_FRACTION * _rest(s, a))
+                          moe_dispatch=a.moe_dispatch, workspace=WORKSPACE_FRACTION * _rest(s, a),
+                          host_optimizer=s.host_optimizer)
 
 
 @functools.lru_cache(maxsize=1 << 14)

@@ -29,6 +29,8 @@ class DeviceSpec:
     """Dense FP8 matmul FLOP/s, where the chip has FP8 matmuls (None: it has none, or no source lists them)."""
     peak_int8_ops: float | None = None
     """Dense int8 matmul ops/s, where a source lists them (None: not listed)."""
+    host_link: float | None = None
+    """Bytes per second one device moves to or from its host's memory, each way (PCIe; None: no source consulted)."""
 
 
 # Sources, cited by tag beside each figure below (docs/explanation/hardware-figures.md quotes each figure from its
@@ -62,22 +64,25 @@ class DeviceSpec:
 # on Hopper, Blackwell, MI300X and TPU7x ([C-7x]: 4,614 per chip), equal to bf16 on v5p and v6e (FP8 storage, no
 # faster matmul: [C-v5p], [C-7x]'s table), none on v4, v5e and A100. int8: v4 275 "(bf16 or int8)" [C-v4], v5e 393
 # [C-v5e], v5p 918 [SB-T], v6e 1,836 [C-v6e], A100 624 [N-A100]; not carried for the others (no source consulted).
+# host_link, each way per device: TPU v4, v5e and v5p "typically around 1.5e10 bytes / second per chip", v6e
+# "32GB/s, about 2x higher than v5" [SB-T]; PCIe Gen4 x16 on A100, 64 GB/s both ways together [N-A100]; PCIe Gen5
+# x16 on H100 and H200, 128 GB/s both ways together [S-H100] [N-H200]; not carried for the others.
 # Order matters: the first matching prefix wins ("TPU v5 lite" before "TPU v5").
 _TABLE: tuple[tuple[str, DeviceSpec], ...] = (
-    ("TPU v4", DeviceSpec("TPU v4", 275e12, 32 * GiB, None, 275e12)),
-    ("TPU v5 lite", DeviceSpec("TPU v5e", 197e12, 16 * GiB, None, 393e12)),
-    ("TPU v5e", DeviceSpec("TPU v5e", 197e12, 16 * GiB, None, 393e12)),
-    ("TPU v5p", DeviceSpec("TPU v5p", 459e12, 95 * GiB, 459e12, 918e12)),
-    ("TPU v5", DeviceSpec("TPU v5p", 459e12, 95 * GiB, 459e12, 918e12)),
-    ("TPU v6 lite", DeviceSpec("TPU v6e", 918e12, 32 * GiB, 918e12, 1836e12)),
-    ("TPU v6e", DeviceSpec("TPU v6e", 918e12, 32 * GiB, 918e12, 1836e12)),
+    ("TPU v4", DeviceSpec("TPU v4", 275e12, 32 * GiB, None, 275e12, host_link=1.5e10)),
+    ("TPU v5 lite", DeviceSpec("TPU v5e", 197e12, 16 * GiB, None, 393e12, host_link=1.5e10)),
+    ("TPU v5e", DeviceSpec("TPU v5e", 197e12, 16 * GiB, None, 393e12, host_link=1.5e10)),
+    ("TPU v5p", DeviceSpec("TPU v5p", 459e12, 95 * GiB, 459e12, 918e12, host_link=1.5e10)),
+    ("TPU v5", DeviceSpec("TPU v5p", 459e12, 95 * GiB, 459e12, 918e12, host_link=1.5e10)),
+    ("TPU v6 lite", DeviceSpec("TPU v6e", 918e12, 32 * GiB, 918e12, 1836e12, host_link=3.2e10)),
+    ("TPU v6e", DeviceSpec("TPU v6e", 918e12, 32 * GiB, 918e12, 1836e12, host_link=3.2e10)),
     ("TPU7x", DeviceSpec("TPU7x (per TensorCore device)", 1153.5e12, 96 * GiB, 2307e12)),
-    ("NVIDIA A100-SXM4-40GB", DeviceSpec("A100 40GB", 312e12, 40e9, None, 624e12)),
-    ("NVIDIA A100-SXM4-80GB", DeviceSpec("A100 80GB", 312e12, 80e9, None, 624e12)),
-    ("NVIDIA H100 PCIe", DeviceSpec("H100 PCIe", 756.5e12, 80e9, 1513e12)),
-    ("NVIDIA H100 NVL", DeviceSpec("H100 NVL", 835.5e12, 94e9, 1670.5e12)),
-    ("NVIDIA H100", DeviceSpec("H100 SXM", 989.5e12, 80e9, 1979e12)),
-    ("NVIDIA H200", DeviceSpec("H200", 989.5e12, 141e9, 1979e12)),
+    ("NVIDIA A100-SXM4-40GB", DeviceSpec("A100 40GB", 312e12, 40e9, None, 624e12, host_link=3.2e10)),
+    ("NVIDIA A100-SXM4-80GB", DeviceSpec("A100 80GB", 312e12, 80e9, None, 624e12, host_link=3.2e10)),
+    ("NVIDIA H100 PCIe", DeviceSpec("H100 PCIe", 756.5e12, 80e9, 1513e12, host_link=6.4e10)),
+    ("NVIDIA H100 NVL", DeviceSpec("H100 NVL", 835.5e12, 94e9, 1670.5e12, host_link=6.4e10)),
+    ("NVIDIA H100", DeviceSpec("H100 SXM", 989.5e12, 80e9, 1979e12, host_link=6.4e10)),
+    ("NVIDIA H200", DeviceSpec("H200", 989.5e12, 141e9, 1979e12, host_link=6.4e10)),
     ("NVIDIA B200", DeviceSpec("B200", 2250e12, 180e9, 4500e12)),
     ("NVIDIA GB200", DeviceSpec("GB200", 2500e12, 186e9, 5000e12)),
     ("AMD Instinct MI300X", DeviceSpec("MI300X", 1307.4e12, 192e9, 2614.9e12)),

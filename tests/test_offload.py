@@ -71,6 +71,9 @@ def test_describe_reports_the_state_in_host_memory(devices):
     report = describe(load_config(None, [*TINY, "mesh.fsdp=8", "offload.optimizer=true"]), devices=devices)
     plain = describe(load_config(None, [*TINY, "mesh.fsdp=8"]), devices=devices)
     assert report.per_device["host_state_bytes"] == report.per_device["opt_state_bytes"] - 8  # all but the count
+    # In and out each step; no time on CPU devices, which have no host link figure.
+    assert report.per_device["host_transfer_bytes"] == 2 * report.per_device["host_state_bytes"]
+    assert report.per_device["host_transfer_seconds"] is None
     assert plain.per_device["host_state_bytes"] == 0
 
 
@@ -122,3 +125,22 @@ def test_the_planner_counts_the_offloaded_state_on_the_host_and_two_slices_on_th
         assert off.optimizer == pytest.approx(device * plain.optimizer)
         # The device's peak falls by what left it (and the workspace allowance on it).
         assert plain.peak - off.peak == pytest.approx((plain.optimizer - off.optimizer) * (1 + WORKSPACE_FRACTION))
+
+
+def test_the_step_time_counts_the_state_crossing_the_host_link():
+    from spmd_train.analysis.plan import Candidate, ModelShape, Workload
+    from spmd_train.analysis.plan.memory import state_bytes
+    from spmd_train.analysis.plan.plan_report import time_parts
+    from spmd_train.analysis.plan.timing import estimate_timing
+    from spmd_train.hardware import hardware
+
+    cfg = load_config(None, ["model.preset=llama3-8b", "mesh.fsdp=8", "mesh.tensor=1", "offload.optimizer=true"])
+    shape, layout, h100 = ModelShape.from_config(cfg.model), Candidate(fsdp=8), hardware("h100")
+    off, plain = Workload.from_config(cfg, "gpu"), Workload(8, 4096)
+    state = state_bytes(shape, layout, off)[2]
+    assert state == pytest.approx(8.03e9 * 8 / 8, rel=0.01)  # AdamW's two float32 moments, over 8 GPUs
+    with_host = estimate_timing(shape, layout, off, h100, [])
+    # PCIe Gen5 x16: 64 GB/s each way, in and out at once.
+    assert with_host.host_transfer == pytest.approx(state / 64e9)
+    assert time_parts(with_host, 8)["optimizer state over the host link"] == with_host.host_transfer
+    assert estimate_timing(shape, layout, plain, h100, []).host_transfer == 0

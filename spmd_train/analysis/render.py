@@ -89,6 +89,10 @@ def renderables(report: Any) -> list[RenderableType]:
         memory.add_row("optimizer state in host memory (offload)", human_bytes(d["host_state_bytes"]))
         memory.add_row("compiled: host arguments, host temporaries",
                        f"{human_bytes(d['host_argument_bytes'])}, {human_bytes(d['host_temp_bytes'])}")
+        seconds = d.get("host_transfer_seconds")
+        memory.add_row("host link per step (in and out)", f"{human_bytes(d['host_transfer_bytes'])}"
+                       + (f", {seconds * 1e3:.0f} ms at the device's host link" if seconds else
+                          ", time unknown (no host link figure for this device)"))
     fits = "unknown device" if report.fits is None else ("yes" if report.fits else "[red]NO[/red]")
     memory.add_row("device memory (HBM)", f"{human_bytes(report.hbm_bytes)}  fits: {fits}")
     out.append(memory)

@@ -194,6 +194,7 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    host_state = engine.offload.host_bytes_per_device if engine.offload else 0
     per_device = {
         "param_bytes": sum(r.bytes_per_device for r in rows),
         "opt_state_bytes": opt_bytes,
@@ -210,9 +211,12 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         "xla_cost_flops": float(cost.get("flops", float("nan"))) if cost else float("nan"),
         # offload.optimizer: the state's bytes in the host's memory (from shardings), and the compiled program's
         # own host figures (XLA:CPU reports none: its "host" and "device" are one memory).
-        "host_state_bytes": engine.offload.host_bytes_per_device if engine.offload else 0,
+        "host_state_bytes": host_state,
         "host_argument_bytes": mem.host_argument_size_in_bytes,
         "host_temp_bytes": mem.host_temp_size_in_bytes,
+        # In and out each step; both directions at once, so the time is one direction's at the host link.
+        "host_transfer_bytes": 2 * host_state,
+        "host_transfer_seconds": host_state / spec.host_link if host_state and spec and spec.host_link else None,
     }
     collectives = collectives_of(hlo, mesh)
     if context is not None:

@@ -44,6 +44,8 @@ def time_parts(t: Timing, devices: int) -> dict[str, float]:
              "pipeline bubble": t.compute / (1 - t.bubble) - t.compute}
     for a in t.axes:
         parts[f"exposed {' x '.join(a.axes)} communication"] = a.exposed
+    if t.host_transfer:
+        parts["optimizer state over the host link"] = t.host_transfer
     return parts
 
 

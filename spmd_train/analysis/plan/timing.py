@@ -17,6 +17,7 @@ from spmd_train.analysis.plan.candidate import (
     schedule_stats,
 )
 from spmd_train.analysis.plan.comm import CommTerm, optimizer_flops
+from spmd_train.analysis.plan.memory import state_bytes
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.stages import stage_imbalance
 from spmd_train.config.precision_schema import quantizes_experts
@@ -66,6 +67,9 @@ class Timing:
     tokens_per_second: float
     mfu: float
     axes: tuple[AxisTime, ...]
+    host_transfer: float = 0.0
+    """offload.optimizer: seconds to move the offloaded state in and out over the host link (each way at once, so the
+    larger direction), after the backward pass: on the critical path (the update beside it is short)."""
 
 
 TIE = 1e-4
@@ -168,7 +172,8 @@ def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, term
     hidden = min(hideable, compute)
     total = sum(times)
     exposed = total - hidden
-    step = (compute if hw.simulated else compute / (1 - bubble)) + exposed
+    host = host_transfer_seconds(m, c, w, hw)
+    step = (compute if hw.simulated else compute / (1 - bubble)) + exposed + host
     hidden_share = hidden / hideable if hideable else 0.0
     per_axes: dict[tuple[str, ...], list[float]] = {}
     for t, s in zip(terms, times, strict=True):
@@ -179,7 +184,15 @@ def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, term
                  for a, (s, e) in per_axes.items())
     return Timing(model_flops=model, device_flops=busiest, compute=compute, bubble=bubble, communication=total,
                   exposed=exposed, step=step, tokens_per_second=w.global_batch * w.seq_len / step,
-                  mfu=model / (step * hw.peak_flops * c.devices), axes=axes)
+                  mfu=model / (step * hw.peak_flops * c.devices), axes=axes, host_transfer=host)
+
+
+def host_transfer_seconds(m: ModelShape, c: Candidate, w: Workload, hw: Hardware) -> float:
+    """Seconds a step spends moving the offloaded optimizer state to the device and back (0 without offload; the
+    device kind's host link, `DeviceSpec.host_link`, each way; none where no source gives it)."""
+    if not w.offload_optimizer or hw.spec.host_link is None:
+        return 0.0
+    return state_bytes(m, c, w)[2] * w.offload_optimizer / hw.spec.host_link
 
 
 def _overlaps(t: CommTerm, c: Candidate) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 from spmd_train.analysis.analytic import AnalyticLayout, analytic_layout
 from spmd_train.analysis.plan.candidate import rows_per_device, ways
 from spmd_train.analysis.plan.comm import context_terms
+from spmd_train.config.mesh_schema import RECOMPUTES_LAYER
 from spmd_train.parallel.context import AXIS
 
 
@@ -40,7 +41,7 @@ def context_section(engine, layout: AnalyticLayout | None = None) -> dict[str, A
     collectives = {term.op: {"count": term.count, "bytes_per_device": term.bytes}
                    for term in context_terms(m, c, a.workload)}
     remat = cfg.parallel.remat
-    again = remat == "full" and how != "ring"
+    again = remat in RECOMPUTES_LAYER and how != "ring"
     return {
         "implementation": how,
         "kernel": backends.attention,
@@ -50,7 +51,7 @@ def context_section(engine, layout: AnalyticLayout | None = None) -> dict[str, A
         "chunk_tokens": local // 2 if how == "ring" else local,
         "kv_block_bytes": rows * local * kv_heads * m.head_dim * width,
         "collectives": collectives,
-        "exact": remat in ("none", "full") and c.pipeline == 1,
+        "exact": (remat == "none" or remat in RECOMPUTES_LAYER) and c.pipeline == 1,
         "formula": f"{m.num_layers} layers x {t.grad_accum} microbatches x the per-layer collectives of "
                    f"{how} (docs/context.md) with r={rows} rows, {local} tokens, {heads} heads and {kv_heads} K/V "
                    f"heads per device, {width}-byte activations"

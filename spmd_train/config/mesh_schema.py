@@ -14,7 +14,11 @@ MESH_AXES = ("data", "pipeline", "fsdp", "sequence", "expert", "tensor")
 """Public mesh axis names, outermost first: the fastest links go to the last axes."""
 
 MeshAxis = Literal[MESH_AXES]
-RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch"]
+RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch", "offload_layer_inputs"]
+RECOMPUTES_LAYER = frozenset({"full", "offload_layer_inputs"})
+"""parallel.remat policies that keep only each layer's input and rerun the whole layer in its backward pass."""
+OFFLOADS_ACTIVATIONS = frozenset({"offload_layer_inputs"})
+"""parallel.remat policies that keep what they save in pinned host memory, not on the device."""
 ContextScheme = Literal["allgather", "ring", "ulysses"]
 """parallel.context_parallel's values: how attention joins the `sequence` chunks."""
 ScheduleName = Literal[schedule_names()]
@@ -123,6 +127,9 @@ class ParallelConfig:
     context_parallel: ContextScheme = "allgather"
     """How attention sees the other devices' tokens when mesh.sequence > 1 (docs/context.md)."""
     remat: RematPolicy = "none"
+    """What each layer keeps for its backward pass: none, everything autodiff saves; full, only its input (the layer
+    is recomputed); save_matmuls / save_matmuls_no_batch, the matmul outputs (those without batch dimensions);
+    offload_layer_inputs, full's recompute with the inputs in pinned host memory (docs/memory.md)."""
     pipeline_schedule: ScheduleName = "1f1b"
     """Microbatch schedule of the pipeline stages (used when mesh.pipeline > 1)."""
     pipeline_microbatches: PositiveInt | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 # 'none' (no jax.checkpoint) keeps every residual autodiff wants, cheap elementwise ones included (the norms'
 # rsqrt, silu's pieces, softmax scores and probabilities): on configs/tiny.yaml that is 26 stacked [layers, ...]
@@ -14,11 +15,24 @@ import jax
 # bytes and steps within 1% of 'full' (benchmarks/remat.py; docs/benchmarks.md, section remat). The cause is
 # XLA keeping what autodiff saves, not our layer, so the default stays 'none' (no recompute, which large
 # models on accelerators, compute-bound, gain from) and the choice is the user's.
+LAYER_INPUT = "layer_input"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of each scanned layer's input, the residual stream entering it."""
+
 POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
     "save_matmuls": jax.checkpoint_policies.dots_saveable,
     "save_matmuls_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # full's recompute, with the one thing it keeps, each layer's input, in pinned host memory: sent there as the
+    # forward pass makes it, fetched back for the layer's backward (MaxText's decoder_layer_input offload).
+    "offload_layer_inputs": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT], offload_src="device",
+        offload_dst="pinned_host"),
 }
+
+
+def name_layer_input(x: jax.Array) -> jax.Array:
+    """`x` named as a layer's input, which `offload_layer_inputs` keeps in host memory (a no-op otherwise)."""
+    return checkpoint_name(x, LAYER_INPUT)
 
 
 def apply_remat(fn: Callable, name: str) -> Callable:

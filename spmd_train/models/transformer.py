@@ -23,7 +23,7 @@ from spmd_train.models.moe import MoE
 from spmd_train.models.mtp import MTP
 from spmd_train.models.padded_row import padded_row
 from spmd_train.models.param_specs import attention_params, mlp_params, table_params
-from spmd_train.models.remat import apply_remat
+from spmd_train.models.remat import apply_remat, name_layer_input
 from spmd_train.ops.attention import Scoring
 from spmd_train.ops.rope import apply_rope, rope_tables, yarn_softmax_factor
 from spmd_train.parallel import Backends, attention, resolve_backends
@@ -389,7 +389,7 @@ def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: 
             raise ValueError(f"{count} stacked rows are not the model's {kinds.shape[0]}: pass their layers' kinds")
 
     def layer(carry, layer_params, kind):
-        return nnx.merge(graphdef, layer_params)(carry, rope, segments, kind)
+        return nnx.merge(graphdef, layer_params)(name_layer_input(carry), rope, segments, kind)
 
     if rows is None:
         body = apply_remat(layer, remat)

@@ -133,8 +133,8 @@ class Engine:
         opt_shapes = jax.eval_shape(tx.init, shapes)
         opt_sh = opt_state_shardings(tx, opt_shapes, layout, logical, shapes)
         offload = stream_tx = None
+        check_host_memory(cfg, mesh.devices.flat[0])
         if cfg.offload.optimizer_share:
-            check_host_memory(cfg, mesh.devices.flat[0])
             rows = cfg.model.stack_rows if order is None else int(order.size)
             offload = plan_offload(cfg, tx, opt_shapes, opt_sh, shapes, layout.opt_shardings(logical, shapes), rows)
             opt_sh = offload.stored

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from spmd_train.config.mesh_schema import OFFLOADS_ACTIVATIONS
 from spmd_train.config.offload_schema import HOST_MEMORY_KIND
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
@@ -90,14 +91,19 @@ def default_groups(cfg: Config, stored_rows: int) -> int:
 
 
 def check_host_memory(cfg: Config, device: jax.Device) -> None:
-    """Refuse offloading on devices without pinned host memory, naming the memories they have."""
-    if not cfg.offload.optimizer_share:
-        return
+    """Refuse offloading (the optimizer state, or activations through parallel.remat) on devices without pinned host
+    memory, naming the memories they have."""
+    asks = []
+    if cfg.offload.optimizer_share:
+        asks.append((f"offload.optimizer={str(cfg.offload.optimizer).lower()} keeps the optimizer state",
+                     "offload.optimizer=false"))
+    if cfg.parallel.remat in OFFLOADS_ACTIVATIONS:
+        asks.append((f"parallel.remat={cfg.parallel.remat} keeps each layer's input", "parallel.remat=full"))
     kinds = sorted({m.kind for m in device.addressable_memories()})
-    if HOST_MEMORY_KIND not in kinds:
-        raise ConfigError(f"offload.optimizer={str(cfg.offload.optimizer).lower()} keeps the optimizer state in "
-                          f"{HOST_MEMORY_KIND} memory, which {device.platform} devices ({device.device_kind}) do not "
-                          f"offer (their memories: {', '.join(kinds)}; valid: offload.optimizer=false)")
+    if asks and HOST_MEMORY_KIND not in kinds:
+        what, valid = asks[0]
+        raise ConfigError(f"{what} in {HOST_MEMORY_KIND} memory, which {device.platform} devices "
+                          f"({device.device_kind}) do not offer (their memories: {', '.join(kinds)}; valid: {valid})")
 
 
 def plan_offload(cfg: Config, tx: optax.GradientTransformation, opt_shapes: Any, opt_sh: Any, param_shapes: Any,

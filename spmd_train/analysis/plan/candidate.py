@@ -19,7 +19,14 @@ from typing import get_args
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.attention_facts import attention_facts, attention_names, fallback_attention
 from spmd_train.config.load import default_rules
-from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES, ZERO_AXES, ContextScheme, RematPolicy
+from spmd_train.config.mesh_schema import (
+    MESH_AXES,
+    OFFLOADS_ACTIVATIONS,
+    STACKING_AXES,
+    ZERO_AXES,
+    ContextScheme,
+    RematPolicy,
+)
 from spmd_train.config.model_schema import MoEImpl
 from spmd_train.config.optimizer_facts import optimizer_facts, optimizer_names
 from spmd_train.config.pipeline_keys import default_microbatches
@@ -33,6 +40,8 @@ from spmd_train.parallel.schedule_simulator import occupancy
 from spmd_train.parallel.schedules import build_schedule
 
 REMAT_POLICIES = get_args(RematPolicy)
+SEARCHED_REMATS = tuple(r for r in REMAT_POLICIES if r not in OFFLOADS_ACTIVATIONS)
+"""The policies `plan` searches: activation offload is estimated when a config asks for it, not yet searched."""
 CONTEXT_SCHEMES = get_args(ContextScheme)
 
 Spec = tuple[tuple[str, ...], ...]

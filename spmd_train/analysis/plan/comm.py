@@ -31,7 +31,7 @@ from spmd_train.analysis.plan.candidate import (
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.config.field_types import DTYPE_BYTES
 from spmd_train.config.matrix_moves import local_matrices, whole_matrix_bytes, whole_matrix_moves
-from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
+from spmd_train.config.mesh_schema import MESH_AXES, RECOMPUTES_LAYER, STACKING_AXES
 from spmd_train.config.optimizer_facts import muon_dimensions, newton_schulz_flops
 from spmd_train.config.precision_schema import sums_in_reduce_dtype, takes_quantized
 from spmd_train.config.resolved_rules import RuleTables
@@ -189,7 +189,7 @@ def tensor_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
     # input split and gather it again). MLA's down-projections keep the split input as their residual: its
     # attention gathers for the recompute and, where a head-split projection reads the input, for that weight's
     # gradient too.
-    full = c.remat == "full"
+    full = c.remat in RECOMPUTES_LAYER
     direct = m.heads_read_residual
     attn, mlp_reduces, gathers = 1 + full + direct, 2, 3
     attn_gathers = 2 + full + direct if m.latent_width else gathers
@@ -362,7 +362,7 @@ def context_terms(m: ModelShape, c: Candidate, w: Workload) -> list[CommTerm]:
         if w.documents:
             add(once, "collective-permute", n - 1, ids)
     layers = m.num_layers * c.grad_accum
-    again = 2 if c.remat == "full" and c.context_parallel != "ring" else 1
+    again = 2 if c.remat in RECOMPUTES_LAYER and c.context_parallel != "ring" else 1
     out: dict[str, tuple[int, float]] = {}
     for table, times in ((forward, layers * again), (backward, layers), (once, c.grad_accum)):
         for op, (count, total) in table.items():

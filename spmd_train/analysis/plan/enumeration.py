@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from spmd_train.analysis.plan.candidate import CONTEXT_SCHEMES, REMAT_POLICIES, Candidate, Workload
+from spmd_train.analysis.plan.candidate import CONTEXT_SCHEMES, SEARCHED_REMATS, Candidate, Workload
 from spmd_train.analysis.plan.labels import Scope
 from spmd_train.analysis.plan.memory import MemoryModel, context_scheme, state_bytes
 from spmd_train.analysis.plan.rejections import (
@@ -108,7 +108,7 @@ def _fit_accumulation(memory: MemoryModel, z: Candidate, work: Workload, hbm: fl
                       rejections: list[Rejection], cache: dict[tuple, tuple[_Fit, ...]]) -> int:
     """Per remat policy, the smallest grad accumulation that fits; returns the memory estimates made."""
     accums = _accumulations(work.global_batch // z.batch_ways, z.pipeline_microbatches or 1)
-    remats = [_derive(z, remat=remat) for remat in REMAT_POLICIES]
+    remats = [_derive(z, remat=remat) for remat in SEARCHED_REMATS]
     # Memory reads these fields of `z` (`MemoryModel`): candidates that differ only in others share their fits.
     key = (z.sizes, z.zero_stage, z.sequence_parallel, context_scheme(z), z.pipeline_schedule, z.pipeline_microbatches,
            z.virtual_stages)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from spmd_train.analysis.plan.candidate import REMAT_POLICIES, Candidate
+from spmd_train.analysis.plan.candidate import REMAT_POLICIES, SEARCHED_REMATS, Candidate
 from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.rejections import Rejection
 from spmd_train.analysis.plan.search import SearchResult, evaluate
@@ -53,7 +53,7 @@ def explain(result: SearchResult, asked: Candidate, given: frozenset[str]) -> Ex
 
 def _variants(result: SearchResult, asked: Candidate, given: frozenset[str]):
     stages = (asked.zero_stage,) if "zero_stage" in given else (0, 1, 2, 3)
-    remats = (asked.remat,) if "remat" in given else REMAT_POLICIES
+    remats = (asked.remat,) if "remat" in given else SEARCHED_REMATS
     rows = result.workload.global_batch // asked.batch_ways
     accums = (asked.grad_accum,) if "grad_accum" in given else [a for a in range(1, rows + 1) if rows % a == 0]
     for stage in stages:

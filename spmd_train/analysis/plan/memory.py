@@ -32,7 +32,7 @@ from spmd_train.analysis.plan.candidate import (
 from spmd_train.analysis.plan.shape import ModelShape, ParamGroup
 from spmd_train.analysis.plan.stages import chunk_layers, stored_rows_factor
 from spmd_train.config.field_types import DTYPE_BYTES
-from spmd_train.config.mesh_schema import MESH_AXES, STACKING_AXES
+from spmd_train.config.mesh_schema import MESH_AXES, OFFLOADS_ACTIVATIONS, RECOMPUTES_LAYER, STACKING_AXES
 from spmd_train.config.optimizer_facts import optimizer_facts
 from spmd_train.config.resolved_rules import RuleTables
 
@@ -84,6 +84,8 @@ class MemoryEstimate:
     host_optimizer: float = 0.0
     """offload.optimizer: the optimizer state in host memory (not in `optimizer`, which keeps the rest and the two
     slices streaming through the device)."""
+    host_activations: float = 0.0
+    """parallel.remat=offload_layer_inputs: every layer's input in host memory (`activations` keeps two in flight)."""
 
     @property
     def state(self) -> float:
@@ -183,7 +185,7 @@ def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context
     """
     c, h, f = m.compute_bytes, m.d_model, m.d_ff
     r = tensor if sequence_parallel else 1
-    if policy == "full":
+    if policy in RECOMPUTES_LAYER:  # the layer's input (in host memory under offload_layer_inputs)
         return tokens * c * h / r
     attn = attention_residual_bytes(m, policy, heads=m.num_heads / tensor, kv=m.num_kv_heads / tensor,
                                     context=context, attention=attention, scheme=scheme, ways=ways)
@@ -270,6 +272,7 @@ class _ActivationPart(NamedTuple):
     logit_grads: float
     recompute: float
     moe_dispatch: float
+    host_activations: float = 0.0
 
 
 def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None, w: Workload,
@@ -318,18 +321,24 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
         pipeline_buffers = (2 * micro + 2) * stream
     else:
         activations, pipeline_buffers = layers + per_stack, 0.0
+    host_activations = 0.0
+    if c.remat in OFFLOADS_ACTIVATIONS and c.pipeline == 1:
+        # Every layer's input in host memory, two in flight on the device. (A pipeline stage's stash is counted as
+        # full remat's: what libtpu offloads of it is not measured.)
+        host_activations = layers
+        activations = activations - layers + 2 * layers / (m.num_layers + m.mtp_depth)
     logit_grads = tokens * m.vocab_size / c.tensor * m.compute_bytes
     # Each multi-token prediction module's head keeps its own logits until the backward pass, beside the main head's;
     # the backward takes the heads' cotangents one at a time.
     logits = (1 + m.mtp_depth) * (tokens * m.vocab_size / c.tensor * 4 if w.xla_cpu else logit_grads)
     recompute = 0.0
-    if c.remat == "full":  # the largest layer's residuals, rebuilt for its backward
+    if c.remat in RECOMPUTES_LAYER:  # the largest layer's residuals, rebuilt for its backward
         recompute = layer_activation_bytes(m, "none", **kw)
         if m.moe_layers:
             recompute = max(recompute, layer_activation_bytes(m, "none", moe=True, slots=slots, **kw))
     dispatch = 2 * slots * m.d_model * m.compute_bytes if m.moe_layers and c.expert > 1 else 0.0
     return _ActivationPart(grad_accum > 1 or c.pipeline > 1, activations, pipeline_buffers, logits, logit_grads,
-                           recompute, dispatch)
+                           recompute, dispatch, host_activations)
 
 
 def _rest(s: _StatePart, a: _ActivationPart) -> float:
@@ -352,7 +361,7 @@ def _assemble(s: _StatePart, a: _ActivationPart) -> MemoryEstimate:
                           head_weights=s.head_weights,
                           head_grads=s.head_grads, layer_weights=s.layer_weights, recompute=a.recompute,
                           moe_dispatch=a.moe_dispatch, workspace=WORKSPACE_FRACTION * _rest(s, a),
-                          host_optimizer=s.host_optimizer)
+                          host_optimizer=s.host_optimizer, host_activations=a.host_activations)
 
 
 @functools.lru_cache(maxsize=1 << 14)

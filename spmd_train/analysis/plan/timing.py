@@ -17,9 +17,10 @@ from spmd_train.analysis.plan.candidate import (
     schedule_stats,
 )
 from spmd_train.analysis.plan.comm import CommTerm, optimizer_flops
-from spmd_train.analysis.plan.memory import state_bytes
+from spmd_train.analysis.plan.memory import estimate_memory, state_bytes
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.stages import stage_imbalance
+from spmd_train.config.mesh_schema import OFFLOADS_ACTIVATIONS, RECOMPUTES_LAYER
 from spmd_train.config.precision_schema import quantizes_experts
 from spmd_train.hardware import Hardware
 
@@ -139,7 +140,7 @@ def device_flops(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float
     experts_fwd = 2 * m.routed_expert_params  # routed experts, forward
     head = m.d_model * m.vocab_size
     extra = 0.0  # per token
-    if c.remat == "full":
+    if c.remat in RECOMPUTES_LAYER:
         extra = 2 * (m.matmul_params - head) + attention_fwd
     elif c.remat == "save_matmuls_no_batch":
         extra = attention_fwd + experts_fwd
@@ -172,7 +173,7 @@ def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, term
     hidden = min(hideable, compute)
     total = sum(times)
     exposed = total - hidden
-    host = host_transfer_seconds(m, c, w, hw)
+    host = host_transfer_seconds(m, c, w, hw, compute)
     step = (compute if hw.simulated else compute / (1 - bubble)) + exposed + host
     hidden_share = hidden / hideable if hideable else 0.0
     per_axes: dict[tuple[str, ...], list[float]] = {}
@@ -187,12 +188,19 @@ def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, term
                   mfu=model / (step * hw.peak_flops * c.devices), axes=axes, host_transfer=host)
 
 
-def host_transfer_seconds(m: ModelShape, c: Candidate, w: Workload, hw: Hardware) -> float:
-    """Seconds a step spends moving the offloaded optimizer state to the device and back (0 without offload; the
-    device kind's host link, `DeviceSpec.host_link`, each way; none where no source gives it)."""
-    if not w.offload_optimizer or hw.spec.host_link is None:
+def host_transfer_seconds(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, compute: float) -> float:
+    """Seconds of the step's host-link transfers on its critical path, at the device kind's `DeviceSpec.host_link`
+    each way (none where no source gives it): the offloaded optimizer state in and out after the backward pass, and
+    under parallel.remat=offload_layer_inputs the layers' inputs out in the forward pass and back in the backward,
+    hidden behind the `compute` seconds they overlap."""
+    link = hw.spec.host_link
+    if link is None:
         return 0.0
-    return state_bytes(m, c, w)[2] * w.offload_optimizer / hw.spec.host_link
+    seconds = state_bytes(m, c, w)[2] * w.offload_optimizer / link if w.offload_optimizer else 0.0
+    if c.remat in OFFLOADS_ACTIVATIONS:
+        inputs = estimate_memory(m, c, w).host_activations * c.grad_accum
+        seconds += max(0.0, 2 * inputs / link - compute)
+    return seconds
 
 
 def _overlaps(t: CommTerm, c: Candidate) -> bool:

@@ -30,9 +30,9 @@ class OffloadConfig:
     all on the device."""
     optimizer_groups: PositiveInt | None = None
     """How many slices the offloaded state streams through the device in (each array is cut along a dimension it is
-    not split on: the layer stack's layers, a table's rows): the device holds about 1/groups of the state at a time,
-    twice that while the next slice's transfer overlaps the current slice's update. null: one per layer of the stack
-    (model.num_layers' stored rows), at most 64."""
+    not split on and that the groups divide: the layer stack's layers, a table's rows; an array with none is updated
+    whole): the device holds about 2/groups of the state at a time, one slice updating while the next arrives. null:
+    one per layer of the stack (model.num_layers' stored rows), at most 64."""
 
     @property
     def optimizer_share(self) -> float:

@@ -1,12 +1,13 @@
 """offload.optimizer: the optimizer state in pinned host memory, streamed through the device a slice at a time.
 
 The state's parameter-shaped arrays (the moments, and precision.master's float32 copy) are stored with
-`memory_kind="pinned_host"` shardings. Each step cuts every parameter, gradient and state array into `groups` slices
-along a dimension no mesh axis splits (the layer stack's layers, a table's rows: a slice is a local cut, no data moves
-between devices), and for each slice brings its state to the device, runs the optimizer on it, keeps or drops the
-result as the step guards decided, and sends it back. XLA overlaps one slice's transfers with another's update, and
-the device holds a few slices of the state at a time instead of all of it (the ZeRO-Offload idea, Ren et al. 2021,
-with the update kept on the device).
+`memory_kind="pinned_host"` shardings. Each step cuts every parameter, gradient and state array into `groups` equal
+slices along a dimension no mesh axis splits (the layer stack's layers, a table's rows: a slice is a local cut, no
+data moves between devices) and, in a loop over the groups, brings one slice of the state to the device, runs the
+optimizer on it, keeps or drops the result as the step guards decided, and writes it back in place. In a loop XLA
+fetches at most one slice ahead, so the device holds about two slices of the state instead of all of it (the
+ZeRO-Offload idea, Ren et al. 2021, with the update kept on the device). Arrays with no such dimension are updated
+whole beside the loop.
 
 Exact: the optimizers allowed (`config.optimizer_facts.OptimizerFacts.elementwise`) update each element from its own
 gradient, state and value, so a slice's update is the whole update's slice; gradient clipping, the one step that reads
@@ -33,7 +34,7 @@ from spmd_train.sharding.arithmetic import entry_axes
 from spmd_train.train.master_weights import to_f32
 
 MAX_GROUPS = 64
-"""The most slices `offload.optimizer_groups=null` picks (each is an unrolled copy of the optimizer's update)."""
+"""The most slices `offload.optimizer_groups=null` picks."""
 
 
 @dataclass(frozen=True)

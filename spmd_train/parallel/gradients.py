@@ -1,8 +1,9 @@
 """Loss and gradients of one global batch, with one gradient reduction per step per replica axis.
 
 Forward and backward run in a `shard_map` manual over the axes the gradients are replicated on; each device
-sums its own gradient over all microbatches and one explicit psum per step reduces it. `tensor`, and `fsdp`
-from ZeRO stage 2, stay compiler-partitioned (deliberately: see the docs).
+sums its own gradient over all microbatches and one explicit reduction per step sums it: a reduce-scatter into
+the optimizer's shard over the ZeRO axes (ZeRO-1), a psum over the others. `tensor`, and `fsdp` from ZeRO stage 2,
+stay compiler-partitioned (deliberately: see the docs).
 
 Details: docs/architecture.md#the-gradient-region
 """

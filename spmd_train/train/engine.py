@@ -92,7 +92,8 @@ class Engine:
     offload: OffloadPlan | None = None
     """Where offload.optimizer keeps the optimizer state and how it streams (None: on the device)."""
     stream_tx: optax.GradientTransformation | None = None
-    """With `offload`: `tx` without its clipping, which the step runs first on the whole gradient."""
+    """With `offload`: `tx` without its clipping, which the step applies slice by slice from the whole gradient's
+    norm (`train.offload.clipper`)."""
 
     @classmethod
     def build(cls, cfg: Config, devices: list[jax.Device] | None = None) -> Engine:
@@ -371,9 +372,7 @@ class Engine:
             if self.offload is None:
                 updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
                 params = apply(state.params, updates)
-            else:  # a slice at a time through the device, each kept or dropped as the guards decided
-                # Clipped whole, before the slices: measured on v5p, clipping each slice as it streams let XLA
-                # schedule the slices' transfers worse (device peak 17.7 GB against 14.9 for Llama-3-8B, fsdp 8).
+            else:  # a slice at a time through the device, each clipped, updated and kept or dropped in turn
                 params, opt_state = streamed_update(self.stream_tx, self.offload, grads, state.opt_state,
                                                     state.params, reason == 0, apply, clipper(grads, self.cfg))
         counts = values.pop("expert_counts", None)  # with MoE layers

@@ -38,7 +38,8 @@ from spmd_train.train.trainer import Trainer
 MATMULS = {"default": ["precision.matmul=default"], "fp8": ["precision.matmul=fp8"],
            "fp8-row": ["precision.matmul=fp8", "precision.fp8_scaling=row"], "int8": ["precision.matmul=int8"]}
 """--matmuls choices and the precision keys each sets."""
-OFFLOADS = {"none": [], "optimizer": ["offload.optimizer=true"], "layer_inputs": ["parallel.remat=offload_layer_inputs"]}
+OFFLOADS = {"none": [], "optimizer": ["offload.optimizer=true"],
+            "layer_inputs": ["parallel.remat=offload_layer_inputs"]}
 """--offload choices and the keys each sets (docs/memory.md): the optimizer state, or each layer's input (in place
 of --remat), in pinned host memory."""
 

@@ -26,21 +26,21 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={D
 
 import jax  # noqa: E402
 
+from benchmarks.plan_accuracy import live_peak  # noqa: E402
 from spmd_train import load_config  # noqa: E402
 from spmd_train.analysis import describe  # noqa: E402
 
 GIB = 2**30
 
 
-def _dumped(seen: set[str]) -> tuple[float, float]:
-    """(heap, live peak) in bytes of the step program dumped since `seen`: the default memory space's total in the
-    memory-usage report, and the live-range peak less the host memory space (cmem)."""
+def _dumped(seen: set[str], live_seen: set[str]) -> tuple[float, float]:
+    """(heap, live peak) in bytes of the step program dumped since `seen` / `live_seen`: the default memory space's
+    total in the memory-usage report, and the live-range peak (`plan_accuracy.live_peak`) less the host memory
+    space (cmem)."""
     new = sorted(set(glob.glob(os.path.join(DUMP, "*step_fn*memory-usage-report.txt"))) - seen)
     report = open(new[-1]).read()
     spaces = dict(re.findall(r"Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", report))
-    live_file = new[-1].replace("memory-usage-report.txt", "live-range.txt")
-    live = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", open(live_file).read()).group(1)
-    return float(spaces["default"]), float(live.replace(" ", "")) - float(spaces.get("cmem", 0))
+    return float(spaces["default"]), live_peak(DUMP, live_seen, "tpu") - float(spaces.get("cmem", 0))
 
 
 def main() -> None:
@@ -50,11 +50,11 @@ def main() -> None:
     args = parser.parse_args()
     base = ["model.preset=llama3-8b", f"model.num_layers={args.layers}", "mesh.fsdp=8", "mesh.tensor=1", "mesh.data=1",
             "train.global_batch_size=8", "train.seq_len=2048", "parallel.remat=full"]
-    rows = {}
+    rows, live_seen = {}, set()
     for name, extra in (("on the device", []), ("offload.optimizer=true", ["offload.optimizer=true"])):
         seen = set(glob.glob(os.path.join(DUMP, "*step_fn*memory-usage-report.txt")))
         d = dict(describe(load_config(None, [*base, *extra]), topology=args.topology).per_device)
-        d["heap"], d["live"] = _dumped(seen)
+        d["heap"], d["live"] = _dumped(seen, live_seen)
         rows[name] = d
         print(f"{name:24s} peak {d['peak_bytes'] / GIB:6.2f} GiB (arguments {d['argument_bytes'] / GIB:5.2f}, "
               f"temporaries {d['temp_bytes'] / GIB:5.2f}), heap {d['heap'] / GIB:6.2f} GiB, "

@@ -12,6 +12,9 @@ from spmd_train.config.field_types import STRICT, PositiveInt
 OffloadFraction = Annotated[float, Field(gt=0, le=1)]
 """A share of the optimizer state's bytes in (0, 1]."""
 
+MAX_GROUPS = 64
+"""The most slices `offload.optimizer_groups=null` picks."""
+
 HOST_MEMORY_KIND = "pinned_host"
 """The memory kind offloaded arrays live in: page-locked host memory, which the device reads and writes by DMA."""
 
@@ -38,3 +41,9 @@ class OffloadConfig:
     def optimizer_share(self) -> float:
         """The share of the optimizer state's bytes kept on the host (0: none)."""
         return float(self.optimizer) if not isinstance(self.optimizer, bool) else 1.0 if self.optimizer else 0.0
+
+
+def optimizer_groups(given: int | None, stack_rows: int) -> int:
+    """The slices the offloaded optimizer state streams in: offload.optimizer_groups as `given`, or one per stored row
+    of the layer stack, at most MAX_GROUPS (the engine's `train.offload` and the planner's memory model both ask)."""
+    return given or max(1, min(stack_rows, MAX_GROUPS))

@@ -13,6 +13,12 @@ from spmd_train.config.model_schema import ModelConfig
 Spec = tuple[tuple[int, ...], tuple[str, ...]]
 """(shape, logical axes) of one parameter, unstacked."""
 
+def in_layer_stack(path) -> bool:
+    """Whether a parameter's tree path (jax key path) is under `blocks`, the layer stack whose arrays stack the layers
+    on axis 0."""
+    return any(getattr(k, "key", None) == "blocks" for k in path)
+
+
 EXPERT_GATE_UP_AXES = ("experts", "embed", "expert_mlp")
 EXPERT_DOWN_AXES = ("experts", "expert_mlp", "embed")
 EXPERT_BIAS_UP_AXES = ("experts", "expert_mlp")

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd_train.models.param_specs import in_layer_stack
+
 BIAS = "router_bias"
 
 
@@ -69,8 +71,7 @@ def bias_rows(params: Any, model_rows: np.ndarray | None = None) -> jax.Array | 
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if is_router_bias(path):
-            in_stack = any(getattr(k, "key", None) == "blocks" for k in path)
-            rows = leaf if model_rows is None or not in_stack else leaf[np.asarray(model_rows)]
+            rows = leaf if model_rows is None or not in_layer_stack(path) else leaf[np.asarray(model_rows)]
             out.append(rows.reshape(-1, leaf.shape[-1]))
     return jnp.concatenate(out) if out else None
 

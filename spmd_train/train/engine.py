@@ -26,6 +26,7 @@ from spmd_train.config.schema import Config
 from spmd_train.data.batch import Batch, as_batch
 from spmd_train.errors import ConfigError
 from spmd_train.mesh import build_mesh
+from spmd_train.models.param_specs import in_layer_stack
 from spmd_train.models.transformer import Transformer
 from spmd_train.ops import cross_entropy
 from spmd_train.ops.matmul_mode import use_matmul
@@ -243,7 +244,7 @@ class Engine:
     def num_params(self) -> int:
         """Total parameter count (of the model: an uneven pipeline's padding rows are not parameters)."""
         rows, stored = self.cfg.model.stack_rows, self.stored_rows
-        return sum(math.prod(x.shape) // stored * rows if _in_stack(path) else math.prod(x.shape)
+        return sum(math.prod(x.shape) // stored * rows if in_layer_stack(path) else math.prod(x.shape)
                    for path, x in jax.tree_util.tree_flatten_with_path(self.param_shapes)[0])
 
     @property
@@ -432,7 +433,7 @@ def _take_layers(tree: Any, index: np.ndarray, rows: int) -> Any:
     pad = index < 0
 
     def take(path, leaf):
-        if not (_in_stack(path) and leaf.ndim and leaf.shape[0] == rows):
+        if not (in_layer_stack(path) and leaf.ndim and leaf.shape[0] == rows):
             return leaf
         taken = leaf[np.maximum(index, 0)]
         if not pad.any():
@@ -441,9 +442,6 @@ def _take_layers(tree: Any, index: np.ndarray, rows: int) -> Any:
 
     return jax.tree_util.tree_map_with_path(take, tree)
 
-
-def _in_stack(path) -> bool:
-    return any(getattr(k, "key", None) == "blocks" for k in path)
 
 
 def _backends(cfg: Config, layout: Layout) -> Backends:

@@ -27,14 +27,14 @@ import optax
 from jax.sharding import NamedSharding
 
 from spmd_train.config.mesh_schema import OFFLOADS_ACTIVATIONS
-from spmd_train.config.offload_schema import HOST_MEMORY_KIND
+from spmd_train.config.offload_schema import HOST_MEMORY_KIND, optimizer_groups
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
+from spmd_train.models.param_specs import in_layer_stack
 from spmd_train.sharding.arithmetic import entry_axes
+from spmd_train.train.guards import keep_if
 from spmd_train.train.master_weights import to_f32
-
-MAX_GROUPS = 64
-"""The most slices `offload.optimizer_groups=null` picks."""
+from spmd_train.train.memory_fit import bytes_per_device
 
 
 @dataclass(frozen=True)
@@ -86,11 +86,6 @@ class OffloadPlan:
     """Bytes of optimizer state each device's host keeps."""
 
 
-def default_groups(cfg: Config, stored_rows: int) -> int:
-    """offload.optimizer_groups, or one slice per stored row of the layer stack (at most MAX_GROUPS)."""
-    return cfg.offload.optimizer_groups or max(1, min(stored_rows, MAX_GROUPS))
-
-
 def check_host_memory(cfg: Config, device: jax.Device) -> None:
     """Refuse offloading (the optimizer state, or activations through parallel.remat) on devices without pinned host
     memory, naming the memories they have."""
@@ -112,13 +107,13 @@ def plan_offload(cfg: Config, tx: optax.GradientTransformation, opt_shapes: Any,
     """The offload plan for a state of `opt_shapes` laid out as `opt_sh` (parameters `param_shapes`, their optimizer
     layout `param_opt_sh`): which arrays go to the host (offload.optimizer's share of the bytes, the layer stack's
     first) and how each is sliced."""
-    groups = default_groups(cfg, stored_rows)
+    groups = optimizer_groups(cfg.offload.optimizer_groups, stored_rows)
     paths_shapes = jax.tree_util.tree_flatten_with_path(param_shapes)[0]
     shardings = jax.tree.leaves(param_opt_sh)
     cuts = [_cut(s.shape, sh, groups) for (_, s), sh in zip(paths_shapes, shardings, strict=True)]
     # Which parameters' state goes to the host: the layer stack's first, in order, until the share is reached.
     sizes = [math.prod(s.shape) for _, s in paths_shapes]
-    order = sorted(range(len(sizes)), key=lambda i: (not _in_stack(paths_shapes[i][0]), i))
+    order = sorted(range(len(sizes)), key=lambda i: (not in_layer_stack(paths_shapes[i][0]), i))
     target, taken, host = cfg.offload.optimizer_share * sum(sizes), 0, set()
     for i in order:
         if taken >= target * (1 - 1e-9):
@@ -129,8 +124,9 @@ def plan_offload(cfg: Config, tx: optax.GradientTransformation, opt_shapes: Any,
     offloaded = jax.tree.unflatten(treedef, [i in host for i in range(len(sizes))])
     stored = optax.tree_map_params(tx, lambda sh, off: sh.with_memory_kind(HOST_MEMORY_KIND) if off else sh,
                                    opt_sh, offloaded, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-    host_bytes = sum(_bytes(s, sh) for s, sh in zip(jax.tree.leaves(opt_shapes), jax.tree.leaves(stored), strict=True)
-                     if sh.memory_kind == HOST_MEMORY_KIND)
+    on_host = [(s, sh) for s, sh in zip(jax.tree.leaves(opt_shapes), jax.tree.leaves(stored), strict=True)
+               if sh.memory_kind == HOST_MEMORY_KIND]
+    host_bytes = bytes_per_device([s for s, _ in on_host], [sh for _, sh in on_host])
     return OffloadPlan(groups, jax.tree.unflatten(treedef, cuts), opt_sh, stored, host_bytes)
 
 
@@ -173,8 +169,7 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
         updates, new = tx.update(clip(param_def.unflatten(g_leaves)), state_def.unflatten(s_leaves),
                                  param_def.unflatten(p_leaves))
         new_params = jax.tree.leaves(apply(param_def.unflatten(p_leaves), updates))
-        return ([jnp.where(keep, n, o) for n, o in zip(new_params, p_leaves, strict=True)],
-                [jnp.where(keep, n, o) for n, o in zip(jax.tree.leaves(new), s_leaves, strict=True)])
+        return keep_if(keep, new_params, p_leaves), keep_if(keep, jax.tree.leaves(new), s_leaves)
 
     # The resident arrays whole (the streamed ones empty); this call also gives the step counts their new values.
     pick = lambda leaves, cut_of: [_empty(x) if c.streamed else x for x, c in zip(leaves, cut_of, strict=True)]
@@ -185,6 +180,11 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
     out_params = [x if c.streamed else n for x, n, c in zip(param_leaves, new_p, cuts, strict=True)]
     out_state = [n if r is None else x if r.streamed else jax.device_put(n, sh)
                  for x, n, r, sh in zip(state_leaves, new_s, state_cuts, stored, strict=True)]
+
+    # The loop carries every array (the step counts and resident ones pass through unchanged: the first call's);
+    # each slice's update reads the step counts as the step began.
+    state_leaves_in_loop = lambda s_all: [old if r is None else x for x, old, r in
+                                          zip(s_all, state_leaves, state_cuts, strict=True)]
 
     def body(group, carry):
         p_all, s_all = carry
@@ -198,9 +198,6 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
                  for x, n, r, sh in zip(s_all, new_s, state_cuts, stored, strict=True)]
         return p_all, s_all
 
-    # The loop carries every array (the step counts and resident ones pass through unchanged: the first call's).
-    state_leaves_in_loop = lambda s_all: [old if r is None else x for x, old, r in
-                                          zip(s_all, state_leaves, state_cuts, strict=True)]
     with jax.named_scope("offload_stream"):
         out_params, out_state = jax.lax.fori_loop(0, plan.groups, body, (out_params, out_state))
     return param_def.unflatten(out_params), state_def.unflatten(out_state)
@@ -216,12 +213,3 @@ def _cut(shape: tuple[int, ...], sharding: NamedSharding, groups: int) -> Cut:
     # and a slice of rows is one contiguous block anyway.
     free = [d for d in range(len(shape) - 1) if not entry_axes(sharding.spec, d) and shape[d] % groups == 0]
     return Cut(free[0], shape[free[0]] // groups) if free and groups > 1 else Cut(None)
-
-
-def _bytes(shape: Any, sharding: NamedSharding) -> int:
-    local = sharding.shard_shape(shape.shape)
-    return math.prod(local) * jnp.dtype(shape.dtype).itemsize
-
-
-def _in_stack(path) -> bool:
-    return any(getattr(k, "key", None) == "blocks" for k in path)

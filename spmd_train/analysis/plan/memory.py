@@ -33,6 +33,7 @@ from spmd_train.analysis.plan.shape import ModelShape, ParamGroup
 from spmd_train.analysis.plan.stages import chunk_layers, stored_rows_factor
 from spmd_train.config.field_types import DTYPE_BYTES
 from spmd_train.config.mesh_schema import MESH_AXES, OFFLOADS_ACTIVATIONS, RECOMPUTES_LAYER, STACKING_AXES
+from spmd_train.config.offload_schema import optimizer_groups
 from spmd_train.config.optimizer_facts import optimizer_facts
 from spmd_train.config.resolved_rules import RuleTables
 
@@ -284,8 +285,7 @@ def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTa
     if host:
         # offload.optimizer (`train.offload`): the device keeps the rest, and in the update two slices of the
         # offloaded state (one updating, the next arriving), after the activations are gone.
-        groups = w.offload_groups or max(1, min(m.num_layers, 64))
-        opt = opt - host + 2 * host / groups
+        opt = opt - host + 2 * host / optimizer_groups(w.offload_groups, m.num_layers)
     return _StatePart(params, grads, opt, head, tables, layer_w, host)
 
 

@@ -17,7 +17,7 @@ from spmd_train.analysis.plan.candidate import (
     schedule_stats,
 )
 from spmd_train.analysis.plan.comm import CommTerm, optimizer_flops
-from spmd_train.analysis.plan.memory import estimate_memory, state_bytes
+from spmd_train.analysis.plan.memory import estimate_memory
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.stages import stage_imbalance
 from spmd_train.config.mesh_schema import OFFLOADS_ACTIVATIONS, RECOMPUTES_LAYER
@@ -69,8 +69,8 @@ class Timing:
     mfu: float
     axes: tuple[AxisTime, ...]
     host_transfer: float = 0.0
-    """offload.optimizer: seconds to move the offloaded state in and out over the host link (each way at once, so the
-    larger direction), after the backward pass: on the critical path (the update beside it is short)."""
+    """Seconds of host-link transfers on the critical path (`host_transfer_seconds`): offload.optimizer's state in and
+    out, and offloaded layer inputs where they outlast the compute."""
 
 
 TIE = 1e-4
@@ -194,13 +194,11 @@ def host_transfer_seconds(m: ModelShape, c: Candidate, w: Workload, hw: Hardware
     under parallel.remat=offload_layer_inputs the layers' inputs out in the forward pass and back in the backward,
     hidden behind the `compute` seconds they overlap."""
     link = hw.spec.host_link
-    if link is None:
+    if link is None or not (w.offload_optimizer or c.remat in OFFLOADS_ACTIVATIONS):
         return 0.0
-    seconds = state_bytes(m, c, w)[2] * w.offload_optimizer / link if w.offload_optimizer else 0.0
-    if c.remat in OFFLOADS_ACTIVATIONS:
-        inputs = estimate_memory(m, c, w).host_activations * c.grad_accum
-        seconds += max(0.0, 2 * inputs / link - compute)
-    return seconds
+    memory = estimate_memory(m, c, w)  # what is on the host: the memory model's figures
+    inputs = memory.host_activations * c.grad_accum
+    return memory.host_optimizer / link + (max(0.0, 2 * inputs / link - compute) if inputs else 0.0)
 
 
 def _overlaps(t: CommTerm, c: Candidate) -> bool:

@@ -1,4 +1,7 @@
-"""Device and host memory of Llama-3-8B's train step with and without offload.optimizer, compiled for a TPU slice.
+"""Device and host memory of Llama-3-8B's train step with and without host offload, compiled for a TPU slice.
+
+Three layouts: full remat with the state on the device, the same with offload.optimizer=true, and
+parallel.remat=offload_layer_inputs (each layer's input in host memory, against full remat).
 
 Each layout is compiled once through libtpu (the `tpu-aot` extra) by `analysis.step_report.describe`. Three device
 figures, as three parts of XLA see them: `compiled.memory_analysis()`'s peak (arguments + outputs + temporaries -
@@ -51,7 +54,8 @@ def main() -> None:
     base = ["model.preset=llama3-8b", f"model.num_layers={args.layers}", "mesh.fsdp=8", "mesh.tensor=1", "mesh.data=1",
             "train.global_batch_size=8", "train.seq_len=2048", "parallel.remat=full"]
     rows, live_seen = {}, set()
-    for name, extra in (("on the device", []), ("offload.optimizer=true", ["offload.optimizer=true"])):
+    for name, extra in (("on the device", []), ("offload.optimizer=true", ["offload.optimizer=true"]),
+                        ("remat=offload_layer_inputs", ["parallel.remat=offload_layer_inputs"])):
         seen = set(glob.glob(os.path.join(DUMP, "*step_fn*memory-usage-report.txt")))
         d = dict(describe(load_config(None, [*base, *extra]), topology=args.topology).per_device)
         d["heap"], d["live"] = _dumped(seen, live_seen)
@@ -66,6 +70,9 @@ def main() -> None:
         saved = plain[key] - off[key]
         print(f"{what}: falls by {saved / GIB:.2f} GiB, {saved / state:.0%} of the optimizer state's "
               f"{state / GIB:.2f} GiB per device")
+    inputs = rows["remat=offload_layer_inputs"]
+    print(f"layer inputs offloaded: {inputs['host_temp_bytes'] / GIB:.2f} GiB of host temporaries; device "
+          f"temporaries {plain['temp_bytes'] / GIB:.2f} -> {inputs['temp_bytes'] / GIB:.2f} GiB")
     print(f"{datetime.date.today()}, jax {jax.__version__}, {platform.machine()}")
 
 

@@ -38,12 +38,12 @@ GIB = 2**30
 
 def _dumped(seen: set[str], live_seen: set[str]) -> tuple[float, float]:
     """(heap, live peak) in bytes of the step program dumped since `seen` / `live_seen`: the default memory space's
-    total in the memory-usage report, and the live-range peak (`plan_accuracy.live_peak`) less the host memory
-    space (cmem)."""
+    total in the memory-usage report, and the live-range peak (`plan_accuracy.live_peak`, the host's memory space
+    left out)."""
     new = sorted(set(glob.glob(os.path.join(DUMP, "*step_fn*memory-usage-report.txt"))) - seen)
     report = open(new[-1]).read()
     spaces = dict(re.findall(r"Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", report))
-    return float(spaces["default"]), live_peak(DUMP, live_seen, "tpu") - float(spaces.get("cmem", 0))
+    return float(spaces["default"]), live_peak(DUMP, live_seen, "tpu")
 
 
 def main() -> None:

@@ -94,6 +94,11 @@ def _grid() -> list[Layout]:
             "parallel.remat=none", "parallel.pipeline_layers=null")
     out += [Layout(f"pipeline 4 x fsdp 2, {s}", "tiny", (*pipe, f"parallel.pipeline_schedule={s}"),
                    topology=slice8, model="llama-1b") for s in ("gpipe", "1f1b")]
+    # benchmarks/offload.py's layout: the optimizer state (7.48 GiB a chip) in host memory, two slices on the device.
+    out += [Layout("fsdp 8, remat full, optimizer offloaded", mp,
+                   ("model.preset=llama3-8b", "mesh.fsdp=8", "mesh.tensor=1", "mesh.data=1",
+                    "train.global_batch_size=8", "train.seq_len=2048", "parallel.remat=full", "offload.optimizer=true"),
+                   topology=slice8, model="llama3-8b")]
     out += [Layout("fsdp 64 x tensor 8", "llama3-8b_v5p-512", ("train.global_batch_size=64", "train.seq_len=1024"),
                    topology="v5p:8x8x8", model="llama3-8b"),
             Layout("fsdp 8 x sequence 8, ring", "llama3-8b_128k_v5p", ("train.seq_len=4096",),
@@ -176,7 +181,8 @@ LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
 
 def live_peak(dump_dir: str | None, seen: set[str], platform: str) -> float | None:
     """The live-range peak of the step program compiled for `platform` (cpu, tpu) since `seen` was taken (XLA's
-    dump), or None."""
+    dump), less what its memory-usage report puts in the host's memory space (color 5, S(5) in the HLO: where
+    offload.optimizer keeps the state), or None."""
     if not dump_dir:
         return None
     new = sorted(set(glob.glob(os.path.join(dump_dir, "*step_fn*live-range.txt"))) - seen)
@@ -186,7 +192,19 @@ def live_peak(dump_dir: str | None, seen: set[str], platform: str) -> float | No
         return None
     with open(new[-1]) as f:  # module numbers rise with each compile: the last is the step describe reports
         found = LIVE_PEAK.search(f.read())
-    return float(found.group(1).replace(" ", "")) if found else None
+    if not found:
+        return None
+    return float(found.group(1).replace(" ", "")) - _host_space(new[-1].replace("live-range.txt",
+                                                                                "memory-usage-report.txt"))
+
+
+def _host_space(report: str) -> float:
+    """Bytes a memory-usage report assigns in the host's memory space (0 without the report or the space)."""
+    if not os.path.exists(report):
+        return 0.0
+    with open(report) as f:
+        found = re.search(r"Memory Space: \S+ \(color=5\)\nTotal bytes: (\d+)", f.read())
+    return float(found.group(1)) if found else 0.0
 
 
 def run(layouts: list[Layout], dump_dir: str | None = None) -> tuple[list[dict], float]:

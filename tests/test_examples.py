@@ -126,9 +126,10 @@ def test_every_documented_command_is_run_or_skipped_for_a_stated_reason():
 
 
 def _in_fresh_dir(tmp_path: Path) -> Path:
-    """A directory like a fresh clone's root for the example: configs/ and the Hugging Face reference
+    """A directory like a fresh clone's root for the example: configs/, models/ and the Hugging Face reference
     checkpoints (read-only use), nothing else."""
     (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "models").symlink_to(ROOT / "models")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "hf_reference").symlink_to(ROOT / "tests" / "hf_reference")
     return tmp_path

@@ -7,6 +7,7 @@ import pytest
 
 from spmd_train import Engine, load_config
 from spmd_train.analysis import describe
+from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.errors import ConfigError
 from spmd_train.train.offload import check_host_memory, clipper, streamed_update
 from tests.runs import TINY, run_steps
@@ -125,12 +126,12 @@ def test_the_planner_counts_the_offloaded_state_on_the_host_and_two_slices_on_th
     from spmd_train.analysis.plan.memory import WORKSPACE_FRACTION, estimate_memory
 
     cfg = load_config(None, [*TINY, "mesh.fsdp=8", "offload.optimizer=0.5", "offload.optimizer_groups=4"])
-    work = Workload.from_config(cfg)
-    assert (work.offload_optimizer, work.offload_groups) == (0.5, 4)
+    assert Workload.from_config(cfg).offload_groups == 4
+    assert Candidate.from_config(cfg, {**dict.fromkeys(MESH_AXES, 1), "fsdp": 8}).offload == 0.5
     shape, layout = ModelShape.from_config(cfg.model), Candidate(fsdp=8)
     plain = estimate_memory(shape, layout, Workload(32, 16))
     for share, groups, device in ((1.0, 0, 2 / cfg.model.num_layers), (0.5, 4, 0.5 + 2 * 0.5 / 4)):
-        off = estimate_memory(shape, layout, Workload(32, 16, offload_optimizer=share, offload_groups=groups))
+        off = estimate_memory(shape, Candidate(fsdp=8, offload=share), Workload(32, 16, offload_groups=groups))
         assert off.host_optimizer == pytest.approx(share * plain.optimizer)
         assert off.optimizer == pytest.approx(device * plain.optimizer)
         # The device's peak falls by what left it (and the workspace allowance on it).
@@ -146,14 +147,14 @@ def test_the_step_time_counts_the_state_crossing_the_host_link():
 
     cfg = load_config(None, ["model.preset=llama3-8b", "mesh.fsdp=8", "mesh.tensor=1", "offload.optimizer=true"])
     shape, layout, h100 = ModelShape.from_config(cfg.model), Candidate(fsdp=8), hardware("h100")
-    off, plain = Workload.from_config(cfg, "gpu"), Workload(8, 4096)
-    state = state_bytes(shape, layout, off)[2]
+    work, offloaded = Workload.from_config(cfg, "gpu"), Candidate(fsdp=8, offload=1.0)
+    state = state_bytes(shape, layout, work)[2]
     assert state == pytest.approx(8.03e9 * 8 / 8, rel=0.01)  # AdamW's two float32 moments, over 8 GPUs
-    with_host = estimate_timing(shape, layout, off, h100, [])
+    with_host = estimate_timing(shape, offloaded, work, h100, [])
     # PCIe Gen5 x16: 64 GB/s each way, in and out at once.
     assert with_host.host_transfer == pytest.approx(state / 64e9)
     assert time_parts(with_host, 8)["optimizer state over the host link"] == with_host.host_transfer
-    assert estimate_timing(shape, layout, plain, h100, []).host_transfer == 0
+    assert estimate_timing(shape, layout, work, h100, []).host_transfer == 0
 
 
 def test_offloading_the_layer_inputs_trains_as_full_remat_does(devices):
@@ -176,3 +177,58 @@ def test_the_planner_keeps_the_layer_inputs_on_the_host():
     assert off.host_activations == pytest.approx(4 * one_input)
     assert full.activations - off.activations == pytest.approx(2 * one_input)  # two of four stay, in flight
     assert (off.recompute, off.host_optimizer, full.host_activations) == (full.recompute, 0, 0)
+
+
+def test_the_planner_offloads_the_optimizer_state_only_where_nothing_else_fits():
+    # Llama-3-8B, a full fine-tune with a float32 master copy, 8 x 4096 tokens: on one H200 nothing fits with the
+    # 12 bytes of state per parameter on the device; with them on the host the best layout fits. On 8 H200s ZeRO fits
+    # without the host, and every offloading setting is set aside as dominated (it only adds host transfers).
+    from spmd_train.analysis.plan import Candidate, Workload
+    from spmd_train.analysis.plan.candidate import SEARCHED_REMATS, searched_settings
+    from spmd_train.analysis.plan.enumeration import OFFLOADED
+    from spmd_train.analysis.plan.labels import config_for, parse_label
+    from spmd_train.analysis.plan.search import search
+    from spmd_train.analysis.plan.target import target_for
+
+    cfg = load_config("models/llama3-8b.yaml", ["precision.preset=bf16-master", "train.global_batch_size=8",
+                                                "train.seq_len=4096"])
+    one = search(cfg, target_for(1, "h200", None))
+    assert one.ranked and all(r.estimate.candidate.offload == 1 for r in one.ranked)
+    best = one.ranked[0].estimate
+    assert best.fits and best.memory.host_optimizer == pytest.approx(12 * 8.03e9, rel=0.01)
+    assert best.timing.host_transfer == pytest.approx(best.memory.host_optimizer / 64e9)  # PCIe Gen5 x16, each way
+    assert config_for(cfg, best.candidate).offload.optimizer is True
+    assert parse_label(one.ranked[0].label) == best.candidate
+    eight = search(cfg, target_for(8, "h200", None))
+    assert eight.ranked[0].estimate.candidate.offload == 0
+    assert any(r.rule == OFFLOADED for r in eight.rejections)
+    assert not any(r.estimate.candidate.offload for r in eight.ranked)
+    # XLA:CPU has no separate host memory (a plan for this host's devices never offloads); Adafactor's update is not
+    # elementwise, so its state stays where it is.
+    assert searched_settings(Candidate(), Workload.from_config(cfg, "cpu")) == tuple(
+        (r, 0.0) for r in SEARCHED_REMATS)
+    adafactor = Workload.from_config(load_config("models/llama3-8b.yaml", ["optim.name=adafactor"]), "gpu")
+    assert {s for _, s in searched_settings(Candidate(), adafactor)} == {0.0}
+    assert ("offload_layer_inputs", 0.0) in searched_settings(Candidate(), adafactor)
+
+
+def test_the_gpu_compile_stage_compiles_an_offloading_layout_without_its_offload(devices):
+    # XLA:CPU's host and device are one memory: an offloading layout's device peak is the compiled peak of the layout
+    # without its offload, less the saving the estimates count (the estimate for the offloaded one minus the other's).
+    import dataclasses
+
+    from spmd_train.analysis.plan.labels import parse_label
+    from spmd_train.analysis.plan.ranking import Ranked
+    from spmd_train.analysis.plan.search import evaluate, search
+    from spmd_train.analysis.plan.target import target_for
+    from spmd_train.analysis.plan_compile import HOST_NOTE, compile_stage
+
+    result = search(load_config(None, [*TINY, "model.num_layers=8"]), target_for(8, "h100", None))
+    layout = "fsdp=8 | zero3 remat=full"  # 8 layers: the offloaded state streams in 8 slices, two on the device
+    plain, offloaded = evaluate(result, parse_label(layout)), evaluate(result, parse_label(layout + " offload"))
+    assert offloaded.memory.host_optimizer > 0 and offloaded.memory.peak < plain.memory.peak
+    stage = compile_stage(dataclasses.replace(result, ranked=(Ranked(layout + " offload", offloaded),)), 1, devices)
+    found = stage.compiled[layout + " offload"]
+    assert HOST_NOTE in found.notes
+    assert found.reference.candidate.offload == 0 and found.reference.candidate.remat == "full"
+    assert found.peak == pytest.approx(found.peak_compiled + offloaded.memory.peak - found.reference.memory.peak)

@@ -362,8 +362,8 @@ def test_bad_input_exits_2_with_one_paragraph_and_writes_nothing(tmp_path, capsy
     runs = [(TINY, *args, "--write-config", str(out)) for args, _ in cases]
     runs.append(("configs/llama3-8b_v5p-512.yaml", "--devices", "1", "--hardware", "h100", "--write-config", str(out)))
     cases.append(([], ["fits nowhere", "needs", "GiB", "ZeRO-3", "remat", "more devices (about"]))
-    runs.append(("models/llama3-8b.yaml", "--devices", "1", "--hardware", "h100"))  # a model file: named by its path
-    cases.append(([], ["the model of models/llama3-8b.yaml (8.03B parameters) fits nowhere"]))
+    runs.append(("models/llama3-70b.yaml", "--devices", "1", "--hardware", "h100"))  # a model file: named by its path
+    cases.append(([], ["the model of models/llama3-70b.yaml (70.55B parameters) fits nowhere", "offload"]))
     done = [main_in_process("plan", *a, capsys=capsys) for a in runs]
     for (args, needles), (code, out_text, err) in zip(cases, done, strict=True):
         assert code == 2, (args, out_text, err)

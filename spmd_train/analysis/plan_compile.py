@@ -8,18 +8,21 @@ Where they compile:
   between slices are the megascale sends `analysis.hlo` reads as collectives over the slow axes);
 - GPU kinds: XLA:CPU on as many simulated devices as the target has, up to `MAX_SIMULATED_DEVICES`.
   The SPMD program is partitioned and compiled once whatever the device count, and the collectives are
-  the same groups a GPU run has; the attention is XLA's, not cuDNN's (`compiled.rescore` accounts for it);
+  the same groups a GPU run has; the attention is XLA's, not cuDNN's (`compiled.rescore` accounts for it); a
+  layout that offloads to host memory compiles without it (XLA:CPU's host is its device) and the estimated
+  saving is subtracted;
 - TPU kinds named by `--devices`: no slice shape to compile for, so the stage says to give `--topology`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import jax
 
-from spmd_train.analysis.plan.candidate import Workload
+from spmd_train.analysis.plan.candidate import Candidate, Workload
 from spmd_train.analysis.plan.compiled import Compiled, rescore
 from spmd_train.analysis.plan.labels import Scope, config_for
 from spmd_train.analysis.plan.model import estimate
@@ -29,6 +32,7 @@ from spmd_train.analysis.plan.search import SearchResult
 from spmd_train.analysis.render import PIPELINE_FLOPS_NOTE
 from spmd_train.analysis.step_report import describe
 from spmd_train.analysis.topology import has_libtpu, tpu_topology_devices
+from spmd_train.config.mesh_schema import OFFLOADS_ACTIVATIONS
 from spmd_train.devices import simulate_devices
 from spmd_train.errors import ConfigError
 
@@ -39,6 +43,8 @@ row) in 12.4 s on 64 and 10.1 s on 1024 devices (0.63 and 0.72 GB): the count ba
 compiled once. Nothing above 1024 was measured, so there the stage is skipped and says why."""
 COMPILED_FIT = "does not fit in HBM when compiled"
 PIPELINE_NOTE = "pipelined programs: their compiled collective bytes are shown, and the estimates time the step"
+HOST_NOTE = ("offloading layouts: XLA:CPU's host and device are one memory, so each was compiled without its offload "
+             "and the estimated saving subtracted from that peak")
 
 
 @dataclass(frozen=True)
@@ -70,15 +76,18 @@ def compile_stage(result: SearchResult, k: int, devices: list[jax.Device] | None
     compiled, dropped = {}, []
     for ranked in result.ranked[:k]:
         c = ranked.estimate.candidate
-        cfg = config_for(result.cfg, c)
+        built = _without_offload(c) if platform == "cpu" else c
+        cfg = config_for(result.cfg, built)
         try:
             report = describe(cfg, devices=devs)
         except ConfigError as err:
             dropped.append(Rejection(c, Scope.FULL, REFUSED, f"refused when compiled: {err}", "invalid"))
             continue
-        reference = estimate(result.shape, c, result.target.hardware, global_batch=cfg.train.global_batch_size,
+        reference = estimate(result.shape, built, result.target.hardware, global_batch=cfg.train.global_batch_size,
                              seq_len=cfg.train.seq_len, workload=Workload.from_config(cfg, platform))
         notes = tuple(n for n in report.notes if n != PIPELINE_FLOPS_NOTE)
+        if built != c:
+            notes = (*notes, HOST_NOTE)
         collectives = _by_axes(report.collectives)
         if c.pipeline > 1:
             notes = (*notes, PIPELINE_NOTE)
@@ -97,6 +106,14 @@ def compile_stage(result: SearchResult, k: int, devices: list[jax.Device] | None
     first = tie_order(fitting, lambda r: compiled[r.label].timing)
     rest = [r for r in result.ranked if r.label not in compiled and r.estimate.candidate not in gone]
     return CompileStage(where, None, compiled, tuple(dropped), (*first, *rest), time.perf_counter() - start)
+
+
+def _without_offload(c: Candidate) -> Candidate:
+    """`c` keeping everything on the device: what XLA:CPU, whose host and device are one memory, compiles in its place
+    (the offload's saving is then the estimates' difference, `compiled.rescore`)."""
+    if not c.offload and c.remat not in OFFLOADS_ACTIVATIONS:
+        return c
+    return dataclasses.replace(c, offload=0.0, remat="full" if c.remat in OFFLOADS_ACTIVATIONS else c.remat)
 
 
 def _devices(result: SearchResult, given: list[jax.Device] | None) -> tuple[list[jax.Device], str, str] | str:

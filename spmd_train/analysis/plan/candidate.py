@@ -41,7 +41,11 @@ from spmd_train.parallel.schedules import build_schedule
 
 REMAT_POLICIES = get_args(RematPolicy)
 SEARCHED_REMATS = tuple(r for r in REMAT_POLICIES if r not in OFFLOADS_ACTIVATIONS)
-"""The policies `plan` searches: activation offload is estimated when a config asks for it, not yet searched."""
+"""The policies `plan` searches on every platform; those that offload activations (`OFFLOADS_ACTIVATIONS`) only
+where the workload has host memory (`Workload.host_memory`)."""
+OFFLOAD_SHARES = (0.0, 1.0)
+"""offload.optimizer's shares `plan` searches where the workload can offload it (`Workload.offloads_state`): none
+or all of the state."""
 CONTEXT_SCHEMES = get_args(ContextScheme)
 
 Spec = tuple[tuple[str, ...], ...]
@@ -67,6 +71,8 @@ class Candidate:
     """None: our default, the largest of 4p, 2p, p that divides a device's rows (`resolved_microbatches`)."""
     virtual_stages: int = 1
     grad_accum: int = 1
+    offload: float = 0.0
+    """offload.optimizer: the share of the optimizer state's bytes kept in host memory (0: none, 1: all)."""
     dcn: tuple[int, ...] = (1,) * len(MESH_AXES)
     """Slow-link (DCN / inter-node) factor of each mesh axis, in `MESH_AXES` order (like mesh.dcn); a mapping
     {axis: factor} is accepted and stored as this tuple."""
@@ -85,6 +91,8 @@ class Candidate:
                                   ("zero_stage", self.zero_stage, (0, 1, 2, 3))):
             if value not in valid:
                 raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, valid))}")
+        if not 0 <= self.offload <= 1:
+            raise ConfigError(f"offload={self.offload!r} is not a share of the optimizer state (valid: 0 to 1)")
         for axis, size, slow in zip(MESH_AXES, self.sizes, self.dcn, strict=True):
             if size < 1 or slow < 1 or size % slow:
                 raise ConfigError(f"{axis}={size} with slow-link factor {slow}: sizes and factors are positive and "
@@ -139,7 +147,7 @@ class Candidate:
                    sequence_parallel=par.sequence_parallel, context_parallel=par.context_parallel,
                    pipeline_schedule=par.pipeline_schedule, pipeline_microbatches=par.pipeline_microbatches,
                    virtual_stages=par.virtual_stages, grad_accum=cfg.train.grad_accum,
-                   dcn={a: getattr(cfg.mesh.dcn, a) for a in MESH_AXES},
+                   offload=cfg.offload.optimizer_share, dcn={a: getattr(cfg.mesh.dcn, a) for a in MESH_AXES},
                    rules=None if rules == default_rules() else rules)
 
 
@@ -168,8 +176,9 @@ class Workload:
     capacity_factor: float = 1.25
     documents: bool = False
     """Packed documents are masked (context parallelism then exchanges their ids)."""
-    offload_optimizer: float = 0.0
-    """offload.optimizer's share of the optimizer state kept in host memory (0: none)."""
+    host_memory: bool = False
+    """The platform has host memory to offload to (an accelerator's; on XLA:CPU the host is the device), so `plan`
+    searches the activation-offloading remat policies, and offload.optimizer where `offloads_state`."""
     offload_groups: int = 0
     """offload.optimizer_groups: the slices the offloaded state streams in (0: one per layer, at most 64)."""
     xla_cpu: bool = False
@@ -184,6 +193,12 @@ class Workload:
             if value not in valid:
                 raise ConfigError(f"{key}={value!r} is not one of {', '.join(valid)}")
 
+    @property
+    def offloads_state(self) -> bool:
+        """Whether `plan` searches offload.optimizer: host memory, and an optimizer whose update is elementwise
+        (`OptimizerFacts.elementwise`, what `train.offload` streams)."""
+        return self.host_memory and optimizer_facts(self.optimizer).elementwise
+
     @classmethod
     def from_config(cls, cfg: Config, platform: str = "cpu") -> Workload:
         """The workload of `cfg` on `platform` (cpu, gpu, tpu): `attention=auto` is XLA on CPU, a kernel elsewhere;
@@ -197,8 +212,27 @@ class Workload:
                    matmul=matmul_mode(cfg.precision.matmul, cfg.precision.fp8_scaling), reduce=cfg.precision.reduce,
                    attention="xla" if keeps else "flash",
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
-                   documents=cfg.data.masks_documents, offload_optimizer=cfg.offload.optimizer_share,
+                   documents=cfg.data.masks_documents,
+                   host_memory=platform != "cpu",
                    offload_groups=cfg.offload.optimizer_groups or 0, xla_cpu=platform == "cpu")
+
+
+def searched_settings(c: Candidate, w: Workload) -> tuple[tuple[str, float], ...]:
+    """The (remat policy, offload share) pairs `plan` tries for a layout: every searched policy, the activation
+    offloads where the workload has host memory and no pipeline stashes the activations (the memory model counts
+    no saving there), each with every searched share of the optimizer state on the host where it can go there."""
+    remats = SEARCHED_REMATS
+    if w.host_memory and c.pipeline == 1:
+        remats += tuple(r for r in REMAT_POLICIES if r in OFFLOADS_ACTIVATIONS)
+    shares = OFFLOAD_SHARES if w.offloads_state else (0.0,)
+    return tuple((r, s) for r in remats for s in shares)
+
+
+def less_offloaded(remat: str, share: float) -> list[tuple[str, float]]:
+    """The settings that offload less than (remat, share) and run the same computation otherwise: full remat for an
+    activation-offloading policy (the same recompute), no optimizer offload for a share (the same update)."""
+    remats = [remat, "full"] if remat in OFFLOADS_ACTIVATIONS else [remat]
+    return [(r, s) for r in remats for s in sorted({0.0, share}) if (r, s) != (remat, share)]
 
 
 # --- layout arithmetic ------------------------------------------------------------------------------------------

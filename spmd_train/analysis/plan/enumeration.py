@@ -12,7 +12,13 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from spmd_train.analysis.plan.candidate import CONTEXT_SCHEMES, SEARCHED_REMATS, Candidate, Workload
+from spmd_train.analysis.plan.candidate import (
+    CONTEXT_SCHEMES,
+    Candidate,
+    Workload,
+    less_offloaded,
+    searched_settings,
+)
 from spmd_train.analysis.plan.labels import Scope
 from spmd_train.analysis.plan.memory import MemoryModel, context_scheme, state_bytes
 from spmd_train.analysis.plan.rejections import (
@@ -31,6 +37,7 @@ from spmd_train.units import gib_apart
 
 DOMINATED = "dominated: a smaller grad_accum fits"
 GPIPE = "dominated: 1f1b runs the same ticks with a smaller stash"
+OFFLOADED = "dominated: fits without the offload at the same grad_accum"
 PIPELINES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
 MICROBATCHES = (1, 2, 4, 8)
 """Pipeline microbatches per flush, as multiples of the stages."""
@@ -69,7 +76,8 @@ def enumerate_fitting(cfg: Config, shape: ModelShape, work: Workload, target: Ta
                 continue
             for stage in (0,) if c.fsdp * c.sequence == 1 else (0, 1, 2, 3):
                 z = _derive(c, zero_stage=stage)
-                reason = zero_reason(shape, z) or redundant_reason(cfg, z) or _state_reason(shape, z, work, hbm)
+                reason = (zero_reason(shape, z) or redundant_reason(cfg, z)
+                          or _state_reason(shape, z, work, hbm, memory))
                 if reason is not None:
                     rejections.append(reason)
                     continue
@@ -95,31 +103,51 @@ def _gpipe_reason(c: Candidate) -> Rejection | None:
                      "microbatches has its ticks and a stash of at most pipeline microbatches", "dominated")
 
 
-def _state_reason(shape: ModelShape, c: Candidate, work: Workload, hbm: float) -> Rejection | None:
-    """A ZeRO stage whose parameters, gradients and optimizer state alone overflow HBM."""
+def _state_reason(shape: ModelShape, c: Candidate, work: Workload, hbm: float, memory: MemoryModel
+                  ) -> Rejection | None:
+    """A ZeRO stage whose parameters, gradients and optimizer state alone overflow HBM (what stays on the device of
+    the optimizer state offloaded, where the search offloads it)."""
     state = sum(state_bytes(shape, c, work))
     if state <= hbm:
         return None
+    offloaded = ""
+    if work.offloads_state:
+        state = memory.state_on_device(_derive(c, offload=1.0))
+        if state <= hbm:
+            return None
+        offloaded = " with the optimizer state offloaded"
     need, limit = gib_apart(state, hbm)
-    return Rejection(c, Scope.ZERO, FIT, f"does not fit: the state alone needs {need} > {limit}", "memory", peak=state)
+    return Rejection(c, Scope.ZERO, FIT, f"does not fit: the state alone needs {need}{offloaded} > {limit}",
+                     "memory", peak=state)
 
 
 def _fit_accumulation(memory: MemoryModel, z: Candidate, work: Workload, hbm: float, fitting: list[Candidate],
                       rejections: list[Rejection], cache: dict[tuple, tuple[_Fit, ...]]) -> int:
-    """Per remat policy, the smallest grad accumulation that fits; returns the memory estimates made."""
+    """Per remat policy and offload, the smallest grad accumulation that fits; returns the memory estimates made.
+    An offloading setting is kept only where it fits at a smaller accumulation than every less offloaded one (the
+    offload adds host transfers and saves nothing else)."""
     accums = _accumulations(work.global_batch // z.batch_ways, z.pipeline_microbatches or 1)
-    remats = [_derive(z, remat=remat) for remat in SEARCHED_REMATS]
+    settings = searched_settings(z, work)
+    remats = [_derive(z, remat=remat, offload=share) for remat, share in settings]
     # Memory reads these fields of `z` (`MemoryModel`): candidates that differ only in others share their fits.
     key = (z.sizes, z.zero_stage, z.sequence_parallel, context_scheme(z), z.pipeline_schedule, z.pipeline_microbatches,
            z.virtual_stages)
     fits = cache.get(key)
     if fits is None:
         fits = cache[key] = tuple(_fit(memory, r, accums, hbm) for r in remats)
-    for r, fit in zip(remats, fits, strict=True):
+    first = dict(zip(settings, (fit.first for fit in fits), strict=True))
+    for r, setting, fit in zip(remats, settings, fits, strict=True):
         if fit.first > 0:
             rejections.append(Rejection(r, Scope.REMAT, FIT, fit.too_big, "memory", accums=accums[:fit.first],
                                         peak=fit.peak))
-        if fit.first < len(accums):
+        plainer = [p for p in less_offloaded(*setting) if first.get(p, len(accums)) <= fit.first]
+        if fit.first < len(accums) and plainer:
+            remat, share = plainer[0]
+            rejections.append(Rejection(r, Scope.REMAT, OFFLOADED, f"dominated: remat={remat}"
+                                        f"{' offload' if share else ''} fits at accum={accums[fit.first]} too, "
+                                        "without this offload's host transfers", "dominated",
+                                        accums=accums[fit.first:]))
+        elif fit.first < len(accums):
             fitting.append(_derive(r, grad_accum=accums[fit.first]) if accums[fit.first] > 1 else r)
             if fit.dominated is not None:
                 rejections.append(Rejection(r, Scope.REMAT, DOMINATED, fit.dominated, "dominated",
@@ -194,7 +222,7 @@ def _derive(c: Candidate, **fields) -> Candidate:
 
 
 _DERIVED = frozenset({"sequence_parallel", "context_parallel", "pipeline_schedule", "virtual_stages",
-                      "pipeline_microbatches", "zero_stage", "remat", "grad_accum"})
+                      "pipeline_microbatches", "zero_stage", "remat", "offload", "grad_accum"})
 
 
 def _span(values: tuple[int, ...]) -> str:

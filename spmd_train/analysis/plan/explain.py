@@ -1,8 +1,8 @@
 """`plan --explain LABEL`: the layout a label names, with the settings it leaves out chosen as the search would.
 
 A label may name the mesh alone (`fsdp=32 tensor=8`) or some settings (`| zero3 remat=full`): the ZeRO stage,
-remat policy and grad accumulation it does not give are tried, and the fastest combination that fits is explained
-(the one with the smallest peak when none fits), so an explanation never judges one accumulation only.
+remat policy, optimizer offload and grad accumulation it does not give are tried, and the fastest combination that
+fits is explained (the one with the smallest peak when none fits), so an explanation never judges one accumulation only.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from spmd_train.analysis.plan.candidate import REMAT_POLICIES, SEARCHED_REMATS, Candidate
+from spmd_train.analysis.plan.candidate import REMAT_POLICIES, Candidate, searched_settings
 from spmd_train.analysis.plan.model import Estimate
 from spmd_train.analysis.plan.rejections import Rejection
 from spmd_train.analysis.plan.search import SearchResult, evaluate
@@ -53,15 +53,20 @@ def explain(result: SearchResult, asked: Candidate, given: frozenset[str]) -> Ex
 
 def _variants(result: SearchResult, asked: Candidate, given: frozenset[str]):
     stages = (asked.zero_stage,) if "zero_stage" in given else (0, 1, 2, 3)
-    remats = (asked.remat,) if "remat" in given else SEARCHED_REMATS
+    settings = searched_settings(asked, result.workload)
+    remats = (asked.remat,) if "remat" in given else tuple(dict.fromkeys(r for r, _ in settings))
+    # The offload is decided with the remat policy: a label that gives the policy and no offload names none (as a
+    # label the search prints does).
+    shares = ((asked.offload,) if given & {"offload", "remat"} else tuple(dict.fromkeys(s for _, s in settings)))
     rows = result.workload.global_batch // asked.batch_ways
     accums = (asked.grad_accum,) if "grad_accum" in given else [a for a in range(1, rows + 1) if rows % a == 0]
     for stage in stages:
         for remat in remats:
-            for accum in accums:
-                yield dataclasses.replace(asked, zero_stage=stage, remat=remat, grad_accum=accum)
+            for share in shares:
+                for accum in accums:
+                    yield dataclasses.replace(asked, zero_stage=stage, remat=remat, offload=share, grad_accum=accum)
 
 
 def _order(c: Candidate) -> tuple:
-    """Ties go to the simplest settings: the least accumulation, the least remat, the lowest ZeRO stage."""
-    return c.grad_accum, REMAT_POLICIES.index(c.remat), c.zero_stage
+    """Ties go to the simplest settings: the least accumulation, the least remat, no offload, the lowest ZeRO stage."""
+    return c.grad_accum, REMAT_POLICIES.index(c.remat), c.offload, c.zero_stage

@@ -32,7 +32,7 @@ class Scope(IntEnum):
     ZERO = 2
     """Plus the ZeRO stage."""
     REMAT = 3
-    """Plus the remat policy."""
+    """Plus the remat policy and the optimizer state's offload."""
     FULL = 4
     """Plus grad accumulation and the slow-link factors."""
 
@@ -59,6 +59,8 @@ def label(c: Candidate, scope: Scope = Scope.FULL) -> str:
         opts.append(f"zero{0 if c.fsdp * c.sequence == 1 else c.zero_stage}")
     if scope >= Scope.REMAT:
         opts.append(f"remat={c.remat}")
+        if c.offload:
+            opts.append("offload" if c.offload == 1 else f"offload={c.offload:g}")
     if scope >= Scope.STRUCTURE:
         if c.tensor > 1 and c.sequence_parallel:
             opts.append("sp")
@@ -83,7 +85,7 @@ def scoped(c: Candidate, scope: Scope) -> Candidate:
         return c
     fields: dict[str, Any] = {"grad_accum": 1, "dcn": (1,) * len(MESH_AXES)}
     if scope < Scope.REMAT:
-        fields["remat"] = "none"
+        fields.update(remat="none", offload=0.0)
     if scope < Scope.ZERO:
         fields["zero_stage"] = 3
     if scope < Scope.STRUCTURE:
@@ -109,7 +111,8 @@ def label_parts(text: str) -> tuple[Candidate, frozenset[str]]:
                 _read(token, key, value, dcn if slow else sizes, fields)
             except ValueError:
                 raise ConfigError(f"--explain {text!r}: {token!r} is not part of a layout label (valid tokens: "
-                                  f"AXIS=N for {', '.join(MESH_AXES)}, zero0-3, remat={'|'.join(REMAT_POLICIES)}, sp, "
+                                  f"AXIS=N for {', '.join(MESH_AXES)}, zero0-3, remat={'|'.join(REMAT_POLICIES)}, "
+                                  "offload or offload=SHARE, sp, "
                                   f"cp={'|'.join(CONTEXT_SCHEMES)}, pp={'|'.join(schedule_names())}, v=N, m=N, "
                                   "accum=N, and '| dcn AXIS=N ...'; e.g. 'fsdp=32 tensor=8 | zero3 remat=full')"
                                   ) from None
@@ -127,6 +130,8 @@ def _read(token: str, key: str, value: str, sizes: dict, fields: dict) -> None:
         fields["sequence_parallel"] = True
     elif key == "remat" and value in REMAT_POLICIES:
         fields["remat"] = value
+    elif key == "offload" and (not value or _share(value)):
+        fields["offload"] = float(value or 1)
     elif key == "cp" and value in CONTEXT_SCHEMES:
         fields["context_parallel"] = value
     elif key == "pp" and value in schedule_names():
@@ -137,6 +142,18 @@ def _read(token: str, key: str, value: str, sizes: dict, fields: dict) -> None:
         fields["pipeline_microbatches"] = None
     else:
         raise ValueError(token)
+
+
+def _share(value: str) -> bool:
+    try:
+        return 0 < float(value) <= 1
+    except ValueError:
+        return False
+
+
+def offload_value(share: float) -> bool | float:
+    """offload.optimizer's value for a share of the state: false, true or the fraction."""
+    return share if 0 < share < 1 else bool(share)
 
 
 def overrides(c: Candidate, rows: int | None = None) -> list[str]:
@@ -150,7 +167,8 @@ def overrides(c: Candidate, rows: int | None = None) -> list[str]:
             f"parallel.sequence_parallel={str(c.sequence_parallel).lower()}",
             f"parallel.context_parallel={c.context_parallel}", f"parallel.pipeline_schedule={c.pipeline_schedule}",
             f"parallel.pipeline_microbatches={micro}", f"parallel.virtual_stages={c.virtual_stages}",
-            f"parallel.pipeline_layers={layers or 'null'}", f"train.grad_accum={c.grad_accum}"]
+            f"parallel.pipeline_layers={layers or 'null'}", f"train.grad_accum={c.grad_accum}",
+            f"offload.optimizer={str(offload_value(c.offload)).lower()}"]
 
 
 def config_dict(cfg: Config, c: Candidate) -> dict[str, Any]:
@@ -166,6 +184,7 @@ def config_dict(cfg: Config, c: Candidate) -> dict[str, Any]:
                            pipeline_microbatches=c.pipeline_microbatches, virtual_stages=c.virtual_stages,
                            pipeline_layers=pipeline_layers(cfg.model.stack_rows, c))
     raw["train"]["grad_accum"] = c.grad_accum
+    raw["offload"]["optimizer"] = offload_value(c.offload)
     return raw
 
 
@@ -180,7 +199,8 @@ def config_for(cfg: Config, c: Candidate) -> Config:
                                    pipeline_microbatches=c.pipeline_microbatches, virtual_stages=c.virtual_stages,
                                    pipeline_layers=pipeline_layers(cfg.model.stack_rows, c))
     out = dataclasses.replace(cfg, mesh=mesh, parallel=parallel,
-                              train=dataclasses.replace(cfg.train, grad_accum=c.grad_accum))
+                              train=dataclasses.replace(cfg.train, grad_accum=c.grad_accum),
+                              offload=dataclasses.replace(cfg.offload, optimizer=offload_value(c.offload)))
     check_config(out)
     return out
 

@@ -210,8 +210,8 @@ def context_scheme(c: Candidate) -> str | None:
 
 def estimate_memory(m: ModelShape, c: Candidate, w: Workload) -> MemoryEstimate:
     """Per-device memory of candidate `c` running workload `w` on model `m`."""
-    return _assemble(_state_part(m, c.sizes, c.zero_stage, c.rules, w, stored_rows_factor(m, c, w.seq_len)),
-                     _activation_part(m, c, w, c.grad_accum))
+    return _assemble(_state_part(m, c.sizes, c.zero_stage, c.rules, w, stored_rows_factor(m, c, w.seq_len),
+                                 c.offload), _activation_part(m, c, w, c.grad_accum))
 
 
 class MemoryModel:
@@ -232,12 +232,18 @@ class MemoryModel:
         """`estimate_memory(m, c, w)`, from the memoized parts."""
         return _assemble(self._state(c), self._activation(c, c.grad_accum))
 
+    def state_on_device(self, c: Candidate) -> float:
+        """Parameter, gradient and optimizer-state bytes `c` keeps on each device (the offloaded share's streaming
+        slices included)."""
+        part = self._state(c)
+        return part.params + part.grads + part.optimizer
+
     def _state(self, c: Candidate) -> _StatePart:
         stored = stored_rows_factor(self.m, c, self.w.seq_len)
-        key = (c.sizes, c.zero_stage, c.rules, stored)
+        key = (c.sizes, c.zero_stage, c.rules, stored, c.offload)
         part = self._states.get(key)
         if part is None:
-            part = self._states[key] = _state_part(self.m, c.sizes, c.zero_stage, c.rules, self.w, stored)
+            part = self._states[key] = _state_part(self.m, c.sizes, c.zero_stage, c.rules, self.w, stored, c.offload)
         return part
 
     def _activation(self, c: Candidate, grad_accum: int) -> _ActivationPart:
@@ -277,11 +283,11 @@ class _ActivationPart(NamedTuple):
 
 
 def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None, w: Workload,
-                stored: float = 1.0) -> _StatePart:
+                stored: float = 1.0, offload: float = 0.0) -> _StatePart:
     params, grads, opt = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules, stored, w.master, w.moments)
     head, lookup, whole, layer_w = _gathered_weights(m, sizes, stage, w.xla_cpu, rules)
     tables = 2 * max(head, lookup) + (min(head, lookup) if whole else 0.0)
-    host = opt * w.offload_optimizer
+    host = opt * offload
     if host:
         # offload.optimizer (`train.offload`): the device keeps the rest, and in the update two slices of the
         # offloaded state (one updating, the next arriving), after the activations are gone.

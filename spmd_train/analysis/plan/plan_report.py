@@ -97,11 +97,12 @@ def require_layouts(result: SearchResult, source: str | None = None) -> None:
                           f"near it: {', '.join(map(str, workable_counts(cfg, target)))})")
     hbm = target.hardware.hbm_bytes
     need = math.ceil(target.devices * closest.peak / hbm)
+    offload = (", optimizer-state offload (to host memory)" if result.workload.offloads_state else "")
     raise ConfigError(
         f"the {what} fits nowhere on {target.describe()} ({hbm / GiB:.1f} GiB per device): the closest layout, "
         f"{closest.label}, needs {closest.peak / GiB:.1f} GiB per device ({closest.detail}); every ZeRO stage "
-        "(ZeRO-3 shards the whole state), remat policy (full keeps one input per layer) and grad accumulation was "
-        f"tried, so it needs more devices (about {need} for that layout's memory to fit) or a smaller "
+        f"(ZeRO-3 shards the whole state), remat policy (full keeps one input per layer){offload} and grad "
+        f"accumulation was tried, so it needs more devices (about {need} for that layout's memory to fit) or a smaller "
         "train.global_batch_size, train.seq_len or model")
 
 

@@ -194,7 +194,7 @@ def host_transfer_seconds(m: ModelShape, c: Candidate, w: Workload, hw: Hardware
     under parallel.remat=offload_layer_inputs the layers' inputs out in the forward pass and back in the backward,
     hidden behind the `compute` seconds they overlap."""
     link = hw.spec.host_link
-    if link is None or not (w.offload_optimizer or c.remat in OFFLOADS_ACTIVATIONS):
+    if link is None or not (c.offload or c.remat in OFFLOADS_ACTIVATIONS):
         return 0.0
     memory = estimate_memory(m, c, w)  # what is on the host: the memory model's figures
     inputs = memory.host_activations * c.grad_accum

@@ -10,7 +10,7 @@ from spmd_train.analysis import describe
 from spmd_train.config.mesh_schema import MESH_AXES
 from spmd_train.errors import ConfigError
 from spmd_train.train.offload import check_host_memory, clipper, streamed_update
-from tests.runs import TINY, run_steps
+from tests.runs import TINY, relative_error, run_steps
 
 MASTER = ["model.param_dtype=bfloat16", "precision.master=float32"]
 BITES = ["optim.clip_norm=0.05"]  # below the tiny model's gradient norms: every step clips
@@ -232,3 +232,83 @@ def test_the_gpu_compile_stage_compiles_an_offloading_layout_without_its_offload
     assert HOST_NOTE in found.notes
     assert found.reference.candidate.offload == 0 and found.reference.candidate.remat == "full"
     assert found.peak == pytest.approx(found.peak_compiled + offloaded.memory.peak - found.reference.memory.peak)
+
+
+def test_each_remat_name_is_a_residual_the_layers_keep_when_named():
+    # parallel.remat=names keeps what it names: saving one name adds exactly that intermediate, stacked over the
+    # scanned layers, to what full remat keeps (its input, which full keeps anyway, adds nothing): the model tags
+    # each of REMAT_NAMES where the docs say.
+    import collections
+    import contextlib
+    import io
+
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from spmd_train.config.mesh_schema import REMAT_NAMES
+    from spmd_train.models.remat import NamedRemat
+    from spmd_train.models.transformer import Transformer
+
+    cfg = load_config(None, ["model.preset=tiny", "train.seq_len=16", "model.num_layers=2"])
+    graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((2, 16), jnp.int32)
+
+    def stacked(remat) -> collections.Counter:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            print_saved_residuals(lambda p: nnx.merge(graphdef, p).forward(tokens, remat=remat)[0].sum(), params)
+        return collections.Counter(line.split()[0] for line in printed.getvalue().splitlines()
+                                   if "output of scan" in line)
+
+    m, full = cfg.model, stacked("full")
+    hd = m.resolved_head_dim
+    shapes = {"layer_input": None, "query": (m.num_heads, hd), "key": (m.num_kv_heads, hd),
+              "value": (m.num_kv_heads, hd), "attention_out": (m.num_heads, hd),
+              "mlp_gate": (m.d_ff,), "mlp_up": (m.d_ff,), "mlp_hidden": (m.d_ff,)}
+    assert set(shapes) == set(REMAT_NAMES)
+    for name, shape in shapes.items():
+        added = stacked(NamedRemat(save=(name,))) - full
+        wanted = {} if shape is None else {f"f32[{','.join(map(str, (2, 2, 16, *shape)))}]": 1}
+        assert added == collections.Counter(wanted), (name, added)
+
+
+def test_remat_names_trains_as_full_remat_does(devices):
+    # The arithmetic is the same whatever is kept: queries and keys kept, the layer input in host memory, the rest
+    # recomputed gives full remat's losses bit for bit; the parameters agree to float32's rounding (XLA:CPU fuses
+    # the weight gradients' sums differently when it reads saved projections, which moves the last bit of some).
+    mesh = ["mesh.fsdp=4", "mesh.tensor=2"]
+    full = run_steps([*mesh, "parallel.remat=full"], devices)
+    named = run_steps([*mesh, "parallel.remat=names", "parallel.remat_save=[query,key]",
+                       "parallel.remat_offload=[layer_input]"], devices)
+    np.testing.assert_array_equal(full[0], named[0])
+    assert relative_error(named[1], full[1]) < 1e-5
+
+
+def test_remat_names_are_refused_where_they_choose_nothing():
+    with pytest.raises(ConfigError, match=r"parallel.remat_save=\[query\] chooses what parallel.remat=names keeps, "
+                                          r"and parallel.remat=full keeps its own"):
+        load_config(None, [*TINY, "parallel.remat=full", "parallel.remat_save=[query]"])
+    with pytest.raises(ConfigError, match=r"both name key: .* \(valid: name it in one\)"):
+        load_config(None, [*TINY, "parallel.remat=names", "parallel.remat_save=[query,key]",
+                           "parallel.remat_offload=[key]"])
+    with pytest.raises(ConfigError, match=r"parallel.remat_save"):
+        load_config(None, [*TINY, "parallel.remat=names", "parallel.remat_save=[queries]"])
+
+
+def test_the_planner_counts_what_remat_names_keeps():
+    from spmd_train.analysis.plan import Candidate, ModelShape, Workload
+    from spmd_train.analysis.plan.memory import estimate_memory
+
+    cfg = load_config(None, [*TINY, "model.num_layers=4"])
+    m, layout = cfg.model, Candidate(fsdp=8, remat="names")
+    shape, tokens = ModelShape.from_config(m), 32 // 8 * 16  # a device's rows x tokens
+    full = estimate_memory(shape, Candidate(fsdp=8, remat="full"), Workload(32, 16))
+    hidden = tokens * m.d_ff * 4  # one layer's gated product on a device, float32
+    one_input = tokens * m.d_model * 4
+    kept = estimate_memory(shape, layout, Workload(32, 16, remat_save=("mlp_hidden",)))
+    assert kept.activations - full.activations == pytest.approx(4 * hidden - 4 * one_input)
+    assert kept.recompute == full.recompute and kept.host_activations == 0
+    off = estimate_memory(shape, layout, Workload(32, 16, remat_offload=("layer_input", "mlp_hidden")))
+    assert off.host_activations == pytest.approx(4 * (hidden + one_input))
+    assert off.activations - (full.activations - 4 * one_input) == pytest.approx(2 * (hidden + one_input))

@@ -51,7 +51,7 @@ def context_section(engine, layout: AnalyticLayout | None = None) -> dict[str, A
         "chunk_tokens": local // 2 if how == "ring" else local,
         "kv_block_bytes": rows * local * kv_heads * m.head_dim * width,
         "collectives": collectives,
-        "exact": (remat == "none" or remat in RECOMPUTES_LAYER) and c.pipeline == 1,
+        "exact": (remat == "none" or remat in RECOMPUTES_LAYER - {"names"}) and c.pipeline == 1,
         "formula": f"{m.num_layers} layers x {t.grad_accum} microbatches x the per-layer collectives of "
                    f"{how} (docs/context.md) with r={rows} rows, {local} tokens, {heads} heads and {kv_heads} K/V "
                    f"heads per device, {width}-byte activations"

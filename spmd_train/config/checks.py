@@ -56,6 +56,7 @@ def check_config(cfg: Config) -> None:
                           f"model.rope_scaling.high_freq_factor={sc.high_freq_factor} (Llama 3.1 uses 1 and 4)")
     check_precision(cfg)
     check_offload(cfg)
+    check_remat_names(cfg)
     d = cfg.data
     if d.source == "markov" and (d.vocab_size or m.vocab_size) > m.vocab_size:
         raise ConfigError(f"data.vocab_size={d.vocab_size} is larger than model.vocab_size={m.vocab_size} "
@@ -290,6 +291,21 @@ def check_precision(cfg: Config) -> None:
     if m.compute_dtype == "float16" and cfg.backends.attention == "pallas":
         raise ConfigError(f"backends.attention=pallas: our flash-attention kernels take float32 or bfloat16, and "
                           f"{compute}=float16 (valid: backends.attention=auto, xla or cudnn, or {compute}=bfloat16)")
+
+
+def check_remat_names(cfg: Config) -> None:
+    """parallel.remat_save / remat_offload: only with parallel.remat=names, and no name in both."""
+    par = cfg.parallel
+    given = [(k, v) for k, v in (("remat_save", par.remat_save), ("remat_offload", par.remat_offload)) if v]
+    if given and par.remat != "names":
+        key, names = given[0]
+        raise ConfigError(f"parallel.{key}=[{', '.join(names)}] chooses what parallel.remat=names keeps, and "
+                          f"parallel.remat={par.remat} keeps its own (valid: parallel.remat=names, or "
+                          f"parallel.{key}=[])")
+    both = sorted(set(par.remat_save) & set(par.remat_offload))
+    if both:
+        raise ConfigError(f"parallel.remat_save and parallel.remat_offload both name {', '.join(both)}: an "
+                          "intermediate is kept on the device or in host memory, not both (valid: name it in one)")
 
 
 def check_offload(cfg: Config) -> None:

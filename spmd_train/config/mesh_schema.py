@@ -14,11 +14,22 @@ MESH_AXES = ("data", "pipeline", "fsdp", "sequence", "expert", "tensor")
 """Public mesh axis names, outermost first: the fastest links go to the last axes."""
 
 MeshAxis = Literal[MESH_AXES]
-RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch", "offload_layer_inputs"]
-RECOMPUTES_LAYER = frozenset({"full", "offload_layer_inputs"})
-"""parallel.remat policies that keep only each layer's input and rerun the whole layer in its backward pass."""
+RematPolicy = Literal["none", "full", "save_matmuls", "save_matmuls_no_batch", "offload_layer_inputs", "names"]
+RECOMPUTES_LAYER = frozenset({"full", "offload_layer_inputs", "names"})
+"""parallel.remat policies that rerun the layer's forward pass in its backward pass, keeping only its input (names:
+only the intermediates it names; the step-time and traffic models count the whole forward rerun)."""
 OFFLOADS_ACTIVATIONS = frozenset({"offload_layer_inputs"})
 """parallel.remat policies that keep what they save in pinned host memory, not on the device."""
+REMAT_NAMES = ("layer_input", "query", "key", "value", "attention_out", "mlp_gate", "mlp_up", "mlp_hidden")
+"""The intermediates a layer names (`jax.ad_checkpoint.checkpoint_name`) for parallel.remat=names: the residual
+stream entering it; attention's queries, keys and values (before RoPE) and its heads' output (before the output
+projection); a dense MLP's gate and up projections and their gated product (before the down projection)."""
+RematName = Literal[REMAT_NAMES]
+
+
+def offloads_activations(remat: str, remat_offload: tuple[str, ...] = ()) -> bool:
+    """Whether a parallel.remat policy (with its remat_offload names) keeps activations in pinned host memory."""
+    return remat in OFFLOADS_ACTIVATIONS or (remat == "names" and bool(remat_offload))
 ContextScheme = Literal["allgather", "ring", "ulysses"]
 """parallel.context_parallel's values: how attention joins the `sequence` chunks."""
 ScheduleName = Literal[schedule_names()]
@@ -129,7 +140,13 @@ class ParallelConfig:
     remat: RematPolicy = "none"
     """What each layer keeps for its backward pass: none, everything autodiff saves; full, only its input (the layer
     is recomputed); save_matmuls / save_matmuls_no_batch, the matmul outputs (those without batch dimensions);
-    offload_layer_inputs, full's recompute with the inputs in pinned host memory (docs/memory.md)."""
+    offload_layer_inputs, full's recompute with the inputs in pinned host memory; names, the intermediates
+    remat_save names on the device and those remat_offload names in host memory, the rest recomputed
+    (docs/memory.md)."""
+    remat_save: tuple[RematName, ...] = ()
+    """parallel.remat=names: the named intermediates (`REMAT_NAMES`) each layer keeps on the device."""
+    remat_offload: tuple[RematName, ...] = ()
+    """parallel.remat=names: the named intermediates each layer keeps in pinned host memory."""
     pipeline_schedule: ScheduleName = "1f1b"
     """Microbatch schedule of the pipeline stages (used when mesh.pipeline > 1)."""
     pipeline_microbatches: PositiveInt | None = None

@@ -19,7 +19,7 @@ from flax import nnx
 from spmd_train.config.model_schema import ModelConfig
 from spmd_train.models.layers import RMSNorm, dense, param
 from spmd_train.models.param_specs import mtp_params
-from spmd_train.models.remat import apply_remat
+from spmd_train.models.remat import Remat, apply_remat
 from spmd_train.parallel import Backends
 from spmd_train.sharding.constrain import constrain
 
@@ -40,7 +40,7 @@ class MTP(nnx.Module):
         self.compute_dtype = cfg.compute_dtype
 
     def __call__(self, hidden: jax.Array, embedded: list[jax.Array], rope: tuple, segments: jax.Array | None,
-                 kind: jax.Array | None, remat: str = "none") -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
+                 kind: jax.Array | None, remat: Remat = "none") -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
         """The trunk's hidden state [batch, length, d] and each depth's embedded tokens -> (each depth's normalised
         output, ready for the LM head; each depth's layer statistics). `rope`, `segments` and `kind` as the trunk's
         layers take them (`Block`)."""

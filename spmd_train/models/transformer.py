@@ -23,7 +23,7 @@ from spmd_train.models.moe import MoE
 from spmd_train.models.mtp import MTP
 from spmd_train.models.padded_row import padded_row
 from spmd_train.models.param_specs import attention_params, mlp_params, table_params
-from spmd_train.models.remat import apply_remat, name_layer_input
+from spmd_train.models.remat import Remat, apply_remat, name, name_layer_input
 from spmd_train.ops.attention import Scoring
 from spmd_train.ops.rope import apply_rope, rope_tables, yarn_softmax_factor
 from spmd_train.parallel import Backends, attention, resolve_backends
@@ -92,9 +92,9 @@ class Attention(nnx.Module):
         v = dense("bld,dhk->blhk", x, self.wv, dt)
         if self.qkv_bias:
             q, k, v = q + weight(self.bq, dt), k + weight(self.bk, dt), v + weight(self.bv, dt)
-        q = constrain(q, ("batch", "length", "heads", "head_dim"))
-        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        q = name(constrain(q, ("batch", "length", "heads", "head_dim")), "query")
+        k = name(constrain(k, ("batch", "length", "kv_heads", "head_dim")), "key")
+        v = name(constrain(v, ("batch", "length", "kv_heads", "head_dim")), "value")
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -106,7 +106,7 @@ class Attention(nnx.Module):
 
     def output(self, out: jax.Array) -> jax.Array:
         """The heads' attention output [batch, length, heads, head_dim] -> the residual stream's update."""
-        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        out = name(constrain(out, ("batch", "length", "heads", "head_dim")), "attention_out")
         out = dense("blhk,hkd->bld", out, self.wo, self.compute_dtype)
         if self.output_bias:  # added once, after the heads' row-parallel sum
             out = out + weight(self.bo, self.compute_dtype)
@@ -170,9 +170,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.compute_dtype
-        gate = constrain(dense("bld,df->blf", x, self.w_gate, dt), ("batch", "length", "mlp"))
-        up = constrain(dense("bld,df->blf", x, self.w_up, dt), ("batch", "length", "mlp"))
-        hidden = gate_activation(gate, self.activation) * up
+        gate = name(constrain(dense("bld,df->blf", x, self.w_gate, dt), ("batch", "length", "mlp")), "mlp_gate")
+        up = name(constrain(dense("bld,df->blf", x, self.w_up, dt), ("batch", "length", "mlp")), "mlp_up")
+        hidden = name(gate_activation(gate, self.activation) * up, "mlp_hidden")
         return constrain(dense("blf,fd->bld", hidden, self.w_down, dt), RESIDUAL)
 
 
@@ -274,11 +274,11 @@ class Transformer(nnx.Module):
             self.mtp = MTP(cfg, rngs, backends, Block)
 
     def __call__(self, tokens: jax.Array, *, segments: jax.Array | None = None, positions: jax.Array | None = None,
-                 remat: str = "none") -> jax.Array:
+                 remat: Remat = "none") -> jax.Array:
         return self.forward(tokens, segments=segments, positions=positions, remat=remat)[0]
 
     def forward(self, tokens: jax.Array, *, segments: jax.Array | None = None, positions: jax.Array | None = None,
-                remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
+                remat: Remat = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
         """(logits, stats): stats holds each MoE layer's router statistics stacked on a leading axis.
 
         With packed documents, `segments` [batch, length] (each token's document) keeps attention
@@ -290,7 +290,7 @@ class Transformer(nnx.Module):
         return self.head(x, table), stats
 
     def forward_mtp(self, tokens: jax.Array, ahead: list[jax.Array], *, segments: jax.Array | None = None,
-                    positions: jax.Array | None = None, remat: str = "none"
+                    positions: jax.Array | None = None, remat: Remat = "none"
                     ) -> tuple[jax.Array, list[jax.Array], dict[str, jax.Array]]:
         """(logits, each multi-token prediction depth's logits, stats) for a model with model.mtp: `ahead[k]` [batch,
         length] holds, at each position i, the token k + 1 places ahead (`train.inputs.mtp_inputs`). The MTP layers'
@@ -314,14 +314,14 @@ class Transformer(nnx.Module):
         return pin(self.embedding, self.cfg.compute_dtype) if self.cfg.tie_embeddings else None
 
     def trunk(self, tokens: jax.Array, table: Pinned | None = None, *, segments: jax.Array | None = None,
-              positions: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
+              positions: jax.Array | None = None, remat: Remat = "none") -> tuple[jax.Array, dict[str, jax.Array]]:
         """Tokens -> (the last layer's residual stream, before the final norm; the MoE statistics)."""
         graphdef, stacked = nnx.split(self.blocks)
         x = self.first_layers(self.embed(tokens, table), segments=segments, positions=positions, remat=remat)
         return apply_blocks(graphdef, stacked, x, self.cfg, remat, segments=segments, positions=positions)
 
     def first_layers(self, x: jax.Array, *, segments: jax.Array | None = None, positions: jax.Array | None = None,
-                     remat: str = "none") -> jax.Array:
+                     remat: Remat = "none") -> jax.Array:
         """The model.moe.first_k_dense dense layers (`first_blocks`) on the embedded stream; x itself without them."""
         if not self.cfg.first_dense:
             return x
@@ -362,7 +362,7 @@ class Transformer(nnx.Module):
 
 
 def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: ModelConfig,
-                 remat: str = "none", *, segments: jax.Array | None = None, positions: jax.Array | None = None,
+                 remat: Remat = "none", *, segments: jax.Array | None = None, positions: jax.Array | None = None,
                  rows: jax.Array | None = None, kinds: jax.Array | None = None
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Run layers whose parameters are stacked on a leading axis (any number of them) with `lax.scan`.

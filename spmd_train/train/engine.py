@@ -27,6 +27,7 @@ from spmd_train.data.batch import Batch, as_batch
 from spmd_train.errors import ConfigError
 from spmd_train.mesh import build_mesh
 from spmd_train.models.param_specs import in_layer_stack
+from spmd_train.models.remat import remat_of
 from spmd_train.models.transformer import Transformer
 from spmd_train.ops import cross_entropy
 from spmd_train.ops.matmul_mode import use_matmul
@@ -307,11 +308,11 @@ class Engine:
         inputs, targets, docs, weights = model_inputs(batch, self.backends.zigzag)
         mtp = self.cfg.model.mtp
         if mtp is None:
-            logits, stats = model.forward(inputs, **docs, remat=self.cfg.parallel.remat)
+            logits, stats = model.forward(inputs, **docs, remat=remat_of(self.cfg.parallel))
         else:
             ahead = mtp_inputs(batch, mtp.depth, self.backends.zigzag)
             logits, mtp_logits, stats = model.forward_mtp(inputs, [a[0] for a in ahead], **docs,
-                                                          remat=self.cfg.parallel.remat)
+                                                          remat=remat_of(self.cfg.parallel))
         with jax.named_scope("loss"):
             loss = cross_entropy(logits, targets, weights)
             total = loss

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from spmd_train.config.mesh_schema import OFFLOADS_ACTIVATIONS
+from spmd_train.config.mesh_schema import OFFLOADS_ACTIVATIONS, offloads_activations
 from spmd_train.config.offload_schema import HOST_MEMORY_KIND, optimizer_groups
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
@@ -93,8 +93,12 @@ def check_host_memory(cfg: Config, device: jax.Device) -> None:
     if cfg.offload.optimizer_share:
         asks.append((f"offload.optimizer={str(cfg.offload.optimizer).lower()} keeps the optimizer state",
                      "offload.optimizer=false"))
-    if cfg.parallel.remat in OFFLOADS_ACTIVATIONS:
-        asks.append((f"parallel.remat={cfg.parallel.remat} keeps each layer's input", "parallel.remat=full"))
+    par = cfg.parallel
+    if par.remat in OFFLOADS_ACTIVATIONS:
+        asks.append((f"parallel.remat={par.remat} keeps each layer's input", "parallel.remat=full"))
+    elif offloads_activations(par.remat, par.remat_offload):
+        asks.append((f"parallel.remat_offload=[{', '.join(par.remat_offload)}] keeps those intermediates",
+                     "parallel.remat_offload=[]"))
     kinds = sorted({m.kind for m in device.addressable_memories()})
     if asks and HOST_MEMORY_KIND not in kinds:
         what, valid = asks[0]

@@ -24,6 +24,7 @@ from spmd_train.config.schedule_facts import names_where, schedule_facts, spoken
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
 from spmd_train.models.flops import balanced_depths, moe_layer_count
+from spmd_train.models.remat import remat_of
 from spmd_train.models.transformer import RESIDUAL, apply_blocks, attention_kinds, layer_kind_ids
 from spmd_train.ops import cross_entropy
 from spmd_train.parallel.pipeline import AXIS, executor_stage, run_pipeline, stash_layout
@@ -153,7 +154,7 @@ def pipeline_value_and_grad(cfg: Config, graphdef: nnx.GraphDef, block_graphdef:
             # stage whole.
             ends = model(rest)
             with use_layout(first):
-                x = ends.first_layers(ends.embed(inputs), remat=cfg.parallel.remat, **docs)
+                x = ends.first_layers(ends.embed(inputs), remat=remat_of(cfg.parallel), **docs)
             return split(x)
 
         x, embed_vjp = jax.vjp(prologue, rest)
@@ -204,7 +205,7 @@ def _stage_fn(cfg: Config, block_graphdef: nnx.GraphDef, padded: bool = False):
 
     def stage_fn(chunk, x, documents=None, rows=None, kinds=None):
         docs = dict(documents or {})
-        y, stats = apply_blocks(block_graphdef, chunk, x, model, cfg.parallel.remat, **docs,
+        y, stats = apply_blocks(block_graphdef, chunk, x, model, remat_of(cfg.parallel), **docs,
                                 rows=rows if padded else None, kinds=kinds)
         if moe is None:
             return y

@@ -40,9 +40,10 @@ from spmd_train.parallel.schedule_simulator import occupancy
 from spmd_train.parallel.schedules import build_schedule
 
 REMAT_POLICIES = get_args(RematPolicy)
-SEARCHED_REMATS = tuple(r for r in REMAT_POLICIES if r not in OFFLOADS_ACTIVATIONS)
+SEARCHED_REMATS = tuple(r for r in REMAT_POLICIES if r not in OFFLOADS_ACTIVATIONS and r != "names")
 """The policies `plan` searches on every platform; those that offload activations (`OFFLOADS_ACTIVATIONS`) only
-where the workload has host memory (`Workload.host_memory`)."""
+where the workload has host memory (`Workload.host_memory`). `names` is estimated when a config gives its names,
+never searched."""
 OFFLOAD_SHARES = (0.0, 1.0)
 """offload.optimizer's shares `plan` searches where the workload can offload it (`Workload.offloads_state`): none
 or all of the state."""
@@ -181,6 +182,10 @@ class Workload:
     searches the activation-offloading remat policies, and offload.optimizer where `offloads_state`."""
     offload_groups: int = 0
     """offload.optimizer_groups: the slices the offloaded state streams in (0: one per layer, at most 64)."""
+    remat_save: tuple[str, ...] = ()
+    """parallel.remat=names: the intermediates each layer keeps on the device (`memory.named_bytes`)."""
+    remat_offload: tuple[str, ...] = ()
+    """parallel.remat=names: the intermediates each layer keeps in host memory."""
     xla_cpu: bool = False
     """Compiled by XLA:CPU (simulated devices), which partitions parameter traffic as `analysis.zero_floor` counts
     it; an accelerator's compiler keeps the LM head it gathered, re-splits lookup tables and reduces some gradients
@@ -214,7 +219,8 @@ class Workload:
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
                    documents=cfg.data.masks_documents,
                    host_memory=platform != "cpu",
-                   offload_groups=cfg.offload.optimizer_groups or 0, xla_cpu=platform == "cpu")
+                   offload_groups=cfg.offload.optimizer_groups or 0, remat_save=cfg.parallel.remat_save,
+                   remat_offload=cfg.parallel.remat_offload, xla_cpu=platform == "cpu")
 
 
 def searched_settings(c: Candidate, w: Workload) -> tuple[tuple[str, float], ...]:

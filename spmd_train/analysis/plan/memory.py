@@ -159,6 +159,24 @@ def _state_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, optimizer: s
     return params, grads, opt
 
 
+def named_bytes(m: ModelShape, names: tuple[str, ...], *, tokens: float, tensor: int, sequence_parallel: bool,
+                moe: bool = False) -> float:
+    """Bytes of the named intermediates (`config.mesh_schema.REMAT_NAMES`) one layer makes on one device for `tokens`
+    tokens, in the compute dtype: the layer input c·h (over t under sequence parallelism), queries and the heads'
+    output c·H·hd/t, keys and values c·KV·hd/t each (multi-head latent attention names none of these), a dense MLP's
+    gate, up and gated product c·f/t each (an MoE layer's experts name none)."""
+    c, hd = m.compute_bytes, m.head_dim
+    mla = m.latent_width > 0
+    per = {"layer_input": c * m.d_model / (tensor if sequence_parallel else 1),
+           "query": 0.0 if mla else c * m.num_heads * hd / tensor,
+           "key": 0.0 if mla else c * m.num_kv_heads * hd / tensor,
+           "value": 0.0 if mla else c * m.num_kv_heads * hd / tensor,
+           "attention_out": 0.0 if mla else c * m.num_heads * hd / tensor}
+    for n in ("mlp_gate", "mlp_up", "mlp_hidden"):
+        per[n] = 0.0 if moe else c * m.d_ff / tensor
+    return tokens * sum(per[n] for n in names)
+
+
 def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context: int, tensor: int,
                            sequence_parallel: bool, attention: str, moe: bool = False, slots: float = 0.0,
                            scheme: str | None = None, ways: int = 1) -> float:
@@ -303,8 +321,13 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
     scheme = context_scheme(c)
     kw = {"tokens": tokens, "context": w.seq_len, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel,
           "attention": w.attention, "scheme": scheme, "ways": c.sequence}
-    dense = layer_activation_bytes(m, c.remat, **kw)
-    moe = layer_activation_bytes(m, c.remat, moe=True, slots=slots, **kw) if m.moe_layers else 0.0
+    if c.remat == "names":  # what remat_save keeps on the device (remat_offload's below)
+        named = {"tokens": tokens, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel}
+        dense = named_bytes(m, w.remat_save, **named)
+        moe = named_bytes(m, w.remat_save, moe=True, **named) if m.moe_layers else 0.0
+    else:
+        dense = layer_activation_bytes(m, c.remat, **kw)
+        moe = layer_activation_bytes(m, c.remat, moe=True, slots=slots, **kw) if m.moe_layers else 0.0
     # Kept once per layer stack, not per layer: RoPE's fp32 cos/sin tables [s, hd/2] (the q and k broadcasts too
     # under 'none') and, with XLA's attention under 'none', the causal mask [rows, H, s, context] as bool and fp32
     # (`ring` and `allgather` mask each block inside their loops: `attention_residual_bytes` counts it there).
@@ -333,6 +356,13 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
         # full remat's: what libtpu offloads of it is not measured.)
         host_activations = layers
         activations = activations - layers + 2 * layers / (m.num_layers + m.mtp_depth)
+    elif c.remat == "names" and w.remat_offload and c.pipeline == 1:
+        # remat_offload's intermediates of every layer in host memory, two layers' in flight on the device.
+        named = {"tokens": tokens, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel}
+        host_activations = ((m.num_layers - m.moe_layers + m.mtp_depth - m.mtp_moe_layers)
+                            * named_bytes(m, w.remat_offload, **named)
+                            + (m.moe_layers + m.mtp_moe_layers) * named_bytes(m, w.remat_offload, moe=True, **named))
+        activations += 2 * host_activations / (m.num_layers + m.mtp_depth)
     logit_grads = tokens * m.vocab_size / c.tensor * m.compute_bytes
     # Each multi-token prediction module's head keeps its own logits until the backward pass, beside the main head's;
     # the backward takes the heads' cotangents one at a time.

@@ -20,7 +20,7 @@ from spmd_train.analysis.plan.comm import CommTerm, optimizer_flops
 from spmd_train.analysis.plan.memory import estimate_memory
 from spmd_train.analysis.plan.shape import ModelShape
 from spmd_train.analysis.plan.stages import stage_imbalance
-from spmd_train.config.mesh_schema import OFFLOADS_ACTIVATIONS, RECOMPUTES_LAYER
+from spmd_train.config.mesh_schema import RECOMPUTES_LAYER, offloads_activations
 from spmd_train.config.precision_schema import quantizes_experts
 from spmd_train.hardware import Hardware
 
@@ -194,7 +194,7 @@ def host_transfer_seconds(m: ModelShape, c: Candidate, w: Workload, hw: Hardware
     under parallel.remat=offload_layer_inputs the layers' inputs out in the forward pass and back in the backward,
     hidden behind the `compute` seconds they overlap."""
     link = hw.spec.host_link
-    if link is None or not (c.offload or c.remat in OFFLOADS_ACTIVATIONS):
+    if link is None or not (c.offload or offloads_activations(c.remat, w.remat_offload)):
         return 0.0
     memory = estimate_memory(m, c, w)  # what is on the host: the memory model's figures
     inputs = memory.host_activations * c.grad_accum

@@ -85,8 +85,10 @@ def renderables(report: Any) -> list[RenderableType]:
                        ("compiled: aliased (donated)", "alias_bytes"),
                        ("peak = arg + out + temp - alias", "peak_bytes")):
         memory.add_row(label, human_bytes(d[key]))
-    if d.get("host_state_bytes"):
+    if d.get("host_state_bytes") or d.get("host_param_bytes"):
         memory.add_row("optimizer state in host memory (offload)", human_bytes(d["host_state_bytes"]))
+        if d.get("host_param_bytes"):
+            memory.add_row("layer stack's parameters in host memory", human_bytes(d["host_param_bytes"]))
         memory.add_row("compiled: host arguments, host temporaries",
                        f"{human_bytes(d['host_argument_bytes'])}, {human_bytes(d['host_temp_bytes'])}")
         seconds = d.get("host_transfer_seconds")

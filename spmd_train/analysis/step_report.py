@@ -195,6 +195,8 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     host_state = engine.offload.host_bytes_per_device if engine.offload else 0
+    host_params = engine.offload.host_param_bytes_per_device if engine.offload else 0
+    accum = cfg.train.grad_accum
     per_device = {
         "param_bytes": sum(r.bytes_per_device for r in rows),
         "opt_state_bytes": opt_bytes,
@@ -212,11 +214,16 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         # offload.optimizer: the state's bytes in the host's memory (from shardings), and the compiled program's
         # own host figures (XLA:CPU reports none: its "host" and "device" are one memory).
         "host_state_bytes": host_state,
+        "host_param_bytes": host_params,
         "host_argument_bytes": mem.host_argument_size_in_bytes,
         "host_temp_bytes": mem.host_temp_size_in_bytes,
-        # In and out each step; both directions at once, so the time is one direction's at the host link.
-        "host_transfer_bytes": 2 * host_state,
-        "host_transfer_seconds": host_state / spec.host_link if host_state and spec and spec.host_link else None,
+        # The state in and out each step; offloaded parameters fetched twice a microbatch (forward, recompute), their
+        # gradients out and back, and through the update in and out. The time is what waits on the link after the
+        # backward pass (the state, the parameters' gradients and update; both directions at once): the fetches
+        # and gradients out run beside the compute.
+        "host_transfer_bytes": 2 * host_state + (3 * accum + 3) * host_params,
+        "host_transfer_seconds": ((host_state + 2 * host_params) / spec.host_link
+                                  if (host_state or host_params) and spec and spec.host_link else None),
     }
     collectives = collectives_of(hlo, mesh)
     if context is not None:

@@ -166,6 +166,10 @@ def check_layout(cfg: Config, sizes: Mapping[str, int], platform: str | None = N
         raise ConfigError(f"parallel.pipeline_layers=[{', '.join(map(str, layers))}] splits the layers into stages, "
                           "but mesh.pipeline=1 runs one stage "
                           f"(valid: balanced or null, or mesh.pipeline={len(layers)})")
+    if cfg.offload.params and sizes["pipeline"] > 1:
+        raise ConfigError(f"offload.params=true streams the layer stack from the host in the layer loop, and "
+                          f"mesh.pipeline={sizes['pipeline']} runs the layers in pipeline stages, which take their "
+                          "parameters on the device (valid: offload.params=false, or mesh.pipeline=1)")
     check_moe(cfg, sizes, platform or "cpu")
     check_attention(cfg, platform or "cpu")
     check_context(cfg, sizes)
@@ -316,6 +320,14 @@ def check_offload(cfg: Config) -> None:
         raise ConfigError(f"offload.optimizer={str(o.optimizer).lower()} streams the optimizer state through the "
                           f"device a slice at a time, and optim.name={cfg.optim.name} updates whole matrices at once "
                           f"(valid: offload.optimizer=false, or optim.name={valid})")
+    if o.params and not o.optimizer_share:
+        raise ConfigError("offload.params=true keeps the parameters on the host, and the update streams them through "
+                          "the device with the optimizer state, which offload.optimizer=false keeps on the device "
+                          "(valid: offload.optimizer=true or a fraction, or offload.params=false)")
+    if o.params and cfg.parallel.remat == "none":
+        raise ConfigError("offload.params=true brings each layer's parameters to the device as the layer loop reaches "
+                          "it, and parallel.remat=none would keep every fetched layer for the backward pass (valid: "
+                          "parallel.remat=full, save_matmuls, save_matmuls_no_batch, offload_layer_inputs or names)")
     if o.optimizer_groups is not None and not o.optimizer_share:
         raise ConfigError(f"offload.optimizer_groups={o.optimizer_groups} sets how the offloaded optimizer state "
                           "streams, and offload.optimizer=false offloads none (valid: offload.optimizer=true or a "

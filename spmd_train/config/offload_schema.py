@@ -21,7 +21,8 @@ HOST_MEMORY_KIND = "pinned_host"
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Host memory instead of device memory: the optimizer state (moments, and the float32 master copy)."""
+    """Host memory instead of device memory: the optimizer state (moments, and the float32 master copy), and the
+    layer stack's parameters."""
 
     __pydantic_config__ = STRICT
 
@@ -36,6 +37,13 @@ class OffloadConfig:
     not split on and that the groups divide: the layer stack's layers, a table's rows; an array with none is updated
     whole): the device holds about 2/groups of the state at a time, one slice updating while the next arrives. null:
     one per layer of the stack (model.num_layers' stored rows), at most 64."""
+
+    params: bool = False
+    """true: the layer stack's parameters live in pinned host memory; the layer loop brings each layer's to the
+    device as it reaches it (in the forward pass and again for the backward's recompute) and their gradients come
+    back to the device; the update streams them through the device with the optimizer state. Needs
+    offload.optimizer (true or a fraction), a parallel.remat policy other than none (which would keep every fetched
+    layer), and no pipeline. false: on the device."""
 
     @property
     def optimizer_share(self) -> float:

@@ -10,6 +10,8 @@ compile time does not grow with depth. The model speaks logical axis names only
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -361,6 +363,18 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
 
+def fetched(tree: Any) -> Any:
+    """`tree` with its arrays in host memory (offload.params: the layer stack's, a layer at a time inside the layer
+    loop) brought to the device. The barrier keeps each transfer a copy of this device's shard: without it XLA may
+    gather the layer across devices on the host, moving the whole layer over the host link (measured on v5p)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    host = [jax.typeof(x).memory_space == jax.memory.Space.Host for x in leaves]
+    if not any(host):
+        return tree
+    moved = [jax.device_put(x, jax.memory.Space.Device) if h else x for x, h in zip(leaves, host, strict=True)]
+    return jax.tree.unflatten(treedef, jax.lax.optimization_barrier(moved))
+
+
 def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: ModelConfig,
                  remat: Remat = "none", *, segments: jax.Array | None = None, positions: jax.Array | None = None,
                  rows: jax.Array | None = None, kinds: jax.Array | None = None
@@ -389,7 +403,7 @@ def apply_blocks(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, cfg: 
             raise ValueError(f"{count} stacked rows are not the model's {kinds.shape[0]}: pass their layers' kinds")
 
     def layer(carry, layer_params, kind):
-        return nnx.merge(graphdef, layer_params)(name_layer_input(carry), rope, segments, kind)
+        return nnx.merge(graphdef, fetched(layer_params))(name_layer_input(carry), rope, segments, kind)
 
     if rows is None:
         body = apply_remat(layer, remat)

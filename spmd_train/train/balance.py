@@ -32,6 +32,16 @@ def without_bias_updates(updates: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda p, u: jnp.zeros_like(u) if is_router_bias(p) else u, updates)
 
 
+def router_biases_on_device(params: Any) -> Any:
+    """`params` with the router biases in device memory (offload.params keeps the layer stack's, theirs among them,
+    on the host; the step computes with them). The rest is left where it is."""
+    def move(path, leaf):
+        host = jax.typeof(leaf).memory_space == jax.memory.Space.Host
+        return jax.device_put(leaf, jax.memory.Space.Device) if host and is_router_bias(path) else leaf
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
 def update_router_bias(params: Any, load: jax.Array, rate: float) -> Any:
     """`params` with every router bias moved by rate * sign(mean load - load).
 

@@ -38,7 +38,13 @@ from spmd_train.sharding.arithmetic import local_shape, rows_per_device
 from spmd_train.sharding.constrain import use_layout
 from spmd_train.sharding.layout import Layout
 from spmd_train.tpu_flags import tpu_flags_in_effect
-from spmd_train.train.balance import balance_vectors, bias_metrics, update_router_bias, without_bias_updates
+from spmd_train.train.balance import (
+    balance_vectors,
+    bias_metrics,
+    router_biases_on_device,
+    update_router_bias,
+    without_bias_updates,
+)
 from spmd_train.train.checkpoint import layout_meta
 from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import OVERFLOW, GuardState, advance, all_finite, init_guard, judge, keep_if
@@ -49,6 +55,8 @@ from spmd_train.train.offload import (
     OffloadPlan,
     check_host_memory,
     clipper,
+    params_on_host,
+    params_to_device,
     plan_offload,
     streamed_update,
     to_device,
@@ -133,13 +141,16 @@ class Engine:
                     lambda a: jax.ShapeDtypeStruct((order.size, *a.shape[1:]), a.dtype), shapes["blocks"])}
         tx = make_optimizer(cfg.optim, cfg.train.steps, logical, cfg.precision)
         param_sh = layout.param_shardings(logical, shapes)
+        if cfg.offload.params:  # the layer stack in host memory (`models.transformer.fetched` brings each layer in)
+            param_sh = params_on_host(param_sh)
         opt_shapes = jax.eval_shape(tx.init, shapes)
         opt_sh = opt_state_shardings(tx, opt_shapes, layout, logical, shapes)
         offload = stream_tx = None
         check_host_memory(cfg, mesh.devices.flat[0])
         if cfg.offload.optimizer_share:
             rows = cfg.model.stack_rows if order is None else int(order.size)
-            offload = plan_offload(cfg, tx, opt_shapes, opt_sh, shapes, layout.opt_shardings(logical, shapes), rows)
+            offload = plan_offload(cfg, tx, opt_shapes, opt_sh, shapes, layout.opt_shardings(logical, shapes), rows,
+                                   param_sh)
             opt_sh = offload.stored
             stream_tx = make_optimizer(cfg.optim, cfg.train.steps, logical, cfg.precision, clip=False)
         replicated = NamedSharding(mesh, P())
@@ -147,12 +158,21 @@ class Engine:
         state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, guard=guard_sh)
         # Before anything compiles: XLA aborts the process on a state of absurd size.
         need = (bytes_per_device(shapes, param_sh) + bytes_per_device(shapes, layout.grad_shardings(logical, shapes))
-                + bytes_per_device(opt_shapes, opt_sh) - (offload.host_bytes_per_device if offload else 0))
+                + bytes_per_device(opt_shapes, opt_sh) - (offload.host_bytes_per_device if offload else 0)
+                - (offload.host_param_bytes_per_device if offload else 0))
         check_state_fits(need, mesh.devices.flat[0], describe_run(cfg, sizes), allocating=False)
         return cls(cfg=cfg, mesh=mesh, layout=layout, backends=backends, graphdef=graphdef, logical=logical,
                    param_shapes=shapes, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                    state_shardings=state_sh, batch_sharding=layout.batch_sharding(), block_graphdef=block_graphdef,
                    plan=plan, layer_order=order, state_bytes_per_device=need, offload=offload, stream_tx=stream_tx)
+
+    @property
+    def device_param_shardings(self) -> Any:
+        """The parameters' shardings in device memory (the stored ones but for offload.params's host-resident layer
+        stack): what code that reads every parameter at once, as decoding does, holds them in."""
+        if self.offload is None or not self.offload.host_param_bytes_per_device:
+            return self.state_shardings.params
+        return self.offload.params_device
 
     def init_state(self) -> TrainState:
         """Fresh parameters and optimizer state, created directly in their shardings.
@@ -198,7 +218,8 @@ class Engine:
         [leaves, 2]), reduced where the shards live; what a save records and a restore checks."""
         def health(state):
             if self.offload is not None:  # computed on the device, where the values can be read
-                state = state._replace(opt_state=to_device(state.opt_state, self.offload))
+                state = state._replace(opt_state=to_device(state.opt_state, self.offload),
+                                       params=params_to_device(state.params, self.offload))
             return all_finite((state.params, state.opt_state)), fingerprint(state)
 
         return jax.jit(health, out_shardings=NamedSharding(self.mesh, P()))
@@ -358,6 +379,8 @@ class Engine:
                 value_and_grad, state.params, batch,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
             )
+        if self.cfg.offload.params:  # the host parameters' gradients are made in host memory: the update's are here
+            grads = jax.device_put(grads, self.layout.grad_shardings(self.logical, self.param_shapes))
         if scaling:
             grads = unscale(grads, scale)
         grad_norm = optax.tree.norm(grads)
@@ -378,6 +401,8 @@ class Engine:
                 params, opt_state = streamed_update(self.stream_tx, self.offload, grads, state.opt_state,
                                                     state.params, reason == 0, apply, clipper(grads, self.cfg))
         counts = values.pop("expert_counts", None)  # with MoE layers
+        if counts is not None and self.cfg.offload.params:  # read and moved below; stored back on the host
+            params = router_biases_on_device(params)
         before_bias = params
         if counts is not None and self.cfg.model.moe.moves_bias:
             with jax.named_scope("router_bias"):

@@ -137,7 +137,8 @@ def generate(engine: Engine, params: Any, prompts: list[list[int]], *, max_new_t
                jnp.float32(1.0 if top_p is None else top_p))
     tokens = jax.device_put(tokens, programs["token_sharding"])
     pads = jax.device_put(pads, programs["row_sharding"])
-    params = jax.device_put(engine.model_params(params), engine.state_shardings.params)  # a no-op when laid out
+    # A no-op when laid out; offload.params's host-resident layers come to the device, where decoding reads them.
+    params = jax.device_put(engine.model_params(params), engine.device_param_shardings)
     start = time.perf_counter()
     cache, first = programs["prefill"](params, tokens, pads, key, *scalars)
     first.block_until_ready()
@@ -184,7 +185,7 @@ def _programs(engine: Engine, rows: int, length: int, max_new: int, greedy: bool
     token_sh = NamedSharding(mesh, layout.activation_spec(P("batch", None)))
     row_sh = NamedSharding(mesh, layout.activation_spec(P("batch")))
     cache_sh = NamedSharding(mesh, layout.activation_spec(P(*decode.cache_axes(cfg))))
-    param_sh = engine.state_shardings.params
+    param_sh = engine.device_param_shardings
 
     def prefill(params, tokens, pads, key, temperature, top_k, top_p):
         with use_layout(layout):

@@ -84,6 +84,18 @@ class OffloadPlan:
     """The state's shardings as stored between steps: pinned host memory for the offloaded arrays."""
     host_bytes_per_device: int
     """Bytes of optimizer state each device's host keeps."""
+    params_device: Any = None
+    """The parameters' shardings on the device (what the update computes in)."""
+    params_stored: Any = None
+    """The parameters' shardings as stored: pinned host memory for the layer stack under offload.params."""
+    host_param_bytes_per_device: int = 0
+    """Bytes of parameters each device's host keeps (offload.params)."""
+
+
+def params_on_host(param_sh: Any) -> Any:
+    """The parameters' shardings with the layer stack's in pinned host memory (offload.params)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, sh: sh.with_memory_kind(HOST_MEMORY_KIND) if in_layer_stack(path) else sh, param_sh)
 
 
 def check_host_memory(cfg: Config, device: jax.Device) -> None:
@@ -107,10 +119,10 @@ def check_host_memory(cfg: Config, device: jax.Device) -> None:
 
 
 def plan_offload(cfg: Config, tx: optax.GradientTransformation, opt_shapes: Any, opt_sh: Any, param_shapes: Any,
-                 param_opt_sh: Any, stored_rows: int) -> OffloadPlan:
-    """The offload plan for a state of `opt_shapes` laid out as `opt_sh` (parameters `param_shapes`, their optimizer
-    layout `param_opt_sh`): which arrays go to the host (offload.optimizer's share of the bytes, the layer stack's
-    first) and how each is sliced."""
+                 param_opt_sh: Any, stored_rows: int, param_sh: Any) -> OffloadPlan:
+    """The offload plan for a state of `opt_shapes` laid out as `opt_sh` (parameters `param_shapes` stored as
+    `param_sh`, their optimizer layout `param_opt_sh`): which arrays go to the host (offload.optimizer's share of the
+    bytes, the layer stack's first) and how each is sliced."""
     groups = optimizer_groups(cfg.offload.optimizer_groups, stored_rows)
     paths_shapes = jax.tree_util.tree_flatten_with_path(param_shapes)[0]
     shardings = jax.tree.leaves(param_opt_sh)
@@ -131,7 +143,12 @@ def plan_offload(cfg: Config, tx: optax.GradientTransformation, opt_shapes: Any,
     on_host = [(s, sh) for s, sh in zip(jax.tree.leaves(opt_shapes), jax.tree.leaves(stored), strict=True)
                if sh.memory_kind == HOST_MEMORY_KIND]
     host_bytes = bytes_per_device([s for s, _ in on_host], [sh for _, sh in on_host])
-    return OffloadPlan(groups, jax.tree.unflatten(treedef, cuts), opt_sh, stored, host_bytes)
+    params_host = [(s, sh) for s, sh in zip(jax.tree.leaves(param_shapes), jax.tree.leaves(param_sh), strict=True)
+                   if sh.memory_kind == HOST_MEMORY_KIND]
+    param_bytes = bytes_per_device([s for s, _ in params_host], [sh for _, sh in params_host])
+    params_device = jax.tree.map(lambda sh: sh.with_memory_kind("device"), param_sh)
+    return OffloadPlan(groups, jax.tree.unflatten(treedef, cuts), opt_sh, stored, host_bytes, params_device, param_sh,
+                       param_bytes)
 
 
 def clipper(grads: Any, cfg: Config) -> Callable[[Any], Any]:
@@ -167,6 +184,13 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
     device, stored = jax.tree.leaves(plan.device), jax.tree.leaves(plan.stored)
     cuts, param_def = jax.tree.flatten(plan.cuts, is_leaf=lambda x: isinstance(x, Cut))
     grad_leaves, param_leaves = jax.tree.leaves(grads), jax.tree.leaves(params)
+    # offload.params: the layer stack's parameters come to the device and go back like the state.
+    p_device, p_stored = jax.tree.leaves(plan.params_device), jax.tree.leaves(plan.params_stored)
+    p_host = [sh.memory_kind == HOST_MEMORY_KIND for sh in p_stored]
+    to_dev = lambda leaves: [jax.device_put(x, sh) if h else x for x, sh, h in zip(leaves, p_device, p_host,
+                                                                                    strict=True)]
+    to_home = lambda leaves: [jax.device_put(x, sh) if h else x for x, sh, h in zip(leaves, p_stored, p_host,
+                                                                                     strict=True)]
 
     def update(g_leaves, p_leaves, s_leaves):
         """One update of the whole tree's structure: (new parameter leaves, new state leaves), kept or not."""
@@ -180,8 +204,8 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
     state_cuts = [r if isinstance(r, Cut) else None for r in roles]
     s_in = [x if r is None else jax.device_put(_empty(x) if r.streamed else x, sh)
             for x, r, sh in zip(state_leaves, state_cuts, device, strict=True)]
-    new_p, new_s = update(pick(grad_leaves, cuts), pick(param_leaves, cuts), s_in)
-    out_params = [x if c.streamed else n for x, n, c in zip(param_leaves, new_p, cuts, strict=True)]
+    new_p, new_s = update(pick(grad_leaves, cuts), to_dev(pick(param_leaves, cuts)), s_in)
+    out_params = [x if c.streamed else n for x, n, c in zip(param_leaves, to_home(new_p), cuts, strict=True)]
     out_state = [n if r is None else x if r.streamed else jax.device_put(n, sh)
                  for x, n, r, sh in zip(state_leaves, new_s, state_cuts, stored, strict=True)]
 
@@ -196,8 +220,8 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
         s_in = [x if r is None else jax.device_put(slice_or_empty(x, r), sh)
                 for x, r, sh in zip(state_leaves_in_loop(s_all), state_cuts, device, strict=True)]
         new_p, new_s = update([slice_or_empty(x, c) for x, c in zip(grad_leaves, cuts, strict=True)],
-                              [slice_or_empty(x, c) for x, c in zip(p_all, cuts, strict=True)], s_in)
-        p_all = [c.put(x, n, group) if c.streamed else x for x, n, c in zip(p_all, new_p, cuts, strict=True)]
+                              to_dev([slice_or_empty(x, c) for x, c in zip(p_all, cuts, strict=True)]), s_in)
+        p_all = [c.put(x, n, group) if c.streamed else x for x, n, c in zip(p_all, to_home(new_p), cuts, strict=True)]
         s_all = [r.put(x, jax.device_put(n, sh), group) if r is not None and r.streamed else x
                  for x, n, r, sh in zip(s_all, new_s, state_cuts, stored, strict=True)]
         return p_all, s_all
@@ -210,6 +234,12 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
 def to_device(state: Any, plan: OffloadPlan) -> Any:
     """The whole state on the device (for computations over all of it at once: health checks, re-layouts)."""
     return jax.device_put(state, plan.device)
+
+
+def params_to_device(params: Any, plan: OffloadPlan | None) -> Any:
+    """The parameters on the device (offload.params keeps the layer stack's on the host): for whole-tree work."""
+    return params if plan is None or not plan.host_param_bytes_per_device else jax.device_put(params,
+                                                                                               plan.params_device)
 
 
 def _cut(shape: tuple[int, ...], sharding: NamedSharding, groups: int) -> Cut:

@@ -182,6 +182,8 @@ class Workload:
     searches the activation-offloading remat policies, and offload.optimizer where `offloads_state`."""
     offload_groups: int = 0
     """offload.optimizer_groups: the slices the offloaded state streams in (0: one per layer, at most 64)."""
+    offload_params: bool = False
+    """offload.params: the layer stack's parameters in host memory, fetched a layer at a time."""
     remat_save: tuple[str, ...] = ()
     """parallel.remat=names: the intermediates each layer keeps on the device (`memory.named_bytes`)."""
     remat_offload: tuple[str, ...] = ()
@@ -219,7 +221,8 @@ class Workload:
                    moe_impl=cfg.backends.moe, capacity_factor=cfg.backends.capacity_factor,
                    documents=cfg.data.masks_documents,
                    host_memory=platform != "cpu",
-                   offload_groups=cfg.offload.optimizer_groups or 0, remat_save=cfg.parallel.remat_save,
+                   offload_groups=cfg.offload.optimizer_groups or 0, offload_params=cfg.offload.params,
+                   remat_save=cfg.parallel.remat_save,
                    remat_offload=cfg.parallel.remat_offload, xla_cpu=platform == "cpu")
 
 

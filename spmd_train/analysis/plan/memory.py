@@ -87,6 +87,9 @@ class MemoryEstimate:
     slices streaming through the device)."""
     host_activations: float = 0.0
     """parallel.remat=offload_layer_inputs: every layer's input in host memory (`activations` keeps two in flight)."""
+    host_params: float = 0.0
+    """offload.params: the layer stack's parameters in host memory (not in `params`; `layer_weights` keeps the two
+    layers fetched and in use)."""
 
     @property
     def state(self) -> float:
@@ -175,6 +178,15 @@ def named_bytes(m: ModelShape, names: tuple[str, ...], *, tokens: float, tensor:
     for n in ("mlp_gate", "mlp_up", "mlp_hidden"):
         per[n] = 0.0 if moe else c * m.d_ff / tensor
     return tokens * sum(per[n] for n in names)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _stack_param_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None,
+                       stored: float) -> float:
+    """The layer stack's parameter bytes per device, as stored (what offload.params keeps on the host)."""
+    shape = dict(zip(MESH_AXES, sizes, strict=True))
+    return sum(stored * g.numel / spec_ways(param_layout(g.axes, sizes, stage, rules).params, shape) * m.param_bytes
+               for g in m.params if g.path.startswith("blocks."))
 
 
 def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context: int, tensor: int,
@@ -284,6 +296,7 @@ class _StatePart(NamedTuple):
     head_grads: float
     layer_weights: float
     host_optimizer: float = 0.0
+    host_params: float = 0.0
 
 
 class _ActivationPart(NamedTuple):
@@ -310,7 +323,15 @@ def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTa
         # offload.optimizer (`train.offload`): the device keeps the rest, and in the update two slices of the
         # offloaded state (one updating, the next arriving), after the activations are gone.
         opt = opt - host + 2 * host / optimizer_groups(w.offload_groups, m.num_layers)
-    return _StatePart(params, grads, opt, head, tables, layer_w, host)
+    host_params = 0.0
+    if w.offload_params:
+        # offload.params: the layer stack on the host; the layer loop fetches a layer at a time, one in use and the
+        # next arriving (gathered at ZeRO-3, where `layer_w` already holds two; whole below it).
+        host_params = _stack_param_bytes(m, sizes, stage, rules, stored)
+        params -= host_params
+        if not layer_w:
+            layer_w = 2 * host_params / m.num_layers
+    return _StatePart(params, grads, opt, head, tables, layer_w, host, host_params)
 
 
 def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) -> _ActivationPart:
@@ -397,7 +418,8 @@ def _assemble(s: _StatePart, a: _ActivationPart) -> MemoryEstimate:
                           head_weights=s.head_weights,
                           head_grads=s.head_grads, layer_weights=s.layer_weights, recompute=a.recompute,
                           moe_dispatch=a.moe_dispatch, workspace=WORKSPACE_FRACTION * _rest(s, a),
-                          host_optimizer=s.host_optimizer, host_activations=a.host_activations)
+                          host_optimizer=s.host_optimizer, host_activations=a.host_activations,
+                          host_params=s.host_params)
 
 
 @functools.lru_cache(maxsize=1 << 14)

@@ -190,15 +190,20 @@ def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, term
 
 def host_transfer_seconds(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, compute: float) -> float:
     """Seconds of the step's host-link transfers on its critical path, at the device kind's `DeviceSpec.host_link`
-    each way (none where no source gives it): the offloaded optimizer state in and out after the backward pass, and
-    under parallel.remat=offload_layer_inputs the layers' inputs out in the forward pass and back in the backward,
-    hidden behind the `compute` seconds they overlap."""
+    each way (none where no source gives it): the offloaded optimizer state in and out after the backward pass (and
+    under offload.params the parameters with it, and their gradients back before it), and beside the compute, hidden
+    behind the `compute` seconds they overlap: the layers' inputs out and back under parallel.remat=
+    offload_layer_inputs, the offloaded parameters fetched twice a microbatch and their gradients sent out."""
     link = hw.spec.host_link
-    if link is None or not (c.offload or offloads_activations(c.remat, w.remat_offload)):
+    if link is None or not (c.offload or w.offload_params or offloads_activations(c.remat, w.remat_offload)):
         return 0.0
     memory = estimate_memory(m, c, w)  # what is on the host: the memory model's figures
-    inputs = memory.host_activations * c.grad_accum
-    return memory.host_optimizer / link + (max(0.0, 2 * inputs / link - compute) if inputs else 0.0)
+    params = memory.host_params
+    # Beside the compute: the inputs out and back, each microbatch's layers fetched for the forward pass and again
+    # for the backward's recompute, and their gradients out. After it: the gradients back, and the parameters
+    # through the update with the state (in and out at once).
+    beside = 2 * memory.host_activations * c.grad_accum + 3 * params * c.grad_accum
+    return (memory.host_optimizer + 2 * params) / link + (max(0.0, beside / link - compute) if beside else 0.0)
 
 
 def _overlaps(t: CommTerm, c: Candidate) -> bool:

@@ -350,6 +350,9 @@ def test_offloaded_parameters_are_refused_where_they_cannot_stream(devices):
         load_config(None, [*TINY, "offload.params=true", "parallel.remat=full"])
     with pytest.raises(ConfigError, match=r"parallel.remat=none would keep every fetched layer"):
         load_config(None, [*TINY, "offload.params=true", "offload.optimizer=true", "parallel.remat=none"])
+    with pytest.raises(ConfigError, match=r"precision.loss_scale=dynamic rescales every gradient on the device"):
+        load_config(None, [*TINY, "offload.params=true", "offload.optimizer=true", "parallel.remat=full",
+                           "precision.loss_scale=dynamic", "precision.preset=mixed-fp16"])
     with pytest.raises(ConfigError, match=r"mesh.pipeline=2 runs the layers in pipeline stages"):
         Engine.build(load_config(None, [*TINY, "mesh.pipeline=2", "mesh.fsdp=4", "mesh.tensor=1",
                                         "offload.params=true", "offload.optimizer=true", "parallel.remat=full"]),
@@ -371,7 +374,10 @@ def test_offloaded_parameters_leave_the_v5p_device_and_gather_there():
     assert stack == layers
     assert state_only.per_device["argument_bytes"] - both.per_device["argument_bytes"] == stack
     assert both.per_device["host_argument_bytes"] - state_only.per_device["host_argument_bytes"] == stack
-    assert both.per_device["peak_bytes"] < state_only.per_device["peak_bytes"] - stack
+    # The stack's gradients are made in host memory too: the device's peak falls by both (3.09 -> 2.00 GB against a
+    # 0.12 GB stack, measured), the host keeps them among its temporaries (0.13 GB).
+    assert both.per_device["peak_bytes"] < state_only.per_device["peak_bytes"] - 2 * stack
+    assert both.per_device["host_temp_bytes"] >= stack
     # Gathered over the chips' links, about as many bytes as with the layers on the device (1.22 against 1.31 GB
     # measured): a gather on the host, which the barrier prevents, is no collective between the chips.
     fsdp = lambda r: sum(c.bytes for c in r.collectives if c.op == "all-gather" and c.axes == ("fsdp",))
@@ -391,8 +397,8 @@ def test_the_planner_keeps_offloaded_parameters_on_the_host_and_two_layers_on_th
     layout = Candidate(fsdp=8, remat="full", offload=1.0)
     plain = estimate_memory(shape, layout, Workload(32, 16))
     off = estimate_memory(shape, layout, work)
-    assert off.host_params == pytest.approx(stack)
-    assert plain.params - off.params == pytest.approx(stack)
+    assert off.host_params == off.host_grads == pytest.approx(stack)  # ZeRO-3: gradients split as parameters
+    assert plain.params - off.params == plain.grads - off.grads == pytest.approx(stack)
     assert off.layer_weights == plain.layer_weights > 0  # ZeRO-3 gathers two layers either way
     zero1 = estimate_memory(shape, Candidate(fsdp=8, zero_stage=1, remat="full", offload=1.0), work)
     assert zero1.layer_weights == pytest.approx(2 * zero1.host_params / 4)  # two whole layers fetched at a time

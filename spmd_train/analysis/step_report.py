@@ -218,11 +218,12 @@ def describe(cfg: Config, *, topology: str | None = None, devices: list[jax.Devi
         "host_argument_bytes": mem.host_argument_size_in_bytes,
         "host_temp_bytes": mem.host_temp_size_in_bytes,
         # The state in and out each step; offloaded parameters fetched twice a microbatch (forward, recompute), their
-        # gradients out and back, and through the update in and out. The time is what waits on the link after the
-        # backward pass (the state, the parameters' gradients and update; both directions at once): the fetches
+        # gradients (as many bytes at ZeRO-2 and 3) out each microbatch and read twice (norm, update), and the
+        # parameters through the update in and out. The time is what waits on the link after the backward pass, in
+        # its busier direction (toward the device: the state, the gradients twice, the parameters): the fetches
         # and gradients out run beside the compute.
-        "host_transfer_bytes": 2 * host_state + (3 * accum + 3) * host_params,
-        "host_transfer_seconds": ((host_state + 2 * host_params) / spec.host_link
+        "host_transfer_bytes": 2 * host_state + (3 * accum + 4) * host_params,
+        "host_transfer_seconds": ((host_state + 3 * host_params) / spec.host_link
                                   if (host_state or host_params) and spec and spec.host_link else None),
     }
     collectives = collectives_of(hlo, mesh)

@@ -324,6 +324,10 @@ def check_offload(cfg: Config) -> None:
         raise ConfigError("offload.params=true keeps the parameters on the host, and the update streams them through "
                           "the device with the optimizer state, which offload.optimizer=false keeps on the device "
                           "(valid: offload.optimizer=true or a fraction, or offload.params=false)")
+    if o.params and cfg.precision.loss_scale == "dynamic":
+        raise ConfigError("offload.params=true keeps the layer stack's gradients in host memory, and "
+                          "precision.loss_scale=dynamic rescales every gradient on the device (valid: "
+                          "precision.loss_scale=none, or offload.params=false)")
     if o.params and cfg.parallel.remat == "none":
         raise ConfigError("offload.params=true brings each layer's parameters to the device as the layer loop reaches "
                           "it, and parallel.remat=none would keep every fetched layer for the backward pass (valid: "

@@ -40,10 +40,10 @@ class OffloadConfig:
 
     params: bool = False
     """true: the layer stack's parameters live in pinned host memory; the layer loop brings each layer's to the
-    device as it reaches it (in the forward pass and again for the backward's recompute) and their gradients come
-    back to the device; the update streams them through the device with the optimizer state. Needs
-    offload.optimizer (true or a fraction), a parallel.remat policy other than none (which would keep every fetched
-    layer), and no pipeline. false: on the device."""
+    device as it reaches it (in the forward pass and again for the backward's recompute); their gradients are made
+    and kept in host memory, and the update streams parameters and gradients through the device with the optimizer
+    state. Needs offload.optimizer (true or a fraction), a parallel.remat policy other than none (which would keep
+    every fetched layer), no pipeline, and no dynamic loss scale. false: on the device."""
 
     @property
     def optimizer_share(self) -> float:

@@ -55,9 +55,11 @@ from spmd_train.train.offload import (
     OffloadPlan,
     check_host_memory,
     clipper,
+    grads_on_host,
     params_on_host,
     params_to_device,
     plan_offload,
+    streamed_norm,
     streamed_update,
     to_device,
 )
@@ -150,7 +152,7 @@ class Engine:
         if cfg.offload.optimizer_share:
             rows = cfg.model.stack_rows if order is None else int(order.size)
             offload = plan_offload(cfg, tx, opt_shapes, opt_sh, shapes, layout.opt_shardings(logical, shapes), rows,
-                                   param_sh)
+                                   param_sh, layout.grad_shardings(logical, shapes))
             opt_sh = offload.stored
             stream_tx = make_optimizer(cfg.optim, cfg.train.steps, logical, cfg.precision, clip=False)
         replicated = NamedSharding(mesh, P())
@@ -379,11 +381,12 @@ class Engine:
                 value_and_grad, state.params, batch,
                 layout=self.layout, logical=self.logical, grad_accum=self.cfg.train.grad_accum,
             )
-        if self.cfg.offload.params:  # the host parameters' gradients are made in host memory: the update's are here
-            grads = jax.device_put(grads, self.layout.grad_shardings(self.logical, self.param_shapes))
         if scaling:
             grads = unscale(grads, scale)
-        grad_norm = optax.tree.norm(grads)
+        # offload.params: the host parameters' gradients are made in host memory, and stay there: their norm and the
+        # update read them a slice at a time.
+        host_grads = grads_on_host(self.offload)
+        grad_norm = streamed_norm(grads, self.offload, self.cfg) if host_grads else optax.tree.norm(grads)
         # The schedule is indexed by applied steps: a skipped step does not advance it (nor optax's count).
         lr = self.schedule(state.step - state.guard.skipped)
         with jax.named_scope("guards"):
@@ -399,7 +402,8 @@ class Engine:
                 params = apply(state.params, updates)
             else:  # a slice at a time through the device, each clipped, updated and kept or dropped in turn
                 params, opt_state = streamed_update(self.stream_tx, self.offload, grads, state.opt_state,
-                                                    state.params, reason == 0, apply, clipper(grads, self.cfg))
+                                                    state.params, reason == 0, apply,
+                                                    clipper(grads, self.cfg, grad_norm if host_grads else None))
         counts = values.pop("expert_counts", None)  # with MoE layers
         if counts is not None and self.cfg.offload.params:  # read and moved below; stored back on the host
             params = router_biases_on_device(params)

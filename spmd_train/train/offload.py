@@ -90,6 +90,9 @@ class OffloadPlan:
     """The parameters' shardings as stored: pinned host memory for the layer stack under offload.params."""
     host_param_bytes_per_device: int = 0
     """Bytes of parameters each device's host keeps (offload.params)."""
+    grads_device: Any = None
+    """The gradients' shardings on the device: where a slice of an offloaded parameter's gradient, which autodiff
+    makes in host memory, is brought for the update."""
 
 
 def params_on_host(param_sh: Any) -> Any:
@@ -119,7 +122,7 @@ def check_host_memory(cfg: Config, device: jax.Device) -> None:
 
 
 def plan_offload(cfg: Config, tx: optax.GradientTransformation, opt_shapes: Any, opt_sh: Any, param_shapes: Any,
-                 param_opt_sh: Any, stored_rows: int, param_sh: Any) -> OffloadPlan:
+                 param_opt_sh: Any, stored_rows: int, param_sh: Any, grad_sh: Any) -> OffloadPlan:
     """The offload plan for a state of `opt_shapes` laid out as `opt_sh` (parameters `param_shapes` stored as
     `param_sh`, their optimizer layout `param_opt_sh`): which arrays go to the host (offload.optimizer's share of the
     bytes, the layer stack's first) and how each is sliced."""
@@ -148,19 +151,49 @@ def plan_offload(cfg: Config, tx: optax.GradientTransformation, opt_shapes: Any,
     param_bytes = bytes_per_device([s for s, _ in params_host], [sh for _, sh in params_host])
     params_device = jax.tree.map(lambda sh: sh.with_memory_kind("device"), param_sh)
     return OffloadPlan(groups, jax.tree.unflatten(treedef, cuts), opt_sh, stored, host_bytes, params_device, param_sh,
-                       param_bytes)
+                       param_bytes, grad_sh)
 
 
-def clipper(grads: Any, cfg: Config) -> Callable[[Any], Any]:
+def _cast(cfg: Config) -> Callable[[Any], Any]:
+    """What the optimizer's chain does to the gradients first: float32 under a master copy."""
+    return to_f32 if cfg.precision.master == "float32" else (lambda tree: tree)
+
+
+def grads_on_host(plan: OffloadPlan | None) -> bool:
+    """Whether autodiff makes some gradients in host memory (those of offload.params's host-resident parameters)."""
+    return plan is not None and plan.host_param_bytes_per_device > 0
+
+
+def streamed_norm(grads: Any, plan: OffloadPlan, cfg: Config) -> jax.Array:
+    """The global norm of the gradients as the optimizer's chain reads them (`_cast`), those in host memory read a
+    slice at a time through the device (no whole copy of them there)."""
+    cast = _cast(cfg)
+    cuts = jax.tree.leaves(plan.cuts, is_leaf=lambda x: isinstance(x, Cut))
+    total = jnp.zeros((), jnp.float32)
+    square = lambda x: jnp.sum(jnp.square(cast(x).astype(jnp.float32)))
+    for g, c, sh in zip(jax.tree.leaves(grads), cuts, jax.tree.leaves(plan.grads_device), strict=True):
+        if jax.typeof(g).memory_space != jax.memory.Space.Host:
+            total += square(g)
+        elif not c.streamed:
+            total += square(jax.device_put(g, sh))
+        else:
+            total += jax.lax.fori_loop(0, plan.groups, lambda i, acc, g=g, c=c, sh=sh:
+                                       acc + square(jax.device_put(c.take(g, i), sh)), jnp.zeros((), jnp.float32))
+    return jnp.sqrt(total)
+
+
+def clipper(grads: Any, cfg: Config, g_norm: jax.Array | None = None) -> Callable[[Any], Any]:
     """What the optimizer's chain does to the gradients before its core (`train.optimizer.make_optimizer`), as a
     function of a slice of them: float32 under a master copy, then scaled to optim.clip_norm if the whole gradient's
-    global norm exceeds it. The same operations on each element as the chain's, so a streamed update equals the whole
-    one bit for bit; applied a slice at a time, no clipped copy of the whole gradient is made."""
-    cast = to_f32 if cfg.precision.master == "float32" else (lambda tree: tree)
+    global norm (`g_norm`, or computed here) exceeds it. The same operations on each element as the chain's, so a
+    streamed update equals the whole one bit for bit given the same norm; applied a slice at a time, no clipped copy
+    of the whole gradient is made."""
+    cast = _cast(cfg)
     max_norm = cfg.optim.clip_norm
     if max_norm is None:
         return cast
-    g_norm = optax.tree.norm(cast(grads))
+    if g_norm is None:
+        g_norm = optax.tree.norm(cast(grads))
     trigger = jnp.squeeze(g_norm < max_norm)  # optax.clip_by_global_norm's rule, element for element
 
     def clip(tree: Any) -> Any:
@@ -191,6 +224,10 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
                                                                                     strict=True)]
     to_home = lambda leaves: [jax.device_put(x, sh) if h else x for x, sh, h in zip(leaves, p_stored, p_host,
                                                                                      strict=True)]
+    # Their gradients, made in host memory by autodiff, come to the device a slice at a time too.
+    g_device = jax.tree.leaves(plan.grads_device) if plan.grads_device is not None else [None] * len(p_host)
+    g_to_dev = lambda leaves: [jax.device_put(x, sh) if jax.typeof(x).memory_space == jax.memory.Space.Host else x
+                               for x, sh in zip(leaves, g_device, strict=True)]
 
     def update(g_leaves, p_leaves, s_leaves):
         """One update of the whole tree's structure: (new parameter leaves, new state leaves), kept or not."""
@@ -204,7 +241,7 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
     state_cuts = [r if isinstance(r, Cut) else None for r in roles]
     s_in = [x if r is None else jax.device_put(_empty(x) if r.streamed else x, sh)
             for x, r, sh in zip(state_leaves, state_cuts, device, strict=True)]
-    new_p, new_s = update(pick(grad_leaves, cuts), to_dev(pick(param_leaves, cuts)), s_in)
+    new_p, new_s = update(g_to_dev(pick(grad_leaves, cuts)), to_dev(pick(param_leaves, cuts)), s_in)
     out_params = [x if c.streamed else n for x, n, c in zip(param_leaves, to_home(new_p), cuts, strict=True)]
     out_state = [n if r is None else x if r.streamed else jax.device_put(n, sh)
                  for x, n, r, sh in zip(state_leaves, new_s, state_cuts, stored, strict=True)]
@@ -219,7 +256,7 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
         slice_or_empty = lambda x, c: c.take(x, group) if c.streamed else _empty(x)
         s_in = [x if r is None else jax.device_put(slice_or_empty(x, r), sh)
                 for x, r, sh in zip(state_leaves_in_loop(s_all), state_cuts, device, strict=True)]
-        new_p, new_s = update([slice_or_empty(x, c) for x, c in zip(grad_leaves, cuts, strict=True)],
+        new_p, new_s = update(g_to_dev([slice_or_empty(x, c) for x, c in zip(grad_leaves, cuts, strict=True)]),
                               to_dev([slice_or_empty(x, c) for x, c in zip(p_all, cuts, strict=True)]), s_in)
         p_all = [c.put(x, n, group) if c.streamed else x for x, n, c in zip(p_all, to_home(new_p), cuts, strict=True)]
         s_all = [r.put(x, jax.device_put(n, sh), group) if r is not None and r.streamed else x

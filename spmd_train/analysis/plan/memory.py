@@ -90,6 +90,8 @@ class MemoryEstimate:
     host_params: float = 0.0
     """offload.params: the layer stack's parameters in host memory (not in `params`; `layer_weights` keeps the two
     layers fetched and in use)."""
+    host_grads: float = 0.0
+    """offload.params: the layer stack's gradients, which autodiff makes in host memory (not in `grads`)."""
 
     @property
     def state(self) -> float:
@@ -181,12 +183,14 @@ def named_bytes(m: ModelShape, names: tuple[str, ...], *, tokens: float, tensor:
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def _stack_param_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None,
-                       stored: float) -> float:
-    """The layer stack's parameter bytes per device, as stored (what offload.params keeps on the host)."""
+def _stack_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None,
+                 stored: float) -> tuple[float, float]:
+    """The layer stack's parameter and gradient bytes per device, as stored (what offload.params keeps on the
+    host)."""
     shape = dict(zip(MESH_AXES, sizes, strict=True))
-    return sum(stored * g.numel / spec_ways(param_layout(g.axes, sizes, stage, rules).params, shape) * m.param_bytes
-               for g in m.params if g.path.startswith("blocks."))
+    stack = [(g, param_layout(g.axes, sizes, stage, rules)) for g in m.params if g.path.startswith("blocks.")]
+    return (sum(stored * g.numel / spec_ways(lay.params, shape) * m.param_bytes for g, lay in stack),
+            sum(stored * g.numel / spec_ways(lay.grads, shape) * m.param_bytes for g, lay in stack))
 
 
 def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context: int, tensor: int,
@@ -297,6 +301,7 @@ class _StatePart(NamedTuple):
     layer_weights: float
     host_optimizer: float = 0.0
     host_params: float = 0.0
+    host_grads: float = 0.0
 
 
 class _ActivationPart(NamedTuple):
@@ -323,15 +328,15 @@ def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTa
         # offload.optimizer (`train.offload`): the device keeps the rest, and in the update two slices of the
         # offloaded state (one updating, the next arriving), after the activations are gone.
         opt = opt - host + 2 * host / optimizer_groups(w.offload_groups, m.num_layers)
-    host_params = 0.0
+    host_params = host_grads = 0.0
     if w.offload_params:
-        # offload.params: the layer stack on the host; the layer loop fetches a layer at a time, one in use and the
-        # next arriving (gathered at ZeRO-3, where `layer_w` already holds two; whole below it).
-        host_params = _stack_param_bytes(m, sizes, stage, rules, stored)
-        params -= host_params
+        # offload.params: the layer stack and its gradients on the host; the layer loop fetches a layer at a time,
+        # one in use and the next arriving (gathered at ZeRO-3, where `layer_w` already holds two; whole below it).
+        host_params, host_grads = _stack_bytes(m, sizes, stage, rules, stored)
+        params, grads = params - host_params, grads - host_grads
         if not layer_w:
             layer_w = 2 * host_params / m.num_layers
-    return _StatePart(params, grads, opt, head, tables, layer_w, host, host_params)
+    return _StatePart(params, grads, opt, head, tables, layer_w, host, host_params, host_grads)
 
 
 def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) -> _ActivationPart:
@@ -419,7 +424,7 @@ def _assemble(s: _StatePart, a: _ActivationPart) -> MemoryEstimate:
                           head_grads=s.head_grads, layer_weights=s.layer_weights, recompute=a.recompute,
                           moe_dispatch=a.moe_dispatch, workspace=WORKSPACE_FRACTION * _rest(s, a),
                           host_optimizer=s.host_optimizer, host_activations=a.host_activations,
-                          host_params=s.host_params)
+                          host_params=s.host_params, host_grads=s.host_grads)
 
 
 @functools.lru_cache(maxsize=1 << 14)

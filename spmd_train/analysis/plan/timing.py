@@ -191,19 +191,20 @@ def estimate_timing(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, term
 def host_transfer_seconds(m: ModelShape, c: Candidate, w: Workload, hw: Hardware, compute: float) -> float:
     """Seconds of the step's host-link transfers on its critical path, at the device kind's `DeviceSpec.host_link`
     each way (none where no source gives it): the offloaded optimizer state in and out after the backward pass (and
-    under offload.params the parameters with it, and their gradients back before it), and beside the compute, hidden
+    under offload.params the parameters with it, and their gradients read twice: norm, update), and beside the
+    compute, hidden
     behind the `compute` seconds they overlap: the layers' inputs out and back under parallel.remat=
     offload_layer_inputs, the offloaded parameters fetched twice a microbatch and their gradients sent out."""
     link = hw.spec.host_link
     if link is None or not (c.offload or w.offload_params or offloads_activations(c.remat, w.remat_offload)):
         return 0.0
     memory = estimate_memory(m, c, w)  # what is on the host: the memory model's figures
-    params = memory.host_params
+    params, grads = memory.host_params, memory.host_grads
     # Beside the compute: the inputs out and back, each microbatch's layers fetched for the forward pass and again
-    # for the backward's recompute, and their gradients out. After it: the gradients back, and the parameters
-    # through the update with the state (in and out at once).
-    beside = 2 * memory.host_activations * c.grad_accum + 3 * params * c.grad_accum
-    return (memory.host_optimizer + 2 * params) / link + (max(0.0, beside / link - compute) if beside else 0.0)
+    # for the backward's recompute, and their gradients out. After it, toward the device: the gradients read for
+    # their norm and again for the update, the parameters and the state (out at the same time: the new values).
+    beside = 2 * memory.host_activations * c.grad_accum + (2 * params + grads) * c.grad_accum
+    return (memory.host_optimizer + params + 2 * grads) / link + (max(0.0, beside / link - compute) if beside else 0.0)
 
 
 def _overlaps(t: CommTerm, c: Candidate) -> bool:

@@ -4,7 +4,8 @@
 # soft-caps included), speed against cuDNN and XLA, block shapes, sliding windows against cuDNN's.
 # Part `training`: the MoE layer and training-step MFU by attention. Part `numerics`: FP8 (per-tensor and row
 # scales) and int8 against bfloat16 matmuls, tokens/s on llama-1b, and FP8 on a 16-layer Llama-3-8B slice that fits
-# one GPU (target 1.25x). Part `memory`: what host offload costs a step (the optimizer state, each layer's input)
+# one GPU (target 1.25x). Part `memory`: what host offload costs a step (the optimizer state, the layer stack's
+# parameters with it, each layer's input)
 # on llama-1b and a 16-layer Llama-3-8B slice, against the same steps on the device.
 # Usage, from the repository root: bash benchmarks/gpu_session.sh attention|training|numerics|memory|all
 # Packages the GPU image lacks (pydantic, tensorboardX) travel as wheels in .whl/ (see
@@ -36,8 +37,9 @@ if [ "$part" = numerics ] || [ "$part" = all ]; then
   run python3 benchmarks/mfu.py --record --model llama3-8b --layers 16 --batch 2 --impls cudnn --matmuls default fp8
 fi
 if [ "$part" = memory ] || [ "$part" = all ]; then
-  run python3 benchmarks/mfu.py --record --batch 4 --impls cudnn --offload none optimizer layer_inputs
-  run python3 benchmarks/mfu.py --record --model llama3-8b --layers 16 --batch 2 --impls cudnn --offload none optimizer
+  run python3 benchmarks/mfu.py --record --batch 4 --impls cudnn --offload none optimizer params layer_inputs
+  run python3 benchmarks/mfu.py --record --model llama3-8b --layers 16 --batch 2 --impls cudnn --offload none optimizer \
+    params
 fi
 if [ -n "${OUT:-}" ]; then cp docs/benchmarks.md "$OUT/"; fi
 exit $status

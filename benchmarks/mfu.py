@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/mfu.py [--model llama-1b] [--layers N] [--seq 4096] [--batch 8] [--steps 8]
                                 [--impls cudnn pallas xla] [--matmuls default fp8 fp8-row int8] [--remat full]
-                                [--offload none optimizer layer_inputs]
+                                [--offload none optimizer params layer_inputs]
 Each implementation trains the same model from the same initial parameters on one device
 (the first jax device) with `backends.attention=<impl>`: one warm-up step, then `--steps`
 synchronous steps whose median time gives tokens/s and MFU. MFU uses our model-FLOP count
@@ -15,8 +15,9 @@ on CPU (the Pallas kernels are interpreted there: far too slow to time). `--matm
 implementation with bfloat16 and with FP8 matmuls (`precision.matmul`; fp8-row: FP8 at row scales, int8: int8
 matmuls; the MFU stays over the bf16 peak, so a quantized speed-up shows as a higher MFU) and records its own
 section; `--layers` cuts the model's depth (a Llama-3-8B slice
-that fits one GPU with its optimizer state). `--offload none optimizer layer_inputs` runs each with the optimizer
-state or each layer's input in host memory (docs/memory.md): what the host link costs a step.
+that fits one GPU with its optimizer state). `--offload none optimizer params layer_inputs` runs each with the
+optimizer state, the state and the layer stack's parameters, or each layer's input in host memory (docs/memory.md):
+what the host link costs a step.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ MATMULS = {"default": ["precision.matmul=default"], "fp8": ["precision.matmul=fp
            "fp8-row": ["precision.matmul=fp8", "precision.fp8_scaling=row"], "int8": ["precision.matmul=int8"]}
 """--matmuls choices and the precision keys each sets."""
 OFFLOADS = {"none": [], "optimizer": ["offload.optimizer=true"],
+            "params": ["offload.optimizer=true", "offload.params=true"],
             "layer_inputs": ["parallel.remat=offload_layer_inputs"]}
 """--offload choices and the keys each sets (docs/memory.md): the optimizer state, or each layer's input (in place
 of --remat), in pinned host memory."""

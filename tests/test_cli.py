@@ -251,13 +251,20 @@ def test_a_run_on_the_hosts_real_devices_prints_nothing_of_libtpu(tmp_path):
         assert noise not in proc.stderr, proc.stderr
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before it starts: Ctrl-C at its default, as a terminal starts a command. A suite launched in the
+    background by a non-interactive shell (`cmd &`) passes SIGINT on ignored, as POSIX asks, and the command rightly
+    keeps it ignored: one such run trained all 600 steps through the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.faults
 def test_ctrl_c_while_the_command_imports_jax_exits_130_with_one_line(tmp_path):
     # -X importtime prints each module as its import finishes: a jax module done means the package's imports are
     # under way (the guard is installed before them), and the command's own handler is not in place yet.
     proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "spmd_train", "train", "configs/tiny.yaml",
                              f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=uncached_env(), stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_as_from_a_terminal)
     for line in proc.stderr:
         if line.rstrip().endswith("jax._src.config"):
             proc.send_signal(signal.SIGINT)
@@ -273,7 +280,7 @@ def test_ctrl_c_while_the_command_imports_jax_exits_130_with_one_line(tmp_path):
 def test_ctrl_c_while_compiling_exits_130_with_one_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "spmd_train", "train", "configs/tiny.yaml",
                              f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=uncached_env(), stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_as_from_a_terminal)
     lines = []
     for line in proc.stderr:  # "backends: ..." is the last line before the train step compiles
         lines.append(line)

@@ -9,6 +9,10 @@ fetches at most one slice ahead, so the device holds about two slices of the sta
 ZeRO-Offload idea, Ren et al. 2021, with the update kept on the device). Arrays with no such dimension are updated
 whole beside the loop.
 
+offload.params keeps the layer stack's parameters on the host as well (the layer loop fetches each layer,
+`models.transformer.fetched`) and, since autodiff makes a host-resident input's gradient in host memory, their
+gradients: the global norm (`streamed_norm`) and the update read both a slice at a time like the state.
+
 Exact: the optimizers allowed (`config.optimizer_facts.OptimizerFacts.elementwise`) update each element from its own
 gradient, state and value, so a slice's update is the whole update's slice; gradient clipping, the one step that reads
 every gradient, takes the whole gradient's norm first and scales each slice as the optimizer's chain would (`clipper`).

@@ -29,6 +29,11 @@ class Stack:
     axes: tuple[str, ...]
 
 
+def in_host_memory(x: jax.Array) -> bool:
+    """Whether an array (a traced one too) lives in host memory (offload.params keeps the layer stack there)."""
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
 def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], *, std: float | None, dtype,
           stack: int | tuple[int, ...] | Stack | None = None) -> nnx.Param:
     """A parameter drawn from N(0, std^2) (ones when std is None, zeros when it is 0), tagged with its logical axes.

@@ -19,7 +19,7 @@ from flax import nnx
 
 from spmd_train.config.model_schema import BackendsConfig, ModelConfig
 from spmd_train.models.flops import mtp_kind
-from spmd_train.models.layers import Pinned, RMSNorm, Stack, dense, param, pin, weight
+from spmd_train.models.layers import Pinned, RMSNorm, Stack, dense, in_host_memory, param, pin, weight
 from spmd_train.models.mla import MLAttention
 from spmd_train.models.moe import MoE
 from spmd_train.models.mtp import MTP
@@ -368,7 +368,7 @@ def fetched(tree: Any) -> Any:
     loop) brought to the device. The barrier keeps each transfer a copy of this device's shard: without it XLA may
     gather the layer across devices on the host, moving the whole layer over the host link (measured on v5p)."""
     leaves, treedef = jax.tree.flatten(tree)
-    host = [jax.typeof(x).memory_space == jax.memory.Space.Host for x in leaves]
+    host = [in_host_memory(x) for x in leaves]
     if not any(host):
         return tree
     moved = [jax.device_put(x, jax.memory.Space.Device) if h else x for x, h in zip(leaves, host, strict=True)]

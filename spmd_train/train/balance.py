@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd_train.models.layers import in_host_memory
 from spmd_train.models.param_specs import in_layer_stack
 
 BIAS = "router_bias"
@@ -36,8 +37,7 @@ def router_biases_on_device(params: Any) -> Any:
     """`params` with the router biases in device memory (offload.params keeps the layer stack's, theirs among them,
     on the host; the step computes with them). The rest is left where it is."""
     def move(path, leaf):
-        host = jax.typeof(leaf).memory_space == jax.memory.Space.Host
-        return jax.device_put(leaf, jax.memory.Space.Device) if host and is_router_bias(path) else leaf
+        return jax.device_put(leaf, jax.memory.Space.Device) if in_host_memory(leaf) and is_router_bias(path) else leaf
 
     return jax.tree_util.tree_map_with_path(move, params)
 

@@ -50,7 +50,7 @@ from spmd_train.train.fingerprint import fingerprint
 from spmd_train.train.guards import OVERFLOW, GuardState, advance, all_finite, init_guard, judge, keep_if
 from spmd_train.train.inputs import model_inputs, mtp_inputs, with_loss_weights
 from spmd_train.train.loss_scale import LossScaleState, adjust, unscale
-from spmd_train.train.memory_fit import bytes_per_device, check_state_fits, describe_run
+from spmd_train.train.memory_fit import check_state_fits, describe_run, device_bytes_per_device
 from spmd_train.train.offload import (
     OffloadPlan,
     check_host_memory,
@@ -145,6 +145,7 @@ class Engine:
         param_sh = layout.param_shardings(logical, shapes)
         if cfg.offload.params:  # the layer stack in host memory (`models.transformer.fetched` brings each layer in)
             param_sh = params_on_host(param_sh)
+        grad_sh = layout.grad_shardings(logical, shapes)
         opt_shapes = jax.eval_shape(tx.init, shapes)
         opt_sh = opt_state_shardings(tx, opt_shapes, layout, logical, shapes)
         offload = stream_tx = None
@@ -152,16 +153,18 @@ class Engine:
         if cfg.offload.optimizer_share:
             rows = cfg.model.stack_rows if order is None else int(order.size)
             offload = plan_offload(cfg, tx, opt_shapes, opt_sh, shapes, layout.opt_shardings(logical, shapes), rows,
-                                   param_sh, layout.grad_shardings(logical, shapes))
+                                   param_sh, grad_sh)
             opt_sh = offload.stored
             stream_tx = make_optimizer(cfg.optim, cfg.train.steps, logical, cfg.precision, clip=False)
         replicated = NamedSharding(mesh, P())
         guard_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_guard(cfg.train)))
         state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, guard=guard_sh)
         # Before anything compiles: XLA aborts the process on a state of absurd size.
-        need = (bytes_per_device(shapes, param_sh) + bytes_per_device(shapes, layout.grad_shardings(logical, shapes))
-                + bytes_per_device(opt_shapes, opt_sh) - (offload.host_bytes_per_device if offload else 0)
-                - (offload.host_param_bytes_per_device if offload else 0))
+        # What the device holds: offload's host arrays left out (offload.params's stack gradients are made in host
+        # memory too, where autodiff keeps a host input's gradient).
+        grads_stored = params_on_host(grad_sh) if cfg.offload.params else grad_sh
+        need = (device_bytes_per_device(shapes, param_sh) + device_bytes_per_device(shapes, grads_stored)
+                + device_bytes_per_device(opt_shapes, opt_sh))
         check_state_fits(need, mesh.devices.flat[0], describe_run(cfg, sizes), allocating=False)
         return cls(cfg=cfg, mesh=mesh, layout=layout, backends=backends, graphdef=graphdef, logical=logical,
                    param_shapes=shapes, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),

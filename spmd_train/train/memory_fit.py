@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from spmd_train.config.offload_schema import HOST_MEMORY_KIND
 from spmd_train.errors import ConfigError
 from spmd_train.hardware import device_spec
 from spmd_train.units import GiB
@@ -33,6 +34,13 @@ def bytes_per_device(shapes: Any, shardings: Any) -> int:
     for shape, sharding in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True):
         total += math.prod(sharding.shard_shape(shape.shape)) * shape.dtype.itemsize
     return total
+
+
+def device_bytes_per_device(shapes: Any, shardings: Any) -> int:
+    """`bytes_per_device` of the arrays stored in device memory (offload's pinned host arrays left out)."""
+    kept = [(s, sh) for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
+            if sh.memory_kind != HOST_MEMORY_KIND]
+    return bytes_per_device([s for s, _ in kept], [sh for _, sh in kept])
 
 
 def describe_run(cfg: Any, mesh_shape: dict[str, int]) -> str:

@@ -34,6 +34,7 @@ from spmd_train.config.mesh_schema import OFFLOADS_ACTIVATIONS, offloads_activat
 from spmd_train.config.offload_schema import HOST_MEMORY_KIND, optimizer_groups
 from spmd_train.config.schema import Config
 from spmd_train.errors import ConfigError
+from spmd_train.models.layers import in_host_memory
 from spmd_train.models.param_specs import in_layer_stack
 from spmd_train.sharding.arithmetic import entry_axes
 from spmd_train.train.guards import keep_if
@@ -176,7 +177,7 @@ def streamed_norm(grads: Any, plan: OffloadPlan, cfg: Config) -> jax.Array:
     total = jnp.zeros((), jnp.float32)
     square = lambda x: jnp.sum(jnp.square(cast(x).astype(jnp.float32)))
     for g, c, sh in zip(jax.tree.leaves(grads), cuts, jax.tree.leaves(plan.grads_device), strict=True):
-        if jax.typeof(g).memory_space != jax.memory.Space.Host:
+        if not in_host_memory(g):
             total += square(g)
         elif not c.streamed:
             total += square(jax.device_put(g, sh))
@@ -230,7 +231,7 @@ def streamed_update(tx: optax.GradientTransformation, plan: OffloadPlan, grads: 
                                                                                      strict=True)]
     # Their gradients, made in host memory by autodiff, come to the device a slice at a time too.
     g_device = jax.tree.leaves(plan.grads_device) if plan.grads_device is not None else [None] * len(p_host)
-    g_to_dev = lambda leaves: [jax.device_put(x, sh) if jax.typeof(x).memory_space == jax.memory.Space.Host else x
+    g_to_dev = lambda leaves: [jax.device_put(x, sh) if in_host_memory(x) else x
                                for x, sh in zip(leaves, g_device, strict=True)]
 
     def update(g_leaves, p_leaves, s_leaves):

@@ -148,14 +148,17 @@ def state_bytes(m: ModelShape, c: Candidate, w: Workload) -> tuple[float, float,
 
 @functools.lru_cache(maxsize=1 << 14)
 def _state_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, optimizer: str, momentum: bool,
-                 rules: RuleTables | None, stored: float = 1.0, master: bool = False, moments: str | None = None
-                 ) -> tuple[float, float, float]:
-    """Parameter, gradient and optimizer bytes per device; `stored`: the layer stack's stored rows over its model
-    rows (uneven pipeline chunks are padded to the deepest, `stages.stored_rows_factor`)."""
+                 rules: RuleTables | None, stored: float = 1.0, master: bool = False, moments: str | None = None,
+                 stack_only: bool = False) -> tuple[float, float, float]:
+    """Parameter, gradient and optimizer bytes per device (`stack_only`: the layer stack's alone, what
+    offload.params keeps on the host); `stored`: the layer stack's stored rows over its model rows (uneven
+    pipeline chunks are padded to the deepest, `stages.stored_rows_factor`)."""
     shape = dict(zip(MESH_AXES, sizes, strict=True))
     w = Workload(global_batch=1, seq_len=1, optimizer=optimizer, momentum=momentum, master=master, moments=moments)
     params = grads = opt = 0.0
     for g in m.params:
+        if stack_only and not g.path.startswith("blocks."):
+            continue
         lay = param_layout(g.axes, sizes, stage, rules)
         scale = stored if g.path.startswith("blocks.") else 1.0
         params += scale * g.numel / spec_ways(lay.params, shape) * m.param_bytes
@@ -180,17 +183,6 @@ def named_bytes(m: ModelShape, names: tuple[str, ...], *, tokens: float, tensor:
     for n in ("mlp_gate", "mlp_up", "mlp_hidden"):
         per[n] = 0.0 if moe else c * m.d_ff / tensor
     return tokens * sum(per[n] for n in names)
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _stack_bytes(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTables | None,
-                 stored: float) -> tuple[float, float]:
-    """The layer stack's parameter and gradient bytes per device, as stored (what offload.params keeps on the
-    host)."""
-    shape = dict(zip(MESH_AXES, sizes, strict=True))
-    stack = [(g, param_layout(g.axes, sizes, stage, rules)) for g in m.params if g.path.startswith("blocks.")]
-    return (sum(stored * g.numel / spec_ways(lay.params, shape) * m.param_bytes for g, lay in stack),
-            sum(stored * g.numel / spec_ways(lay.grads, shape) * m.param_bytes for g, lay in stack))
 
 
 def layer_activation_bytes(m: ModelShape, policy: str, *, tokens: float, context: int, tensor: int,
@@ -332,7 +324,8 @@ def _state_part(m: ModelShape, sizes: tuple[int, ...], stage: int, rules: RuleTa
     if w.offload_params:
         # offload.params: the layer stack and its gradients on the host; the layer loop fetches a layer at a time,
         # one in use and the next arriving (gathered at ZeRO-3, where `layer_w` already holds two; whole below it).
-        host_params, host_grads = _stack_bytes(m, sizes, stage, rules, stored)
+        host_params, host_grads, _ = _state_bytes(m, sizes, stage, w.optimizer, w.momentum, rules, stored, w.master,
+                                                  w.moments, stack_only=True)
         params, grads = params - host_params, grads - host_grads
         if not layer_w:
             layer_w = 2 * host_params / m.num_layers
@@ -347,8 +340,8 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
     scheme = context_scheme(c)
     kw = {"tokens": tokens, "context": w.seq_len, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel,
           "attention": w.attention, "scheme": scheme, "ways": c.sequence}
+    named = {"tokens": tokens, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel}
     if c.remat == "names":  # what remat_save keeps on the device (remat_offload's below)
-        named = {"tokens": tokens, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel}
         dense = named_bytes(m, w.remat_save, **named)
         moe = named_bytes(m, w.remat_save, moe=True, **named) if m.moe_layers else 0.0
     else:
@@ -361,9 +354,13 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
     per_stack = (8 if c.remat == "none" else 4) * m.head_dim * local
     if w.attention == "xla" and c.remat == "none" and scheme in (None, "ulysses"):
         per_stack += tokens * m.num_heads / c.tensor * w.seq_len * 5
-    layers = (m.num_layers - m.moe_layers) * dense + m.moe_layers * moe
-    # Multi-token prediction: each module is one more layer (an MoE one in an MoE model) after the trunk.
-    layers += (m.mtp_depth - m.mtp_moe_layers) * dense + m.mtp_moe_layers * moe
+    def over_layers(dense: float, moe: float) -> float:
+        """A dense and an MoE layer's bytes summed over the model's layers. Multi-token prediction: each module is
+        one more layer (an MoE one in an MoE model) after the trunk."""
+        trunk = (m.num_layers - m.moe_layers) * dense + m.moe_layers * moe
+        return trunk + ((m.mtp_depth - m.mtp_moe_layers) * dense + m.mtp_moe_layers * moe)
+
+    layers = over_layers(dense, moe)
     stream = tokens * m.d_model * m.compute_bytes / (c.tensor if c.sequence_parallel else 1)  # one microbatch
     if c.pipeline > 1:
         _, _, in_flight = schedule_stats(c.pipeline_schedule, c.pipeline, micro, c.virtual_stages)
@@ -384,10 +381,8 @@ def _activation_part(m: ModelShape, c: Candidate, w: Workload, grad_accum: int) 
         activations = activations - layers + 2 * layers / (m.num_layers + m.mtp_depth)
     elif c.remat == "names" and w.remat_offload and c.pipeline == 1:
         # remat_offload's intermediates of every layer in host memory, two layers' in flight on the device.
-        named = {"tokens": tokens, "tensor": c.tensor, "sequence_parallel": c.sequence_parallel}
-        host_activations = ((m.num_layers - m.moe_layers + m.mtp_depth - m.mtp_moe_layers)
-                            * named_bytes(m, w.remat_offload, **named)
-                            + (m.moe_layers + m.mtp_moe_layers) * named_bytes(m, w.remat_offload, moe=True, **named))
+        host_activations = over_layers(named_bytes(m, w.remat_offload, **named),
+                                       named_bytes(m, w.remat_offload, moe=True, **named))
         activations += 2 * host_activations / (m.num_layers + m.mtp_depth)
     logit_grads = tokens * m.vocab_size / c.tensor * m.compute_bytes
     # Each multi-token prediction module's head keeps its own logits until the backward pass, beside the main head's;
